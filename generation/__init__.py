@@ -1,0 +1,22 @@
+"""Raymuter's engine: generation over ONNX decoders with onnxruntime, free of Ray.
+
+    import generation
+    model = generation.load("folder-or-hub-id")
+    ctx = generation.context(model, max_new_tokens=32, do_sample=False)
+    ctx = generation.compile(ctx, batch_size=4)
+    rows = generation.generate(ctx, prompts=[[1, 2, 3], [4, 5], []], seeds=[0, 1, 2])
+
+The decode-state verbs (`new_state`, `prefill`, `insert`, `step`, `release`) are what a server
+builds continuous batching on.
+"""
+
+from .context import Context, compile, context
+from .generate import generate
+from .model import Model, ModelError, load
+from .settings import Settings
+from .state import DecodeState, Prefix, StepTokens, insert, new_state, prefill, release, step
+
+__all__ = [
+    "Context", "DecodeState", "Model", "ModelError", "Prefix", "Settings", "StepTokens", "compile",
+    "context", "generate", "insert", "load", "new_state", "prefill", "release", "step",
+]

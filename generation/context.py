@@ -1,0 +1,65 @@
+"""The generation context: a model, its settings, and how its cache and prompts run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .graph import CACHE_MODES
+from .model import Model
+from .settings import Settings, make_settings, model_settings
+
+PROMPT_STEPS = ("whole", "pieces")
+# bench/decode.py measures both on the CPU provider; the whole prompt in one run is faster
+# (one call instead of up to log2(length) calls), so it is the default.
+DEFAULT_PROMPT_STEPS = "whole"
+
+
+@dataclass(frozen=True)
+class Context:
+    model: Model
+    settings: Settings
+    cache_mode: str
+    prompt_steps: str
+    batch_size: int | None = None
+
+    @property
+    def max_position(self) -> int:
+        return self.model.max_context or 1 << 30
+
+    def with_settings(self, **overrides) -> Settings:
+        """Settings for one request: this context's settings with `overrides` (validated)."""
+        base = {k: getattr(self.settings, k) for k in self.settings.__dataclass_fields__}
+        return make_settings(base, overrides)
+
+
+def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = DEFAULT_PROMPT_STEPS,
+            **overrides) -> Context:
+    """The context for `model`: generation_config.json, then `overrides` (any generation
+    setting: max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, ...).
+
+    cache_mode: force a mode the graph supports (`model.graph.modes`); default its native mode.
+    prompt_steps: 'whole' (the prompt in one run) or 'pieces' (power-of-two pieces, as the seed).
+    """
+    if cache_mode is None:
+        cache_mode = model.graph.native_mode
+    if cache_mode not in CACHE_MODES:
+        raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, not {cache_mode!r}")
+    if cache_mode not in model.graph.modes:
+        raise ValueError(f"cache_mode '{cache_mode}' does not fit this graph ({model.decoder_path.name} "
+                         f"runs as {' or '.join(model.graph.modes)})")
+    if prompt_steps not in PROMPT_STEPS:
+        raise ValueError(f"prompt_steps must be one of {', '.join(PROMPT_STEPS)}, not {prompt_steps!r}")
+    settings = make_settings(model_settings(model.config, model.generation_config), overrides)
+    return Context(model=model, settings=settings, cache_mode=cache_mode, prompt_steps=prompt_steps)
+
+
+def compile(ctx: Context, batch_size: int) -> Context:  # noqa: A001 - the public verb of the seed
+    """Size `ctx` for batches of `batch_size` rows (the decode state's slots) and warm the session
+    up with one run of that many rows, so the first request does not pay onnxruntime's set-up."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, not {batch_size!r}")
+    from .state import warm_up
+
+    compiled = replace(ctx, batch_size=batch_size)
+    warm_up(compiled)
+    return compiled

@@ -1,0 +1,110 @@
+"""`generate`: a batch of prompts to their new tokens, built on the decode-state verbs.
+
+The loop is continuous batching in miniature: prompts are admitted into free slots (one batched
+prefill for all that fit), every live slot steps together, finished slots are released and
+refilled. With more prompts than `ctx.batch_size` slots, later prompts start as earlier ones end.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from .context import Context
+from .rng import SEED_LIMIT
+from .state import StepTokens, insert, new_state, prefill, release, step
+
+
+def check_prompts(ctx: Context, prompts) -> list[list[int]]:
+    """The prompts as lists of ints, or ValueError naming the bad prompt and token."""
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a list of token id lists, not {type(prompts).__name__}")
+    vocab, context = ctx.model.vocab_size, ctx.model.max_context
+    checked = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompts[{i}] must be a list of token ids, not {type(prompt).__name__}")
+        for j, token in enumerate(prompt):
+            if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise ValueError(f"prompts[{i}][{j}] = {token!r} is not a token id of this model (0 to {vocab - 1})")
+        if context and len(prompt) >= context:
+            raise ValueError(f"prompts[{i}] has {len(prompt)} tokens; the model's context is {context} "
+                             "tokens, and at least one must be left for a new token")
+        checked.append([int(t) for t in prompt])
+    return checked
+
+
+def check_seeds(seeds, count: int) -> list[int]:
+    """One seed per prompt (random seeds when None), or ValueError naming seeds."""
+    if seeds is None:
+        return [int.from_bytes(os.urandom(8), "little") for _ in range(count)]
+    if isinstance(seeds, np.ndarray):
+        seeds = seeds.tolist()
+    if not isinstance(seeds, (list, tuple)) or len(seeds) != count:
+        size = len(seeds) if isinstance(seeds, (list, tuple)) else type(seeds).__name__
+        raise ValueError(f"seeds must give one seed per prompt: got {size} for {count} prompts")
+    for i, seed in enumerate(seeds):
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"seeds[{i}] = {seed!r} must be an integer from 0 to 2**64 - 1")
+    return [int(s) for s in seeds]
+
+
+def generate(ctx: Context, prompts, seeds=None,
+             on_token: Callable[[StepTokens], None] | None = None) -> list[list[int]]:
+    """The new tokens of each prompt, without the eos token.
+
+    prompts: token id lists; an empty prompt is a padding row that yields nothing.
+    seeds: one per prompt (a row's tokens depend only on its prompt, seed and settings).
+    on_token: called after each step with a StepTokens over the prompts: the new token of each
+    row (-1 where the row has none) and which rows are finished (all so far).
+    """
+    prompts = check_prompts(ctx, prompts)
+    seeds = check_seeds(seeds, len(prompts))
+    settings = ctx.settings
+    results: list[list[int]] = [[] for _ in prompts]
+    budget = [settings.new_tokens_for(len(p)) if p else 0 for p in prompts]
+    waiting = deque(i for i, p in enumerate(prompts) if budget[i] > 0)
+    finished = np.array([budget[i] == 0 for i in range(len(prompts))], bool)
+    if not waiting:
+        return results
+    slots = min(ctx.batch_size or len(waiting), len(waiting))
+    capacity = max(len(prompts[i]) + budget[i] for i in waiting)
+    if ctx.model.max_context:
+        capacity = min(capacity, ctx.model.max_context)
+    state = new_state(ctx, slots, capacity)
+    row_of = np.full(slots, -1)
+
+    def report(rows: np.ndarray, out: StepTokens) -> None:
+        tokens = np.full(len(prompts), -1, np.int64)
+        tokens[rows] = out.token
+        for row, token in zip(rows, out.token):
+            if token >= 0:
+                results[row].append(int(token))
+        finished[rows] |= out.finished
+        if on_token is not None:
+            on_token(StepTokens(tokens, finished.copy()))
+
+    while waiting or state.live.any():
+        free = state.free_slots()
+        if waiting and free.size:
+            admitted = [waiting.popleft() for _ in range(min(len(waiting), free.size))]
+            prefix = prefill(ctx, [prompts[i] for i in admitted], [seeds[i] for i in admitted],
+                             max_new=[budget[i] for i in admitted])
+            state = insert(ctx, prefix, state, free[:len(admitted)])
+            row_of[free[:len(admitted)]] = admitted
+            report(np.array(admitted), prefix.first)
+        if state.live.any():
+            state, out = step(ctx, state)
+            used = np.flatnonzero(state.used)
+            report(row_of[used], StepTokens(out.token[used], out.finished[used]))
+            for slot in used[out.finished[used]]:
+                state = release(ctx, state, slot)
+                row_of[slot] = -1
+    return results

@@ -1,0 +1,169 @@
+"""What a decoder graph takes and gives, and which cache modes it can run in.
+
+The ONNX name mapping (`past_key_values.N.key` -> `present.N.key`) lives here and nowhere else.
+The cache mode follows the seed's rules, read from the graph itself:
+
+- `in_place`: GroupQueryAttention whose `seqlens_k` counts the valid cache rows from the VALUES
+  of the attention mask (a ReduceSum over it). One buffer serves as past input and present
+  output; rows of different lengths share it.
+- `append`: the graph declares `position_ids`, so the mask can hide free rows of a fixed buffer.
+- `grow`: neither (positions come from the cache length, or GroupQueryAttention counts rows from
+  the mask LENGTH): an exact-length cache, one per prompt length.
+
+A graph can also run in any "lower" mode it supports: `in_place` and `append` graphs also run
+as `grow` (used by benchmarks to compare modes on one model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .onnx_graph import Node, flatten, read_nodes
+
+CACHE_MODES = ("in_place", "append", "grow")
+
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(bfloat16)": None,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+}
+
+
+class GraphError(ValueError):
+    """The decoder graph lacks an input or output that generation needs."""
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One cache tensor: its past input, its present output, its shape [B, heads, T, head_dim]."""
+
+    past: str
+    present: str
+    heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class DecoderGraph:
+    path: Path
+    input_dtypes: dict[str, type]
+    output_names: tuple[str, ...]
+    cache: tuple[CacheEntry, ...]
+    cache_dtype: type
+    logits_dtype: type
+    vocab_size: int
+    has_position_ids: bool
+    position_axes: int  # 3 for Qwen2-VL M-RoPE position_ids [3, B, S], else 1
+    has_use_cache_branch: bool
+    has_group_query_attention: bool
+    native_mode: str
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The cache modes this graph can run in, its native mode first."""
+        return (self.native_mode, "grow") if self.native_mode != "grow" else ("grow",)
+
+    def dtype(self, name: str) -> type:
+        return self.input_dtypes[name]
+
+
+def _present_name(past: str, outputs: set[str], present_names: dict[str, str]) -> str:
+    if past in present_names:
+        return present_names[past]
+    candidate = "present." + past[len("past_key_values."):]
+    if candidate in outputs:
+        return candidate
+    raise GraphError(f"cache input '{past}' has no matching output (looked for '{candidate}')")
+
+
+def _gqa_counting(nodes: list[Node], inputs: set[str]) -> str | None:
+    """How GroupQueryAttention counts valid cache rows: 'values' (ReduceSum of the mask),
+    'length' (the mask's shape), or None when the graph has no GroupQueryAttention."""
+    flat = flatten(nodes)
+    gqa = [n for n in flat if n.op_type == "GroupQueryAttention"]
+    if not gqa:
+        return None
+    producer = {out: n for n in flat for out in n.outputs}
+    seen: set[str] = set()
+    todo = [gqa[0].inputs[5]] if len(gqa[0].inputs) > 5 else []
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in producer:
+            continue
+        seen.add(name)
+        node = producer[name]
+        if node.op_type == "ReduceSum":
+            return "values"
+        todo.extend(node.inputs)
+    return "length"
+
+
+def read_graph(path: Path, session, config: dict, present_names: dict[str, str] | None = None) -> DecoderGraph:
+    """Describe the decoder `session` loaded from `path`; `config` fills symbolic dims."""
+    ins = {i.name: i for i in session.get_inputs()}
+    outs = {o.name: o for o in session.get_outputs()}
+    for required in ("attention_mask",):
+        if required not in ins:
+            raise GraphError(f"{path.name}: the decoder has no '{required}' input (inputs: {sorted(ins)})")
+    if "input_ids" not in ins and "inputs_embeds" not in ins:
+        raise GraphError(f"{path.name}: the decoder has neither 'input_ids' nor 'inputs_embeds' inputs")
+    if "logits" not in outs:
+        raise GraphError(f"{path.name}: the decoder has no 'logits' output (outputs: {sorted(outs)})")
+
+    input_dtypes = {}
+    for name, arg in ins.items():
+        dtype = _ORT_TYPES.get(arg.type)
+        if dtype is None:
+            raise GraphError(f"{path.name}: input '{name}' has unsupported type {arg.type}")
+        input_dtypes[name] = dtype
+
+    pasts = [n for n in ins if n.startswith("past_key_values.")]
+    if not pasts:
+        raise GraphError(f"{path.name}: the decoder has no 'past_key_values.*' inputs; "
+                         "export it with a KV cache (optimum task text-generation-with-past)")
+    cache = []
+    for past in pasts:
+        shape = ins[past].shape
+        if len(shape) != 4:
+            raise GraphError(f"{path.name}: cache input '{past}' has shape {shape}, expected [batch, heads, length, head_dim]")
+        heads = shape[1] if isinstance(shape[1], int) else config.get("num_key_value_heads")
+        head_dim = shape[3] if isinstance(shape[3], int) else config.get("head_dim")
+        if not heads or not head_dim:
+            raise GraphError(f"{path.name}: cannot tell the heads and head size of '{past}' ({shape}); "
+                             "config.json lacks num_key_value_heads / head_dim")
+        cache.append(CacheEntry(past, _present_name(past, set(outs), present_names or {}), int(heads), int(head_dim)))
+
+    logits_shape = outs["logits"].shape
+    vocab = logits_shape[-1] if isinstance(logits_shape[-1], int) else config.get("vocab_size")
+    if not vocab:
+        raise GraphError(f"{path.name}: cannot tell the vocabulary size (logits {logits_shape}, no vocab_size in config)")
+
+    has_pos = "position_ids" in ins
+    pos_axes = 3 if has_pos and len(ins["position_ids"].shape) == 3 else 1
+    counting = _gqa_counting(read_nodes(path), set(ins))
+    if counting == "values":
+        native = "in_place"
+    elif has_pos:
+        native = "append"
+    else:
+        native = "grow"
+    return DecoderGraph(
+        path=path,
+        input_dtypes=input_dtypes,
+        output_names=tuple(outs),
+        cache=tuple(cache),
+        cache_dtype=input_dtypes[pasts[0]],
+        logits_dtype=_ORT_TYPES[outs["logits"].type],
+        vocab_size=int(vocab),
+        has_position_ids=has_pos,
+        position_axes=pos_axes,
+        has_use_cache_branch="use_cache_branch" in ins,
+        has_group_query_attention=counting is not None,
+        native_mode=native,
+    )

@@ -1,0 +1,230 @@
+"""Load a decoder-only model folder in Hugging Face layout into an onnxruntime session.
+
+Three layouts are found, in this order:
+  (c) onnxruntime-genai builds: `genai_config.json` names the decoder file (`model.onnx`, with
+      `model.onnx.data`); the configuration comes from `config.json` when present, else from
+      `genai_config.json`.
+  (b) transformers.js / onnx-community exports: `onnx/decoder_model_merged{_variant}.onnx`
+      (or `onnx/model{_variant}.onnx`), with `use_cache_branch`.
+  (a) Optimum exports: `model.onnx` (or `decoder_model_merged.onnx`) at the top of the folder.
+A hub id ("org/name") that is not a local folder is downloaded with `huggingface_hub`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .graph import DecoderGraph, read_graph
+
+log = logging.getLogger(__name__)
+
+# transformers.js / onnx-community dtype suffixes.
+VARIANTS = ("fp16", "q4", "q4f16", "quantized", "int8", "uint8", "bnb4")
+_DECODER_NAMES = ("onnx/decoder_model_merged", "onnx/model", "decoder_model_merged", "model")
+
+
+class ModelError(ValueError):
+    """A model folder is missing a file, or a file or field in it is wrong."""
+
+
+@dataclass
+class Model:
+    """A loaded decoder: its session, what its graph takes, and its configuration."""
+
+    folder: Path
+    decoder_path: Path
+    session: object  # onnxruntime.InferenceSession
+    graph: DecoderGraph
+    config: dict
+    generation_config: dict
+    provider: str
+    threads: int
+    tokenizer_path: Path | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.graph.vocab_size
+
+    @property
+    def max_context(self) -> int | None:
+        """Longest sequence the model's positions allow (None when the config does not say)."""
+        for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "context_length"):
+            value = self.config.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+
+def _read_json(path: Path, required: bool) -> dict:
+    if not path.exists():
+        if required:
+            raise ModelError(f"{path.name} is missing from {path.parent}")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "~")) and "\\" not in source
+
+
+def resolve_folder(source: str | os.PathLike, variant: str | None = None) -> Path:
+    """The local folder for `source`: the folder itself, or a hub download of its files."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        raise ModelError(f"'{source}' is a file; pass the model folder that holds config.json")
+    if not _looks_like_hub_id(str(source)):
+        raise ModelError(f"model folder '{source}' does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - a dependency of raymuter
+        raise ModelError(f"'{source}' is not a local folder and huggingface_hub is not installed") from None
+    suffix = f"_{variant}" if variant else ""
+    patterns = ["*.json", "*.jinja", "*.txt", "*.model", f"onnx/decoder_model_merged{suffix}.onnx*",
+                f"onnx/model{suffix}.onnx*", "model.onnx*", "decoder_model_merged.onnx*"]
+    try:
+        return Path(snapshot_download(str(source), allow_patterns=patterns))
+    except Exception as e:  # network errors, missing repos, offline mode
+        raise ModelError(
+            f"'{source}' is not a local folder, and downloading it from the Hugging Face hub failed "
+            f"(hub unreachable, offline, or no such repository): {type(e).__name__}: {e}") from None
+
+
+def _genai_decoder(folder: Path, genai: dict) -> tuple[Path, dict, dict]:
+    model = genai.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("decoder"), dict):
+        raise ModelError(f"{folder / 'genai_config.json'}: field 'model.decoder' is missing")
+    decoder = model["decoder"]
+    filename = decoder.get("filename")
+    if not filename:
+        raise ModelError(f"{folder / 'genai_config.json'}: field 'model.decoder.filename' is missing")
+    ins, outs = decoder.get("inputs", {}), decoder.get("outputs", {})
+    layers = decoder.get("num_hidden_layers", 0)
+    present = {}
+    for kind in ("key", "value"):
+        past_t, present_t = ins.get(f"past_{kind}_names"), outs.get(f"present_{kind}_names")
+        if past_t and present_t:
+            present.update({past_t % i: present_t % i for i in range(layers)})
+    config = {
+        "vocab_size": model.get("vocab_size"),
+        "num_key_value_heads": decoder.get("num_key_value_heads"),
+        "head_dim": decoder.get("head_size"),
+        "num_hidden_layers": layers,
+        "context_length": model.get("context_length"),
+        "eos_token_id": model.get("eos_token_id"),
+        "bos_token_id": model.get("bos_token_id"),
+        "pad_token_id": model.get("pad_token_id"),
+    }
+    return folder / filename, {k: v for k, v in config.items() if v is not None}, present
+
+
+def find_decoder(folder: Path, variant: str | None) -> Path:
+    """The decoder file of an Optimum or transformers.js folder, for `variant` (None: fp32)."""
+    if variant is not None and variant not in VARIANTS and variant != "fp32":
+        raise ModelError(f"variant '{variant}' is not one of fp32, {', '.join(VARIANTS)}")
+    suffix = "" if variant in (None, "fp32") else f"_{variant}"
+    for name in _DECODER_NAMES:
+        candidate = folder / f"{name}{suffix}.onnx"
+        if candidate.exists():
+            return candidate
+    found = sorted(str(p.relative_to(folder)) for p in list(folder.glob("*.onnx")) + list(folder.glob("onnx/*.onnx")))
+    if not found:
+        raise ModelError(f"no ONNX decoder in {folder}: expected model.onnx, onnx/decoder_model_merged.onnx "
+                         "or genai_config.json")
+    have = sorted({p.rsplit("_", 1)[1][:-5] for p in found if p.rsplit("_", 1)[-1][:-5] in VARIANTS})
+    raise ModelError(f"no decoder file for variant '{variant or 'fp32'}' in {folder}; found {found}"
+                     + (f" (pass variant= one of {have})" if have else ""))
+
+
+def _session(path: Path, provider: str | None, threads: int):
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise ModelError("onnxruntime is not installed: pip install 'raymuter[cpu]' (or '[gpu]' on a "
+                         "CUDA node; never both)") from None
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    available = ort.get_available_providers()
+    if provider is None:
+        provider = "cuda" if "CUDAExecutionProvider" in available else "cpu"
+    names = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+    if provider not in names:
+        raise ModelError(f"provider '{provider}' is not one of cpu, cuda")
+    if provider == "cuda" and "CUDAExecutionProvider" not in available:
+        raise ModelError("provider 'cuda' asked for, but this onnxruntime has no CUDA provider "
+                         "(install raymuter[gpu] on a CUDA node)")
+    try:
+        session = ort.InferenceSession(str(path), options, providers=names[provider])
+    except Exception as e:
+        raise ModelError(f"onnxruntime cannot load {path}: {e}") from None
+    used = "cuda" if session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
+    if used != provider:
+        log.warning("CUDA provider unusable for %s; running on the CPU", path.name)
+    return session, used
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def load(source: str | os.PathLike, *, variant: str | None = None, provider: str | None = None,
+         threads: int | None = None) -> Model:
+    """Load the decoder of `source` (a folder or a hub id).
+
+    variant: dtype variant of a transformers.js export (fp16, q4, quantized, ...), None for fp32.
+    provider: 'cuda', 'cpu', or None for CUDA where usable, else CPU.
+    threads: onnxruntime intra-op threads (default: the CPUs this process may use).
+    """
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ModelError(f"threads must be a positive integer, not {threads!r}")
+    folder = resolve_folder(source, variant)
+    present_names: dict[str, str] = {}
+    genai_path = folder / "genai_config.json"
+    if genai_path.exists():
+        decoder_path, config, present_names = _genai_decoder(folder, _read_json(genai_path, True))
+        config.update(_read_json(folder / "config.json", required=False))
+        if not decoder_path.exists():
+            raise ModelError(f"{decoder_path.name}, named by genai_config.json, is missing from {folder}")
+    else:
+        config = _read_json(folder / "config.json", required=True)
+        decoder_path = find_decoder(folder, variant)
+    if config.get("is_encoder_decoder"):
+        raise ModelError(f"{folder}: config.json says is_encoder_decoder; this loader takes decoder-only models")
+    generation_config = _read_json(folder / "generation_config.json", required=False)
+    threads = threads or default_threads()
+    session, used = _session(decoder_path, provider, threads)
+    graph = read_graph(decoder_path, session, _config_dims(config), present_names)
+    tokenizer = folder / "tokenizer.json"
+    return Model(folder=folder, decoder_path=decoder_path, session=session, graph=graph, config=config,
+                 generation_config=generation_config, provider=used, threads=threads,
+                 tokenizer_path=tokenizer if tokenizer.exists() else None)
+
+
+def _config_dims(config: dict) -> dict:
+    """Cache dims and vocabulary from config.json, for graphs whose dims are symbolic."""
+    heads = config.get("num_attention_heads") or config.get("n_head")
+    hidden = config.get("hidden_size") or config.get("n_embd")
+    return {
+        "num_key_value_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or (hidden // heads if hidden and heads else None),
+        "vocab_size": config.get("vocab_size"),
+    }
