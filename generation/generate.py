@@ -15,7 +15,7 @@ import numpy as np
 
 from .context import Context
 from .rng import SEED_LIMIT
-from .state import StepTokens, insert, new_state, prefill, release, step
+from .state import StepTokens, insert, new_state, prefill, release, row_tokens, step
 
 
 def check_prompts(ctx: Context, prompts) -> list[list[int]]:
@@ -82,16 +82,13 @@ def generate(ctx: Context, prompts, seeds=None,
     row_of = np.full(slots, -1)
 
     def report(rows: np.ndarray, out: StepTokens) -> None:
-        tokens = np.full(len(prompts), -1, np.int64)
-        tokens[rows] = out.token
-        for row, token in zip(rows, out.token):
-            if token >= 0:
-                results[row].append(int(token))
         finished[rows] |= out.finished
         if on_token is not None:
-            on_token(StepTokens(tokens, finished.copy()))
+            tokens = np.full(len(prompts), -1, np.int64)
+            tokens[rows] = out.token
+            on_token(StepTokens(tokens, finished.copy(), bool(out.finished.any())))
 
-    while waiting or state.live.any():
+    while waiting or state.live_rows.size:
         free = state.free_slots()
         if waiting and free.size:
             admitted = [waiting.popleft() for _ in range(min(len(waiting), free.size))]
@@ -99,12 +96,19 @@ def generate(ctx: Context, prompts, seeds=None,
                              max_new=[budget[i] for i in admitted])
             state = insert(ctx, prefix, state, free[:len(admitted)])
             row_of[free[:len(admitted)]] = admitted
+            for row, token in zip(admitted, prefix.first.token):
+                if token >= 0:
+                    results[row] = [int(token)]
             report(np.array(admitted), prefix.first)
-        if state.live.any():
+        if state.live_rows.size:
+            used = state.live_rows
             state, out = step(ctx, state)
-            used = np.flatnonzero(state.used)
-            report(row_of[used], StepTokens(out.token[used], out.finished[used]))
-            for slot in used[out.finished[used]]:
-                state = release(ctx, state, slot)
-                row_of[slot] = -1
+            if on_token is not None:
+                report(row_of[used], StepTokens(out.token[used], out.finished[used]))
+            if out.any_finished:
+                for slot in np.flatnonzero(out.finished):
+                    results[row_of[slot]] = row_tokens(state, slot)
+                    finished[row_of[slot]] = True
+                    state = release(ctx, state, slot)
+                    row_of[slot] = -1
     return results

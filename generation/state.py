@@ -27,11 +27,12 @@ from .settings import Settings
 
 @dataclass
 class StepTokens:
-    """What one step gave: per row, the new token (-1 where the row has none) and whether the
-    row finished at this step."""
+    """What one step gave: per row, the new token (-1 where the row has none: no live row, or
+    an eos token) and whether the row finished at this step."""
 
     token: np.ndarray  # [B] int64
     finished: np.ndarray  # [B] bool
+    any_finished: bool = False
 
 
 @dataclass
@@ -44,34 +45,57 @@ class Prefix:
     first: StepTokens
     settings: list[Settings]
     seeds: np.ndarray  # uint64
-    max_new: np.ndarray  # int64
+    limit: np.ndarray  # int64: tokens (prompt included) at which each row stops
 
 
 @dataclass
 class DecodeState:
-    """The rows of a running batch, one per slot. `tokens[b, :count[b]]` is slot b's prompt and
-    new tokens; the last one is not yet in the cache (it is the next step's input)."""
+    """The rows of a running batch, one per slot.
+
+    `tokens[b, :lengths[b] + 1]` is slot b's prompt and new tokens; the cache holds the first
+    `lengths[b]`, and the last one is the next step's input. A row stops at an eos token or when
+    it holds `limit[b]` tokens. The fields after `eos` are derived from the others and refreshed
+    when rows enter or leave, so a step does no per-row Python work.
+    """
 
     cache: object
     capacity: int  # tokens a row may hold, prompt included
     tokens: np.ndarray  # [B, capacity] int64
-    count: np.ndarray  # [B] tokens so far
+    lengths: np.ndarray  # [B] valid cache rows (0 for a free slot)
     prompt_length: np.ndarray  # [B]
-    new_tokens: np.ndarray  # [B] new tokens so far
-    max_new: np.ndarray  # [B]
+    limit: np.ndarray  # [B]
     live: np.ndarray  # [B] bool: the slot holds an unfinished row
     used: np.ndarray  # [B] bool: the slot holds a row (finished rows stay until released)
     seeds: np.ndarray  # [B] uint64
     draws: np.ndarray  # [B] uint64: random numbers drawn so far
     sampling: SamplingRows
-    eos: np.ndarray  # [B, E] int64, -1 padded: each row's stop tokens
+    eos: np.ndarray  # [B, E] int64, -1 padded
+    next_input: np.ndarray  # [B] the last token of each row: the cache's bound token input
+    live_rows: np.ndarray = None  # flatnonzero(live)
+    greedy: bool = True  # no live row samples
+    steps_to_limit: int = 0  # steps before the first live row reaches its limit
+    single_eos: int | None = None  # the one eos id every live row has, if so
+    no_eos: bool = False  # no live row has an eos id
+    fast: bool = False  # every slot live and greedy, at most one eos id: the lean step applies
 
     @property
     def slots(self) -> int:
-        return len(self.count)
+        return len(self.lengths)
 
     def free_slots(self) -> np.ndarray:
         return np.flatnonzero(~self.used)
+
+    def refresh(self) -> None:
+        """Recompute the derived fields after rows entered or left."""
+        self.live_rows = np.flatnonzero(self.live)
+        rows = self.live_rows
+        self.greedy = not self.sampling.do_sample[rows].any()
+        self.steps_to_limit = int((self.limit[rows] - self.lengths[rows] - 1).min()) if rows.size else 0
+        eos = self.eos[rows]
+        self.no_eos = bool((eos < 0).all())
+        shared = rows.size and (eos == eos[:1]).all() and eos[0, 0] >= 0 and (eos[0, 1:] < 0).all()
+        self.single_eos = int(eos[0, 0]) if shared else None
+        self.fast = rows.size == self.slots and self.greedy and (self.no_eos or self.single_eos is not None)
 
 
 def _sampling_rows(settings: list[Settings]) -> SamplingRows:
@@ -99,23 +123,24 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
     if not capacity:
         raise ValueError("capacity: the model's config gives no context length; pass capacity")
     cache = CACHES[ctx.cache_mode](ctx.model.session, ctx.model.graph, slots, capacity, ctx.max_position)
-    eos_width = max(1, len(ctx.settings.eos_token_id))
-    return DecodeState(
+    state = DecodeState(
         cache=cache, capacity=capacity,
-        tokens=np.zeros((slots, capacity), np.int64), count=np.zeros(slots, np.int64),
-        prompt_length=np.zeros(slots, np.int64), new_tokens=np.zeros(slots, np.int64),
-        max_new=np.zeros(slots, np.int64), live=np.zeros(slots, bool), used=np.zeros(slots, bool),
+        tokens=np.zeros((slots, capacity), np.int64), lengths=np.zeros(slots, np.int64),
+        prompt_length=np.zeros(slots, np.int64), limit=np.zeros(slots, np.int64),
+        live=np.zeros(slots, bool), used=np.zeros(slots, bool),
         seeds=np.zeros(slots, np.uint64), draws=np.zeros(slots, np.uint64),
-        sampling=_sampling_rows([ctx.settings] * slots), eos=_eos_table([ctx.settings] * slots, eos_width))
+        sampling=_sampling_rows([ctx.settings] * slots),
+        eos=_eos_table([ctx.settings] * slots, max(1, len(ctx.settings.eos_token_id))),
+        next_input=cache.token_input)
+    state.next_input[:] = ctx.settings.pad_token_id
+    state.refresh()
+    return state
 
 
-def _stops(tokens: np.ndarray, eos: np.ndarray, new_tokens: np.ndarray, max_new: np.ndarray,
-           count: np.ndarray, capacity: int | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Which rows end with this token, and the token each row emits (-1 for an eos token).
-    new_tokens and count include the token."""
+def _ends(tokens: np.ndarray, eos: np.ndarray, count: np.ndarray, limit: np.ndarray):
+    """(is_eos, finished) for rows that now hold `count` tokens, the last being `tokens`."""
     is_eos = (tokens[:, None] == eos).any(axis=1)
-    finished = is_eos | (new_tokens >= max_new) | (count >= capacity)
-    return finished, np.where(is_eos, -1, tokens)
+    return is_eos, is_eos | (count >= limit)
 
 
 def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settings] | None = None,
@@ -123,28 +148,28 @@ def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settin
     """Run non-empty `prompts` and choose each row's first token.
 
     seeds: one per prompt. settings: one per prompt (default: the context's). max_new: the new
-    tokens each row may get (default: each row's settings by the max_new_tokens rule), at most
-    the model's context minus the prompt.
+    tokens each row may get (default: each row's settings by the max_new_tokens rule); a row
+    never outgrows the model's context.
     """
     settings = settings or [ctx.settings] * len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int64)
     if max_new is None:
         max_new = [s.new_tokens_for(len(p)) for s, p in zip(settings, prompts)]
-    max_new = np.minimum(np.array(max_new, np.int64), ctx.max_position - lengths)
+    limit = np.minimum(lengths + np.array(max_new, np.int64), ctx.max_position)
     seeds = np.array(seeds, np.uint64)
     model = ctx.model
     cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
                         ctx.settings.pad_token_id, ctx.max_position)
-    sampling = _sampling_rows(settings)
-    tokens = select(cache.last_logits, sampling, seeds, np.zeros(len(prompts), np.uint64))
+    tokens = select(cache.last_logits, _sampling_rows(settings), seeds, np.zeros(len(prompts), np.uint64))
     eos = _eos_table(settings, max(1, max(len(s.eos_token_id) for s in settings)))
-    finished, emitted = _stops(tokens, eos, np.ones_like(lengths), max_new, lengths + 1, ctx.max_position)
-    return Prefix(list(prompts), cache, StepTokens(emitted, finished), list(settings), seeds, max_new)
+    is_eos, finished = _ends(tokens, eos, lengths + 1, limit)
+    first = StepTokens(np.where(is_eos, -1, tokens), finished, bool(finished.any()))
+    return Prefix(list(prompts), cache, first, list(settings), seeds, limit)
 
 
 def insert(ctx: Context, prefix: Prefix, state: DecodeState, slots) -> DecodeState:
-    """Put the unfinished rows of `prefix` into free `slots` (one per prefix row; finished rows'
-    slots are left free)."""
+    """Put the unfinished rows of `prefix` into free `slots` (one per prefix row; the slots of
+    rows that finished at prefill stay free)."""
     slots = list(slots)
     if len(slots) != len(prefix.prompts):
         raise ValueError(f"slots has {len(slots)} entries for {len(prefix.prompts)} prefilled rows")
@@ -155,12 +180,12 @@ def insert(ctx: Context, prefix: Prefix, state: DecodeState, slots) -> DecodeSta
             raise ValueError(f"slots[{j}] = {slot} is not a free slot of this state")
         prompt, length = prefix.prompts[j], len(prefix.prompts[j])
         if length + 1 > state.capacity:
-            raise ValueError(f"prompt {j} has {length} tokens; the state's rows hold {state.capacity}")
+            raise ValueError(f"prefilled row {j} has {length} prompt tokens; this state's rows hold {state.capacity}")
         state.cache.insert(slot, prefix.cache.rows[j], length)
         state.tokens[slot, :length] = prompt
-        state.tokens[slot, length] = prefix.first.token[j]
-        state.count[slot], state.prompt_length[slot] = length + 1, length
-        state.new_tokens[slot], state.max_new[slot] = 1, prefix.max_new[j]
+        state.tokens[slot, length] = state.next_input[slot] = prefix.first.token[j]
+        state.lengths[slot], state.prompt_length[slot] = length, length
+        state.limit[slot] = min(prefix.limit[j], state.capacity)
         state.live[slot] = state.used[slot] = True
         state.seeds[slot], state.draws[slot] = prefix.seeds[j], 1
         s = prefix.settings[j]
@@ -170,30 +195,49 @@ def insert(ctx: Context, prefix: Prefix, state: DecodeState, slots) -> DecodeSta
             state.eos = np.pad(state.eos, ((0, 0), (0, len(s.eos_token_id) - state.eos.shape[1])), constant_values=-1)
         state.eos[slot] = -1
         state.eos[slot, :len(s.eos_token_id)] = s.eos_token_id
+    state.refresh()
     return state
 
 
 def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
-    """One token for every live slot: run the decoder on each row's last token, choose the next."""
-    live = np.flatnonzero(state.live)
+    """One token for every live slot: run the decoder on each row's last token, choose the next.
+
+    The returned StepTokens are over all slots; free and finished slots run as padding rows.
+    """
+    rows = state.live_rows
+    if not rows.size:
+        return state, StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
+    logits = state.cache.decode(state.lengths)  # [B, V]
+    if state.fast:  # all slots live and greedy: no gathers, the argmax lands in the token input
+        tokens = state.next_input
+        np.argmax(logits, axis=1, out=tokens)
+        np.add(state.lengths, 1, out=state.lengths)
+        state.tokens[rows, state.lengths] = tokens
+        state.steps_to_limit -= 1
+        if state.steps_to_limit > 0 and (state.no_eos or state.single_eos not in tokens):
+            return state, StepTokens(tokens.copy(), np.zeros(state.slots, bool))
+        position = state.lengths
+    else:
+        scores = logits[rows]
+        if state.greedy:
+            tokens = scores.argmax(axis=1)
+        else:
+            tokens = select(scores.astype(np.float32, copy=False), state.sampling.take(rows),
+                            state.seeds[rows], state.draws[rows])
+            state.draws[rows] += np.uint64(1)
+        position = state.lengths[rows] + 1  # the new token's index in the row
+        state.tokens[rows, position] = tokens
+        state.lengths[rows] = position
+        state.next_input[rows] = tokens
+        state.steps_to_limit -= 1
     out = StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
-    if not live.size:
-        return state, out
-    # input: [B]; lengths: [B] valid cache rows (the last token is not in the cache yet)
-    last = state.tokens[np.arange(state.slots), np.maximum(state.count - 1, 0)]
-    lengths = np.where(state.live, state.count - 1, 0)
-    inputs = np.where(state.live, last, ctx.settings.pad_token_id)
-    logits = state.cache.decode(inputs, lengths)
-    scores = logits[live].astype(np.float32, copy=False)
-    tokens = select(scores, state.sampling.take(live), state.seeds[live], state.draws[live])
-    state.draws[live] += np.uint64(1)
-    state.tokens[live, state.count[live]] = tokens
-    state.count[live] += 1
-    state.new_tokens[live] += 1
-    finished, emitted = _stops(tokens, state.eos[live], state.new_tokens[live], state.max_new[live],
-                               state.count[live], state.capacity)
-    state.live[live[finished]] = False
-    out.token[live], out.finished[live] = emitted, finished
+    is_eos, finished = _ends(tokens, state.eos[rows], position + 1, state.limit[rows])
+    out.token[rows] = np.where(is_eos, -1, tokens)
+    out.finished[rows] = finished
+    if finished.any():
+        state.live[rows[finished]] = False
+        out.any_finished = True
+    state.refresh()
     return state, out
 
 
@@ -203,8 +247,19 @@ def release(ctx: Context, state: DecodeState, slot: int) -> DecodeState:
         raise ValueError(f"slot {slot} is outside this state's {state.slots} slots")
     state.cache.release(slot)
     state.live[slot] = state.used[slot] = False
-    state.count[slot] = 0
+    state.lengths[slot] = 0
+    state.next_input[slot] = ctx.settings.pad_token_id
+    state.refresh()
     return state
+
+
+def row_tokens(state: DecodeState, slot: int) -> list[int]:
+    """The new tokens of the row in `slot`, without a final eos token."""
+    start, end = int(state.prompt_length[slot]), int(state.lengths[slot]) + 1
+    new = state.tokens[slot, start:end].tolist()
+    if new and new[-1] in state.eos[slot]:
+        new.pop()
+    return new
 
 
 def warm_up(ctx: Context) -> None:

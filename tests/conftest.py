@@ -1,0 +1,119 @@
+"""Shared pytest fixtures: the tiny test models and a transformers oracle.
+
+* ``test_models`` (session): ``dict[str, Path]`` from :func:`model_builders.ensure_test_models`
+  (built once into ``$RAYMUTER_TEST_MODELS`` or ``~/.cache/raymuter/test-models``).
+* ``oracle`` (session): :class:`Oracle` -- greedy tokens and logits from ``transformers`` for the
+  ``hf/<name>`` models.
+
+Nothing here imports the ``generation`` package, torch or transformers at import time.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _load_model_builders():
+    """Import tests/model_builders.py as ``model_builders`` whatever the pytest import mode."""
+    mod = sys.modules.get("model_builders")
+    if mod is not None:
+        return mod
+    spec = importlib.util.spec_from_file_location("model_builders", _HERE / "model_builders.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["model_builders"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+model_builders = _load_model_builders()
+
+
+class Oracle:
+    """transformers reference for the ``hf/<name>`` test models (fp32, eval, cached).
+
+    ``greedy(name, prompt, max_new_tokens, **generate_kwargs) -> list[int]``: the new tokens of
+    ``model.generate`` (``do_sample=False``) for ONE prompt alone, without a trailing eos.
+    ``logits(name, prompt) -> np.ndarray [len(prompt), vocab]``: one forward pass.
+    """
+
+    def __init__(self, models: dict[str, Path]):
+        self._paths = models
+        self._models = {}
+        self._greedy = {}
+        self._logits = {}
+        self._torch_ready = False
+
+    def hf_dir(self, name: str) -> Path:
+        key = name if name.startswith("hf/") else f"hf/{name}"
+        return self._paths[key]
+
+    def model(self, name: str):
+        key = self.hf_dir(name)
+        if key not in self._models:
+            import torch
+            import transformers
+
+            if not self._torch_ready:
+                torch.set_num_threads(2)
+                self._torch_ready = True
+            m = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+            self._models[key] = m.eval()
+        return self._models[key]
+
+    def config(self, name: str):
+        return self.model(name).config
+
+    def greedy(self, name: str, prompt, max_new_tokens: int, **generate_kwargs) -> list[int]:
+        prompt = [int(t) for t in prompt]
+        key = (str(self.hf_dir(name)), tuple(prompt), int(max_new_tokens),
+               repr(sorted(generate_kwargs.items())))
+        if key not in self._greedy:
+            import torch
+
+            model = self.model(name)
+            ids = torch.tensor([prompt], dtype=torch.long)
+            kw = dict(do_sample=False, max_new_tokens=max_new_tokens,
+                      pad_token_id=model.config.pad_token_id)
+            kw.update(generate_kwargs)
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            new = out[0, len(prompt):].tolist()
+            eos = kw.get("eos_token_id", model.generation_config.eos_token_id)
+            eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+            if new and new[-1] in eos:
+                new = new[:-1]
+            self._greedy[key] = new
+        return list(self._greedy[key])
+
+    def logits(self, name: str, prompt):
+        prompt = [int(t) for t in prompt]
+        key = (str(self.hf_dir(name)), tuple(prompt))
+        if key not in self._logits:
+            import torch
+
+            model = self.model(name)
+            ids = torch.tensor([prompt], dtype=torch.long)
+            with torch.no_grad():
+                out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            self._logits[key] = out[0].float().numpy()
+        return self._logits[key].copy()
+
+
+@pytest.fixture(scope="session")
+def test_models(pytestconfig) -> dict[str, Path]:
+    # show the build's progress lines (stderr) even though pytest captures output
+    capman = pytestconfig.pluginmanager.getplugin("capturemanager")
+    disabled = getattr(capman, "global_and_fixture_disabled", None)
+    with disabled() if disabled is not None else contextlib.nullcontext():
+        return model_builders.ensure_test_models()
+
+
+@pytest.fixture(scope="session")
+def oracle(test_models) -> Oracle:
+    return Oracle(test_models)
