@@ -621,12 +621,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", help="cache root (default $RAYMUTER_TEST_MODELS or "
                                    "~/.cache/raymuter/test-models)")
+    ap.add_argument("--key", choices=sorted(MODEL_DIRS), help="print only this model's folder")
     ap.add_argument("--build-into", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.build_into:
         return _worker(Path(a.build_into))
     paths = ensure_test_models(a.root)
-    print(json.dumps({k: str(v) for k, v in paths.items()}, indent=1))
+    if a.key:
+        print(paths[a.key])
+    else:
+        print(json.dumps({k: str(v) for k, v in paths.items()}, indent=1))
     return 0
 
 

@@ -1,0 +1,35 @@
+# The two commands of README.md: `make demo` (generate text) and `make test` (the test suite).
+# Each creates .venv and installs what it needs on a fresh clone; later runs reuse it.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= The quick brown fox
+
+.PHONY: test demo bench bench-quick clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch first, by exact version: pip takes the CPU wheel this machine kind keeps on disk (a
+# plain `torch` would pull a CUDA build of several GB).
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[cpu,test]'
+	touch $@
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+demo: $(VENV)/.installed
+	$(BIN)/raymuter generate --model "$$($(BIN)/python tests/model_builders.py --key llama-genai)" \
+		--max-new-tokens 40 "$(PROMPT)"
+
+bench: $(VENV)/.installed
+	$(BIN)/python bench/decode.py
+
+bench-quick: $(VENV)/.installed
+	$(BIN)/python bench/decode.py --quick
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Ray cluster configuration for Raymuter (Serve config files): not built yet."""

@@ -1,0 +1,86 @@
+"""The `raymuter` command: generate text from a model folder or hub id."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raymuter", description="Generate with ONNX models, exactly as transformers.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text after one or more prompts, streamed as it comes")
+    gen.add_argument("prompts", nargs="+", help="prompt text; several prompts run as one batch")
+    gen.add_argument("--model", required=True, help="model folder (Hugging Face layout) or hub id")
+    gen.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, quantized, ...")
+    gen.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default: generation_config.json)")
+    sampling = gen.add_mutually_exclusive_group()
+    sampling.add_argument("--do-sample", dest="do_sample", action="store_true", default=None, help="sample")
+    sampling.add_argument("--greedy", dest="do_sample", action="store_false", help="greedy decoding")
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i gets seed + i")
+    gen.add_argument("--cache-mode", choices=["in_place", "append", "grow"], help="force a cache mode the graph supports")
+    gen.add_argument("--prompt-steps", choices=["whole", "pieces"], default="whole")
+    gen.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all CPUs)")
+    gen.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
+    return parser
+
+
+def _overrides(args) -> dict:
+    names = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "temperature": args.temperature,
+             "top_k": args.top_k, "top_p": args.top_p}
+    return {k: v for k, v in names.items() if v is not None}
+
+
+def generate_command(args) -> int:
+    import numpy as np
+
+    import generation
+    from generation.text import Detokenizer, load_tokenizer
+
+    started = time.perf_counter()
+    model = generation.load(args.model, variant=args.variant, provider=args.provider, threads=args.threads)
+    tokenizer = load_tokenizer(model.tokenizer_path, model.folder)
+    ctx = generation.context(model, cache_mode=args.cache_mode, prompt_steps=args.prompt_steps, **_overrides(args))
+    ctx = generation.compile(ctx, batch_size=len(args.prompts))
+    print(f"[raymuter] {model.folder} ({model.decoder_path.name}, cache {ctx.cache_mode}, {model.provider}, "
+          f"{model.threads} threads) loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    prompts = [tokenizer.encode(text).ids for text in args.prompts]
+    seeds = [args.seed + i for i in range(len(prompts))]
+    stream = Detokenizer(tokenizer) if len(prompts) == 1 else None
+
+    def on_token(event) -> None:
+        token = int(event.token[0])
+        if token >= 0:
+            sys.stdout.write(stream.add(token))
+            sys.stdout.flush()
+
+    started = time.perf_counter()
+    rows = generation.generate(ctx, prompts, seeds=seeds, on_token=on_token if stream else None)
+    elapsed = time.perf_counter() - started
+    if stream:
+        print()
+    else:
+        for text, row in zip(args.prompts, rows):
+            print(f"--- {text}\n{tokenizer.decode(row, skip_special_tokens=True)}")
+    count = int(np.sum([len(r) for r in rows]))
+    print(f"[raymuter] {count} tokens in {elapsed:.2f} s ({count / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="[raymuter] %(message)s")
+    try:
+        return generate_command(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"raymuter: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The decode-state verbs: prefill, insert, step, release.
+
+Invariant: a row inserted into a running batch, at any step and in any free slot, produces the
+tokens it produces alone; releasing a row (finished or cancelled) changes no other row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import generation
+
+MODES = [("llama-genai", "in_place"), ("llama-genai", "grow"), ("llama-optimum", "append"),
+         ("llama-optimum", "grow"), ("gpt2-grow", "grow")]
+
+
+def prompts_of(lengths, seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 1000, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def models(test_models):
+    return {f: generation.load(test_models[f], threads=1) for f in {f for f, _ in MODES}}
+
+
+def alone(ctx, prompt, seed):
+    return generation.generate(ctx, [prompt], seeds=[seed])[0]
+
+
+def run_schedule(ctx, prompts, seeds, arrivals, slots, cancel=None):
+    """Drive the verbs by hand: prompt i arrives before step arrivals[i]; each goes into the
+    lowest free slot. cancel = (prompt, step): release that row while it is live.
+    Returns the new tokens of each prompt, read from the step outputs."""
+    state = generation.new_state(ctx, slots=slots, capacity=128)
+    tokens = {i: [] for i in range(len(prompts))}
+    slot_of = {}
+    step_no = 0
+    while step_no < 200:
+        for i in [i for i, at in enumerate(arrivals) if at == step_no]:
+            prefix = generation.prefill(ctx, [prompts[i]], [seeds[i]])
+            slot = int(state.free_slots()[0])
+            state = generation.insert(ctx, prefix, state, [slot])
+            if prefix.first.token[0] >= 0:
+                tokens[i].append(int(prefix.first.token[0]))
+            if not prefix.first.finished[0]:
+                slot_of[slot] = i
+        if cancel and cancel[1] == step_no:
+            slot = next(s for s, i in slot_of.items() if i == cancel[0])
+            state = generation.release(ctx, state, slot)
+            del slot_of[slot]
+        if not slot_of and step_no > max(arrivals):
+            break
+        state, out = generation.step(ctx, state)
+        for slot, i in list(slot_of.items()):
+            if out.token[slot] >= 0:
+                tokens[i].append(int(out.token[slot]))
+            if out.finished[slot]:
+                state = generation.release(ctx, state, slot)
+                del slot_of[slot]
+        step_no += 1
+    return [tokens[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_inserted_rows_equal_rows_alone(models, folder, mode, do_sample):
+    ctx = generation.context(models[folder], max_new_tokens=24, cache_mode=mode, do_sample=do_sample,
+                             temperature=0.8, top_k=40)
+    prompts = prompts_of([9, 3, 17, 1, 12, 30])
+    seeds = [11, 12, 13, 14, 15, 16]
+    arrivals = [0, 0, 3, 5, 26, 30]  # rows join a running batch, later ones into slots freed by others
+    got = run_schedule(ctx, prompts, seeds, arrivals, slots=4)
+    assert got == [alone(ctx, p, s) for p, s in zip(prompts, seeds)]
+    assert all(len(r) == 24 for r in got)
+
+
+@pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
+def test_cancelled_row_leaves_others_unchanged(models, folder, mode):
+    ctx = generation.context(models[folder], max_new_tokens=20, cache_mode=mode)
+    prompts = prompts_of([6, 14, 8])
+    got = run_schedule(ctx, prompts, [0, 1, 2], arrivals=[0, 0, 2], slots=3, cancel=(1, 5))
+    assert len(got[1]) == 6  # its first token from prefill, then 5 steps
+    assert got[1] == alone(ctx, prompts[1], 1)[:6]
+    assert got[0] == alone(ctx, prompts[0], 0)
+    assert got[2] == alone(ctx, prompts[2], 2)
+
+
+def test_state_buffers_are_reused_across_steps(models):
+    """A step writes into the state's arrays; it does not replace them."""
+    ctx = generation.context(models["llama-genai"], max_new_tokens=8)
+    state = generation.new_state(ctx, slots=2, capacity=64)
+    state = generation.insert(ctx, generation.prefill(ctx, prompts_of([5, 7]), [0, 1]), state, [0, 1])
+    arrays = (state.tokens, state.lengths, state.next_input, state.cache.buffers["past_key_values.0.key"])
+    lengths = state.lengths.copy()
+    same, out = generation.step(ctx, state)
+    assert same is state
+    assert all(a is b for a, b in zip(arrays, (state.tokens, state.lengths, state.next_input,
+                                                 state.cache.buffers["past_key_values.0.key"])))
+    assert (state.lengths == lengths + 1).all()
+    assert (out.token == state.tokens[[0, 1], state.lengths]).all()
+
+
+def test_prefix_row_that_ends_at_its_first_token_takes_no_slot(models):
+    ctx = generation.context(models["llama-genai"], max_new_tokens=1)
+    state = generation.new_state(ctx, slots=2, capacity=32)
+    prefix = generation.prefill(ctx, prompts_of([4, 6]), [0, 1])
+    assert prefix.first.finished.all() and (prefix.first.token >= 0).all()
+    state = generation.insert(ctx, prefix, state, [0, 1])
+    assert not state.used.any()
+
+
+def test_insert_refuses_a_used_slot(models):
+    ctx = generation.context(models["llama-genai"], max_new_tokens=8)
+    state = generation.new_state(ctx, slots=2, capacity=32)
+    state = generation.insert(ctx, generation.prefill(ctx, prompts_of([4]), [0]), state, [0])
+    with pytest.raises(ValueError, match=r"slots\[0\] = 0 is not a free slot"):
+        generation.insert(ctx, generation.prefill(ctx, prompts_of([5]), [1]), state, [0])
