@@ -85,7 +85,8 @@ class InPlaceCache:
 
     def decode(self, lengths: np.ndarray) -> np.ndarray:
         self.mask[self.rows, lengths] = 1
-        self.inputs.set_positions(lengths)
+        if self.inputs.positions is not None:
+            self.inputs.set_positions(lengths)
         self.binding.run()
         return self.logits
 

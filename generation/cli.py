@@ -63,7 +63,7 @@ def generate_command(args) -> int:
     rows = generation.generate(ctx, prompts, seeds=seeds, on_token=on_token if stream else None)
     elapsed = time.perf_counter() - started
     if stream:
-        print()
+        print(stream.flush())
     else:
         for text, row in zip(args.prompts, rows):
             print(f"--- {text}\n{tokenizer.decode(row, skip_special_tokens=True)}")

@@ -15,7 +15,7 @@ import numpy as np
 
 from .context import Context
 from .rng import SEED_LIMIT
-from .state import StepTokens, insert, new_state, prefill, release, row_tokens, step
+from .state import StepTokens, advance, insert, new_state, prefill, release, row_tokens, step
 
 
 def check_prompts(ctx: Context, prompts) -> list[list[int]]:
@@ -89,8 +89,8 @@ def generate(ctx: Context, prompts, seeds=None,
             on_token(StepTokens(tokens, finished.copy(), bool(out.finished.any())))
 
     while waiting or state.live_rows.size:
-        free = state.free_slots()
-        if waiting and free.size:
+        free = state.free_slots() if waiting else ()
+        if len(free):
             admitted = [waiting.popleft() for _ in range(min(len(waiting), free.size))]
             prefix = prefill(ctx, [prompts[i] for i in admitted], [seeds[i] for i in admitted],
                              max_new=[budget[i] for i in admitted])
@@ -102,8 +102,10 @@ def generate(ctx: Context, prompts, seeds=None,
             report(np.array(admitted), prefix.first)
         if state.live_rows.size:
             used = state.live_rows
-            state, out = step(ctx, state)
-            if on_token is not None:
+            if on_token is None:  # tokens are read from the state when rows end
+                state, out = advance(ctx, state, max_steps=state.capacity)
+            else:
+                state, out = step(ctx, state)
                 report(row_of[used], StepTokens(out.token[used], out.finished[used]))
             if out.any_finished:
                 for slot in np.flatnonzero(out.finished):

@@ -200,6 +200,9 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
     present_names: dict[str, str] = {}
     genai_path = folder / "genai_config.json"
     if genai_path.exists():
+        if variant not in (None, "fp32"):
+            raise ModelError(f"variant '{variant}' does not apply to {folder}: an onnxruntime-genai build has "
+                             "one decoder, named by genai_config.json")
         decoder_path, config, present_names = _genai_decoder(folder, _read_json(genai_path, True))
         config.update(_read_json(folder / "config.json", required=False))
         if not decoder_path.exists():

@@ -73,8 +73,10 @@ def _token_ids(name: str, value) -> tuple[int, ...]:
 def _check(s: Settings) -> Settings:
     if not isinstance(s.do_sample, bool):
         raise ValueError(f"do_sample must be true or false, not {s.do_sample!r}")
-    if not isinstance(s.temperature, (int, float)) or isinstance(s.temperature, bool) or not s.temperature > 0:
-        raise ValueError(f"temperature must be a number > 0, not {s.temperature!r} "
+    if not isinstance(s.temperature, (int, float)) or isinstance(s.temperature, bool):
+        raise ValueError(f"temperature must be a number, not {s.temperature!r}")
+    if s.do_sample and not s.temperature > 0:  # greedy rows never use it, as in transformers
+        raise ValueError(f"temperature must be > 0 when sampling, not {s.temperature!r} "
                          "(for greedy decoding set do_sample=False)")
     if not isinstance(s.top_k, int) or isinstance(s.top_k, bool) or s.top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), not {s.top_k!r}")
@@ -84,7 +86,7 @@ def _check(s: Settings) -> Settings:
         value = getattr(s, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError(f"{name} must be an integer >= 0, not {value!r}")
-    if not isinstance(s.pad_token_id, int) or s.pad_token_id < 0:
+    if not isinstance(s.pad_token_id, int) or isinstance(s.pad_token_id, bool) or s.pad_token_id < 0:
         raise ValueError(f"pad_token_id must be a token id >= 0, not {s.pad_token_id!r}")
     return replace(s, temperature=float(s.temperature), top_p=float(s.top_p))
 

@@ -25,7 +25,7 @@ from .selection import SamplingRows, select
 from .settings import Settings
 
 
-@dataclass
+@dataclass(slots=True)
 class StepTokens:
     """What one step gave: per row, the new token (-1 where the row has none: no live row, or
     an eos token) and whether the row finished at this step."""
@@ -122,6 +122,8 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
     capacity = capacity or ctx.model.max_context
     if not capacity:
         raise ValueError("capacity: the model's config gives no context length; pass capacity")
+    if ctx.model.max_context:  # positions (and GroupQueryAttention's rotary tables) end there
+        capacity = min(capacity, ctx.model.max_context)
     cache = CACHES[ctx.cache_mode](ctx.model.session, ctx.model.graph, slots, capacity, ctx.max_position)
     state = DecodeState(
         cache=cache, capacity=capacity,
@@ -207,29 +209,50 @@ def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
     rows = state.live_rows
     if not rows.size:
         return state, StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
-    logits = state.cache.decode(state.lengths)  # [B, V]
-    if state.fast:  # all slots live and greedy: no gathers, the argmax lands in the token input
-        tokens = state.next_input
-        np.argmax(logits, axis=1, out=tokens)
-        np.add(state.lengths, 1, out=state.lengths)
-        state.tokens[rows, state.lengths] = tokens
-        state.steps_to_limit -= 1
-        if state.steps_to_limit > 0 and (state.no_eos or state.single_eos not in tokens):
-            return state, StepTokens(tokens.copy(), np.zeros(state.slots, bool))
-        position = state.lengths
+    if state.fast:
+        return _greedy_steps(state, 1)
+    scores = state.cache.decode(state.lengths)[rows]  # [n, V]
+    if state.greedy:
+        tokens = scores.argmax(axis=1)
     else:
-        scores = logits[rows]
-        if state.greedy:
-            tokens = scores.argmax(axis=1)
-        else:
-            tokens = select(scores.astype(np.float32, copy=False), state.sampling.take(rows),
-                            state.seeds[rows], state.draws[rows])
-            state.draws[rows] += np.uint64(1)
-        position = state.lengths[rows] + 1  # the new token's index in the row
-        state.tokens[rows, position] = tokens
-        state.lengths[rows] = position
-        state.next_input[rows] = tokens
+        tokens = select(scores.astype(np.float32, copy=False), state.sampling.take(rows),
+                        state.seeds[rows], state.draws[rows])
+        state.draws[rows] += np.uint64(1)
+    position = state.lengths[rows] + 1  # the new token's index in the row
+    state.tokens[rows, position] = tokens
+    state.lengths[rows] = position
+    state.next_input[rows] = tokens
+    return state, _settle(state, rows, tokens, position)
+
+
+def advance(ctx: Context, state: DecodeState, max_steps: int) -> tuple[DecodeState, StepTokens]:
+    """Up to `max_steps` steps, stopping after the first step in which a row finished; for
+    callers that read the tokens from `state.tokens` rather than step by step. Returns the last
+    step's StepTokens."""
+    if state.fast and state.live_rows.size:
+        return _greedy_steps(state, max_steps)
+    return step(ctx, state)
+
+
+def _greedy_steps(state: DecodeState, max_steps: int) -> tuple[DecodeState, StepTokens]:
+    """The lean loop of greedy steps over a full batch: the argmax lands in the bound token
+    input, nothing is gathered, and the loop breaks at the first step in which a row can end."""
+    decode, rows = state.cache.decode, state.live_rows
+    tokens, lengths, history, eos = state.next_input, state.lengths, state.tokens, state.single_eos
+    for _ in range(min(max_steps, state.steps_to_limit)):
+        decode(lengths).argmax(axis=1, out=tokens)
+        lengths += 1
+        history[rows, lengths] = tokens
         state.steps_to_limit -= 1
+        if eos is not None and eos in tokens.tolist():
+            break
+    if state.steps_to_limit > 0 and (eos is None or eos not in tokens.tolist()):
+        return state, StepTokens(tokens.copy(), np.zeros(len(tokens), bool))
+    return state, _settle(state, rows, tokens, lengths)
+
+
+def _settle(state: DecodeState, rows: np.ndarray, tokens: np.ndarray, position: np.ndarray) -> StepTokens:
+    """The step's output, and the rows it ended (an eos token, or the row's limit)."""
     out = StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
     is_eos, finished = _ends(tokens, state.eos[rows], position + 1, state.limit[rows])
     out.token[rows] = np.where(is_eos, -1, tokens)
@@ -238,7 +261,7 @@ def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
         state.live[rows[finished]] = False
         out.any_finished = True
     state.refresh()
-    return state, out
+    return out
 
 
 def release(ctx: Context, state: DecodeState, slot: int) -> DecodeState:

@@ -52,6 +52,13 @@ class Detokenizer:
             return text[len(prefix):]
         return ""
 
+    def flush(self) -> str:
+        """The text still held back at the end of the stream (an incomplete last character)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):]
+
     def text(self) -> str:
         """All text so far."""
         return self._decode(self.ids)
