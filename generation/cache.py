@@ -41,8 +41,9 @@ class _Inputs:
             binding.input("use_cache_branch", self.use_cache)
 
     def set_positions(self, lengths: np.ndarray) -> None:
+        """A row's new token sits at its length (rows never outgrow the model's positions)."""
         if self.positions is not None:
-            np.minimum(lengths, self.max_position - 1, out=self.positions[..., 0])
+            self.positions[..., 0] = lengths
 
 
 class InPlaceCache:
@@ -119,7 +120,11 @@ class AppendCache:
         self.token_input = self.inputs.ids[:, 0]
         self.logits = self.inputs.logits[:, 0]
         self._columns = np.arange(capacity + 1)
-        self._mask_dtype = graph.dtype("attention_mask")
+        self._mask = np.zeros(slots * (capacity + 1), graph.dtype("attention_mask"))
+        self._mask_pointer = self._mask.ctypes.data
+        item = self.flat[0].itemsize
+        self._entries = [(e.past, e.present, i * self.block * item) for i, e in enumerate(graph.cache)]
+        self._dtype = np.dtype(graph.cache_dtype)
 
     def _layout(self, which: int, width: int) -> np.ndarray:
         """All cache inputs of buffer `which` laid out at `width`: [inputs, slots, heads, width, dim]."""
@@ -148,12 +153,14 @@ class AppendCache:
         """Nothing to free: a slot's rows are hidden by its length and overwritten on insert."""
 
     def _bind_cache(self, width: int) -> None:
-        dtype, item = self.graph.cache_dtype, self.flat[0].itemsize
         past, present = self.flat[self.current].ctypes.data, self.flat[1 - self.current].ctypes.data
-        for i, e in enumerate(self.graph.cache):
-            offset = i * self.block * item
-            self.binding.input_at(e.past, past + offset, (self.slots, self.heads, width, self.head_dim), dtype)
-            self.binding.output_at(e.present, present + offset, (self.slots, self.heads, width + 1, self.head_dim), dtype)
+        past_shape = (self.slots, self.heads, width, self.head_dim)
+        present_shape = (self.slots, self.heads, width + 1, self.head_dim)
+        binding, dtype = self.binding, self._dtype
+        bind_input, bind_output, device = binding.bind_input, binding.bind_output, binding.device
+        for past_name, present_name, offset in self._entries:
+            bind_input(past_name, device, dtype, past_shape, past + offset)
+            bind_output(present_name, device, dtype, present_shape, present + offset)
 
     def decode(self, lengths: np.ndarray) -> np.ndarray:
         if self.width + 1 > self.capacity:
@@ -161,15 +168,16 @@ class AppendCache:
             if self.width + 1 > self.capacity:
                 raise ValueError(f"a row needs {self.width + 1} cache rows; this state holds {self.capacity}")
         width = self.width
-        mask = (self._columns[:width + 1] < lengths[:, None]).astype(self._mask_dtype)
-        mask[:, width] = 1
-        self.binding.input("attention_mask", mask)
+        mask = self._mask[:self.slots * (width + 1)].reshape(self.slots, width + 1)
+        np.less(self._columns[:width + 1], lengths[:, None], out=mask)  # a row's valid rows
+        mask[:, width] = 1  # and its new token
+        self.binding.input_at("attention_mask", self._mask_pointer, mask.shape, mask.dtype)
         self._bind_cache(width)
         self.inputs.set_positions(lengths)
         self.binding.run()
-        behind = np.flatnonzero(lengths < width)
         self.current, self.width = 1 - self.current, width + 1
-        if behind.size:
+        if min(lengths.tolist()) < width:  # rows shorter than the widest: move their new row to their length
+            behind = np.flatnonzero(lengths < width)
             present = self._layout(self.current, width + 1)
             present[:, behind, :, lengths[behind], :] = present[:, behind, :, width, :]
         return self.logits

@@ -54,8 +54,8 @@ class DecodeState:
 
     `tokens[b, :lengths[b] + 1]` is slot b's prompt and new tokens; the cache holds the first
     `lengths[b]`, and the last one is the next step's input. A row stops at an eos token or when
-    it holds `limit[b]` tokens. The fields after `eos` are derived from the others and refreshed
-    when rows enter or leave, so a step does no per-row Python work.
+    it holds `limit[b]` tokens. The fields after `next_input` are derived from the others and
+    refreshed when rows enter or leave, so a step does no per-row Python work.
     """
 
     cache: object

@@ -117,3 +117,27 @@ def test_insert_refuses_a_used_slot(models):
     state = generation.insert(ctx, generation.prefill(ctx, prompts_of([4]), [0]), state, [0])
     with pytest.raises(ValueError, match=r"slots\[0\] = 0 is not a free slot"):
         generation.insert(ctx, generation.prefill(ctx, prompts_of([5]), [1]), state, [0])
+
+
+@pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
+def test_streamed_steps_equal_the_multi_step_loop(models, folder, mode):
+    """generate() without on_token runs greedy steps in a tight loop (`advance`); with on_token
+    it steps one at a time. Same rows, eos stops included (eos set to tokens the rows produce)."""
+    prompts = prompts_of([3, 8, 1, 13, 5, 21, 2], seed=4)
+    plain = generation.context(models[folder], max_new_tokens=30, cache_mode=mode, eos_token_id=[])
+    free_run = generation.generate(plain, prompts, seeds=[0] * 7)
+    stops = sorted({row[len(row) // 2] for row in free_run})[:3]  # tokens that end some rows early
+    ctx = generation.compile(generation.context(models[folder], max_new_tokens=30, cache_mode=mode,
+                                                eos_token_id=stops), batch_size=4)
+    streamed = [[] for _ in prompts]
+
+    def on_token(event):
+        for row, token in enumerate(event.token.tolist()):
+            if token >= 0:
+                streamed[row].append(token)
+
+    rows = generation.generate(ctx, prompts, seeds=[0] * 7)
+    assert generation.generate(ctx, prompts, seeds=[0] * 7, on_token=on_token) == rows == streamed
+    assert any(len(r) < 30 for r in rows) and any(len(r) == 30 for r in rows)
+    for row, full in zip(rows, free_run):
+        assert full[:len(row)] == row
