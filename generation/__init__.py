@@ -14,9 +14,9 @@ from .context import Context, compile, context
 from .generate import generate
 from .model import Model, ModelError, load
 from .settings import Settings
-from .state import DecodeState, Prefix, StepTokens, advance, insert, new_state, prefill, release, step
+from .state import DecodeState, Prefix, StepTokens, admit, advance, insert, new_state, prefill, release, step
 
 __all__ = [
-    "Context", "DecodeState", "Model", "ModelError", "Prefix", "Settings", "StepTokens", "advance", "compile",
+    "Context", "DecodeState", "Model", "ModelError", "Prefix", "Settings", "StepTokens", "admit", "advance", "compile",
     "context", "generate", "insert", "load", "new_state", "prefill", "release", "step",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .feeds import Binding, step_inputs
+from .feeds import Binding, pieces, step_inputs
 from .graph import DecoderGraph
 
 
@@ -72,12 +72,68 @@ class InPlaceCache:
         self.binding.input("attention_mask", self.mask)
         self.rows = np.arange(slots)
         self.logits = self.inputs.logits[:, 0]
+        self.graph = graph
 
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
         for name, rows in cache.items():
             self.buffers[name][slot, :, :length] = rows
         self.mask[slot] = 0
         self.mask[slot, :length] = 1
+
+    def prefill(self, slots: list[int], prompts: list[list[int]], steps: str, pad: int) -> np.ndarray:
+        """Run fresh prompts straight into their free slots' buffer rows; the last logits [n, V].
+
+        Slots in one contiguous run share the first piece (GroupQueryAttention's first prompt
+        takes any batch); later pieces run slot by slot, as onnxruntime requires. No copy: the
+        operator writes into the slots, bound by pointer."""
+        last = np.zeros((len(prompts), self.graph.vocab_size), np.float32)
+        order = sorted(range(len(slots)), key=lambda j: slots[j])
+        runs, run = [], [order[0]]
+        for j in order[1:]:
+            if slots[j] == slots[run[-1]] + 1:
+                run.append(j)
+            else:
+                runs.append(run)
+                run = [j]
+        runs.append(run)
+        for run in runs:
+            lengths = [len(prompts[j]) for j in run]
+            first = pieces(max(lengths))[0] if steps == "pieces" else max(lengths)
+            ids = np.full((len(run), first), pad, np.int64)
+            for i, j in enumerate(run):
+                ids[i, :min(first, lengths[i])] = prompts[j][:first]
+            logits = self._prompt_step(slots[run[0]], ids, 0)
+            for i, j in enumerate(run):
+                last[j] = logits[i, min(first, lengths[i]) - 1]
+                offset = first
+                for width in pieces(lengths[i] - first) if lengths[i] > first else []:
+                    row = np.array([prompts[j][offset:offset + width]], np.int64)
+                    last[j] = self._prompt_step(slots[j], row, offset)[0, -1]
+                    offset += width
+        for j, slot in enumerate(slots):
+            self.mask[slot] = 0
+            self.mask[slot, :len(prompts[j])] = 1
+        return last
+
+    def _prompt_step(self, slot: int, ids: np.ndarray, offset: int) -> np.ndarray:
+        """ids [n, S] after `offset` cached tokens, into slots slot..slot+n-1; logits [n, S, V]."""
+        rows, width = ids.shape
+        binding = Binding(self.binding.session)
+        for e in self.graph.cache:
+            buffer = self.buffers[e.past]
+            pointer, shape = buffer.ctypes.data + slot * buffer[0].nbytes, (rows, *buffer.shape[1:])
+            binding.input_at(e.past, pointer, shape, buffer.dtype)
+            binding.output_at(e.present, pointer, shape, buffer.dtype)
+        positions = np.broadcast_to(offset + np.arange(width), ids.shape)
+        feeds = step_inputs(self.graph, ids, np.ones((rows, offset + width), np.int64), positions, offset)
+        feeds["use_cache_branch"] = np.array([True])  # the shared buffer is the past, even when empty
+        for name, array in feeds.items():
+            if name in self.graph.input_dtypes:
+                binding.input(name, array)
+        logits = np.empty((rows, width, self.graph.vocab_size), self.graph.logits_dtype)
+        binding.output("logits", logits)
+        binding.run()
+        return logits
 
     def release(self, slot: int) -> None:
         """The slot's rows stay until a new row is inserted; its mask becomes a padding row's."""
@@ -115,6 +171,7 @@ class AppendCache:
         self.block = slots * self.heads * capacity * self.head_dim
         self.flat = [np.zeros(len(graph.cache) * self.block, graph.cache_dtype) for _ in range(2)]
         self.current, self.width = 0, 0
+        self._used: set[int] = set()
         self.binding = Binding(session)
         self.inputs = _Inputs(self.binding, graph, slots, max_position)
         self.token_input = self.inputs.ids[:, 0]
@@ -143,6 +200,7 @@ class AppendCache:
         self.current, self.width = other, width
 
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
+        self._used.add(slot)
         if length > self.width:
             self._relayout(length)
         layout = self._layout(self.current, self.width)
@@ -150,7 +208,11 @@ class AppendCache:
             layout[i, slot, :, :length] = cache[e.past]
 
     def release(self, slot: int) -> None:
-        """Nothing to free: a slot's rows are hidden by its length and overwritten on insert."""
+        """A slot's rows are hidden by its length and overwritten on insert; once every slot is
+        free the layout starts again from width 0."""
+        self._used.discard(slot)
+        if not self._used:
+            self.width = 0
 
     def _bind_cache(self, width: int) -> None:
         past, present = self.flat[self.current].ctypes.data, self.flat[1 - self.current].ctypes.data

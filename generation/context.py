@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .graph import CACHE_MODES
 from .model import Model
@@ -21,6 +21,8 @@ class Context:
     cache_mode: str
     prompt_steps: str
     batch_size: int | None = None
+    # a decode state that generate() left empty, to reuse its buffers and bindings next call
+    spare_states: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def max_position(self) -> int:
@@ -60,6 +62,6 @@ def compile(ctx: Context, batch_size: int) -> Context:  # noqa: A001 - the publi
         raise ValueError(f"batch_size must be an integer >= 1, not {batch_size!r}")
     from .state import warm_up
 
-    compiled = replace(ctx, batch_size=batch_size)
+    compiled = replace(ctx, batch_size=batch_size, spare_states=[])
     warm_up(compiled)
     return compiled

@@ -15,7 +15,7 @@ import numpy as np
 
 from .context import Context
 from .rng import SEED_LIMIT
-from .state import StepTokens, advance, insert, new_state, prefill, release, row_tokens, step
+from .state import StepTokens, admit, advance, new_state, release, row_tokens, step
 
 
 def check_prompts(ctx: Context, prompts) -> list[list[int]]:
@@ -27,17 +27,18 @@ def check_prompts(ctx: Context, prompts) -> list[list[int]]:
     vocab, context = ctx.model.vocab_size, ctx.model.max_context
     checked = []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, np.ndarray):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
+        if not isinstance(prompt, (list, tuple, np.ndarray)):
             raise ValueError(f"prompts[{i}] must be a list of token ids, not {type(prompt).__name__}")
-        for j, token in enumerate(prompt):
-            if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < vocab:
-                raise ValueError(f"prompts[{i}][{j}] = {token!r} is not a token id of this model (0 to {vocab - 1})")
-        if context and len(prompt) >= context:
-            raise ValueError(f"prompts[{i}] has {len(prompt)} tokens; the model's context is {context} "
+        ids = np.asarray(prompt)
+        if ids.size and (ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab
+                         or (not isinstance(prompt, np.ndarray) and bool in map(type, prompt))):
+            j = next(j for j, t in enumerate(prompt) if not isinstance(t, (int, np.integer))
+                     or isinstance(t, bool) or not 0 <= t < vocab)
+            raise ValueError(f"prompts[{i}][{j}] = {prompt[j]!r} is not a token id of this model (0 to {vocab - 1})")
+        if context and len(ids) >= context:
+            raise ValueError(f"prompts[{i}] has {len(ids)} tokens; the model's context is {context} "
                              "tokens, and at least one must be left for a new token")
-        checked.append([int(t) for t in prompt])
+        checked.append(ids.tolist())
     return checked
 
 
@@ -78,7 +79,7 @@ def generate(ctx: Context, prompts, seeds=None,
     capacity = max(len(prompts[i]) + budget[i] for i in waiting)
     if ctx.model.max_context:
         capacity = min(capacity, ctx.model.max_context)
-    state = new_state(ctx, slots, capacity)
+    state = _take_state(ctx, slots, capacity)
     row_of = np.full(slots, -1)
 
     def report(rows: np.ndarray, out: StepTokens) -> None:
@@ -92,14 +93,13 @@ def generate(ctx: Context, prompts, seeds=None,
         free = state.free_slots() if waiting else ()
         if len(free):
             admitted = [waiting.popleft() for _ in range(min(len(waiting), free.size))]
-            prefix = prefill(ctx, [prompts[i] for i in admitted], [seeds[i] for i in admitted],
-                             max_new=[budget[i] for i in admitted])
-            state = insert(ctx, prefix, state, free[:len(admitted)])
+            state, first = admit(ctx, state, free[:len(admitted)], [prompts[i] for i in admitted],
+                                 [seeds[i] for i in admitted], max_new=[budget[i] for i in admitted])
             row_of[free[:len(admitted)]] = admitted
-            for row, token in zip(admitted, prefix.first.token):
+            for row, token in zip(admitted, first.token):
                 if token >= 0:
                     results[row] = [int(token)]
-            report(np.array(admitted), prefix.first)
+            report(np.array(admitted), first)
         if state.live_rows.size:
             used = state.live_rows
             if on_token is None:  # tokens are read from the state when rows end
@@ -113,4 +113,16 @@ def generate(ctx: Context, prompts, seeds=None,
                     finished[row_of[slot]] = True
                     state = release(ctx, state, slot)
                     row_of[slot] = -1
+    ctx.spare_states[:] = [state]  # every slot is free again
     return results
+
+
+def _take_state(ctx: Context, slots: int, capacity: int):
+    """The empty state a previous call left, when it has this shape; else a new one."""
+    try:
+        state = ctx.spare_states.pop()
+    except IndexError:  # none, or another thread took it
+        return new_state(ctx, slots, capacity)
+    if state.slots == slots and state.capacity == min(capacity, ctx.model.max_context or capacity):
+        return state
+    return new_state(ctx, slots, capacity)

@@ -145,6 +145,21 @@ def _ends(tokens: np.ndarray, eos: np.ndarray, count: np.ndarray, limit: np.ndar
     return is_eos, is_eos | (count >= limit)
 
 
+def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits) -> Prefix:
+    """Each fresh row's first token from its prompt's last logits, and where it stops."""
+    settings = settings or [ctx.settings] * len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int64)
+    if max_new is None:
+        max_new = [s.new_tokens_for(len(p)) for s, p in zip(settings, prompts)]
+    limit = np.minimum(lengths + np.array(max_new, np.int64), ctx.max_position)
+    seeds = np.array(seeds, np.uint64)
+    tokens = select(last_logits, _sampling_rows(settings), seeds, np.zeros(len(prompts), np.uint64))
+    eos = _eos_table(settings, max(1, max(len(s.eos_token_id) for s in settings)))
+    is_eos, finished = _ends(tokens, eos, lengths + 1, limit)
+    first = StepTokens(np.where(is_eos, -1, tokens), finished, bool(finished.any()))
+    return Prefix(list(prompts), None, first, list(settings), seeds, limit)
+
+
 def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settings] | None = None,
             max_new: list[int] | None = None) -> Prefix:
     """Run non-empty `prompts` and choose each row's first token.
@@ -153,52 +168,73 @@ def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settin
     tokens each row may get (default: each row's settings by the max_new_tokens rule); a row
     never outgrows the model's context.
     """
-    settings = settings or [ctx.settings] * len(prompts)
-    lengths = np.array([len(p) for p in prompts], np.int64)
-    if max_new is None:
-        max_new = [s.new_tokens_for(len(p)) for s, p in zip(settings, prompts)]
-    limit = np.minimum(lengths + np.array(max_new, np.int64), ctx.max_position)
-    seeds = np.array(seeds, np.uint64)
     model = ctx.model
     cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
                         ctx.settings.pad_token_id, ctx.max_position)
-    tokens = select(cache.last_logits, _sampling_rows(settings), seeds, np.zeros(len(prompts), np.uint64))
-    eos = _eos_table(settings, max(1, max(len(s.eos_token_id) for s in settings)))
-    is_eos, finished = _ends(tokens, eos, lengths + 1, limit)
-    first = StepTokens(np.where(is_eos, -1, tokens), finished, bool(finished.any()))
-    return Prefix(list(prompts), cache, first, list(settings), seeds, limit)
+    prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, cache.last_logits)
+    prefix.cache = cache
+    return prefix
+
+
+def _check_slots(state: DecodeState, prefix: Prefix, slots: list[int]) -> None:
+    if len(slots) != len(prefix.prompts):
+        raise ValueError(f"slots has {len(slots)} entries for {len(prefix.prompts)} prompts")
+    for j, slot in enumerate(slots):
+        if not 0 <= slot < state.slots or state.used[slot] or slot in slots[:j]:
+            raise ValueError(f"slots[{j}] = {slot} is not a free slot of this state")
+        if len(prefix.prompts[j]) + 1 > state.capacity:
+            raise ValueError(f"prompt {j} has {len(prefix.prompts[j])} tokens; this state's rows hold {state.capacity}")
+
+
+def _occupy(state: DecodeState, slot: int, prefix: Prefix, j: int) -> None:
+    """Slot `slot` takes row j of `prefix` (its cache is already in place)."""
+    prompt, length = prefix.prompts[j], len(prefix.prompts[j])
+    state.tokens[slot, :length] = prompt
+    state.tokens[slot, length] = state.next_input[slot] = prefix.first.token[j]
+    state.lengths[slot], state.prompt_length[slot] = length, length
+    state.limit[slot] = min(prefix.limit[j], state.capacity)
+    state.live[slot] = state.used[slot] = True
+    state.seeds[slot], state.draws[slot] = prefix.seeds[j], 1
+    s = prefix.settings[j]
+    state.sampling.do_sample[slot], state.sampling.temperature[slot] = s.do_sample, s.temperature
+    state.sampling.top_k[slot], state.sampling.top_p[slot] = s.top_k, s.top_p
+    if len(s.eos_token_id) > state.eos.shape[1]:
+        state.eos = np.pad(state.eos, ((0, 0), (0, len(s.eos_token_id) - state.eos.shape[1])), constant_values=-1)
+    state.eos[slot] = -1
+    state.eos[slot, :len(s.eos_token_id)] = s.eos_token_id
 
 
 def insert(ctx: Context, prefix: Prefix, state: DecodeState, slots) -> DecodeState:
-    """Put the unfinished rows of `prefix` into free `slots` (one per prefix row; the slots of
-    rows that finished at prefill stay free)."""
-    slots = list(slots)
-    if len(slots) != len(prefix.prompts):
-        raise ValueError(f"slots has {len(slots)} entries for {len(prefix.prompts)} prefilled rows")
+    """Put the rows of `prefix` into free `slots` (one per prefix row; the slots of rows that
+    finished at prefill stay free)."""
+    slots = [int(s) for s in slots]
+    _check_slots(state, prefix, slots)
     for j, slot in enumerate(slots):
-        if prefix.first.finished[j]:
-            continue
-        if not 0 <= slot < state.slots or state.used[slot]:
-            raise ValueError(f"slots[{j}] = {slot} is not a free slot of this state")
-        prompt, length = prefix.prompts[j], len(prefix.prompts[j])
-        if length + 1 > state.capacity:
-            raise ValueError(f"prefilled row {j} has {length} prompt tokens; this state's rows hold {state.capacity}")
-        state.cache.insert(slot, prefix.cache.rows[j], length)
-        state.tokens[slot, :length] = prompt
-        state.tokens[slot, length] = state.next_input[slot] = prefix.first.token[j]
-        state.lengths[slot], state.prompt_length[slot] = length, length
-        state.limit[slot] = min(prefix.limit[j], state.capacity)
-        state.live[slot] = state.used[slot] = True
-        state.seeds[slot], state.draws[slot] = prefix.seeds[j], 1
-        s = prefix.settings[j]
-        state.sampling.do_sample[slot], state.sampling.temperature[slot] = s.do_sample, s.temperature
-        state.sampling.top_k[slot], state.sampling.top_p[slot] = s.top_k, s.top_p
-        if len(s.eos_token_id) > state.eos.shape[1]:
-            state.eos = np.pad(state.eos, ((0, 0), (0, len(s.eos_token_id) - state.eos.shape[1])), constant_values=-1)
-        state.eos[slot] = -1
-        state.eos[slot, :len(s.eos_token_id)] = s.eos_token_id
+        if not prefix.first.finished[j]:
+            state.cache.insert(slot, prefix.cache.rows[j], len(prefix.prompts[j]))
+            _occupy(state, slot, prefix, j)
     state.refresh()
     return state
+
+
+def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], seeds,
+          settings: list[Settings] | None = None, max_new: list[int] | None = None
+          ) -> tuple[DecodeState, StepTokens]:
+    """Prefill `prompts` into free `slots` of a running batch: `insert(prefill(...))`, except
+    that an in_place cache takes the prompts straight into its buffer, with no copy. Returns the
+    state and the rows' first tokens (as `prefill` gives them)."""
+    slots = [int(s) for s in slots]
+    if not hasattr(state.cache, "prefill"):
+        prefix = prefill(ctx, prompts, seeds, settings, max_new)
+        return insert(ctx, prefix, state, slots), prefix.first
+    _check_slots(state, Prefix(list(prompts), None, None, [], None, None), slots)
+    last = state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id)
+    prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, last)
+    for j, slot in enumerate(slots):
+        if not prefix.first.finished[j]:
+            _occupy(state, slot, prefix, j)
+    state.refresh()
+    return state, prefix.first
 
 
 def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
@@ -236,17 +272,20 @@ def advance(ctx: Context, state: DecodeState, max_steps: int) -> tuple[DecodeSta
 
 def _greedy_steps(state: DecodeState, max_steps: int) -> tuple[DecodeState, StepTokens]:
     """The lean loop of greedy steps over a full batch: the argmax lands in the bound token
-    input, nothing is gathered, and the loop breaks at the first step in which a row can end."""
-    decode, rows = state.cache.decode, state.live_rows
-    tokens, lengths, history, eos = state.next_input, state.lengths, state.tokens, state.single_eos
+    input, nothing is gathered, the tokens go into the history once at the end, and the loop
+    breaks at the first step in which a row can end."""
+    decode, rows, lengths, eos = state.cache.decode, state.live_rows, state.lengths, state.single_eos
+    tokens, start = state.next_input, lengths + 1
+    trace = []
     for _ in range(min(max_steps, state.steps_to_limit)):
         decode(lengths).argmax(axis=1, out=tokens)
         lengths += 1
-        history[rows, lengths] = tokens
-        state.steps_to_limit -= 1
-        if eos is not None and eos in tokens.tolist():
+        trace.append(chosen := tokens.tolist())
+        if eos in chosen:
             break
-    if state.steps_to_limit > 0 and (eos is None or eos not in tokens.tolist()):
+    state.steps_to_limit -= len(trace)
+    state.tokens[rows[:, None], start[:, None] + np.arange(len(trace))] = np.array(trace).T
+    if state.steps_to_limit > 0 and eos not in trace[-1]:
         return state, StepTokens(tokens.copy(), np.zeros(len(tokens), bool))
     return state, _settle(state, rows, tokens, lengths)
 

@@ -29,9 +29,10 @@ def alone(ctx, prompt, seed):
     return generation.generate(ctx, [prompt], seeds=[seed])[0]
 
 
-def run_schedule(ctx, prompts, seeds, arrivals, slots, cancel=None):
+def run_schedule(ctx, prompts, seeds, arrivals, slots, cancel=None, verb="insert"):
     """Drive the verbs by hand: prompt i arrives before step arrivals[i]; each goes into the
-    lowest free slot. cancel = (prompt, step): release that row while it is live.
+    highest free slot. cancel = (prompt, step): release that row while it is live. verb: rows
+    enter by prefill + insert, or by admit (in_place: straight into the slot's buffer).
     Returns the new tokens of each prompt, read from the step outputs."""
     state = generation.new_state(ctx, slots=slots, capacity=128)
     tokens = {i: [] for i in range(len(prompts))}
@@ -39,12 +40,15 @@ def run_schedule(ctx, prompts, seeds, arrivals, slots, cancel=None):
     step_no = 0
     while step_no < 200:
         for i in [i for i, at in enumerate(arrivals) if at == step_no]:
-            prefix = generation.prefill(ctx, [prompts[i]], [seeds[i]])
-            slot = int(state.free_slots()[0])
-            state = generation.insert(ctx, prefix, state, [slot])
-            if prefix.first.token[0] >= 0:
-                tokens[i].append(int(prefix.first.token[0]))
-            if not prefix.first.finished[0]:
+            slot = int(state.free_slots()[-1])
+            if verb == "insert":
+                prefix = generation.prefill(ctx, [prompts[i]], [seeds[i]])
+                state, first = generation.insert(ctx, prefix, state, [slot]), prefix.first
+            else:
+                state, first = generation.admit(ctx, state, [slot], [prompts[i]], [seeds[i]])
+            if first.token[0] >= 0:
+                tokens[i].append(int(first.token[0]))
+            if not first.finished[0]:
                 slot_of[slot] = i
         if cancel and cancel[1] == step_no:
             slot = next(s for s, i in slot_of.items() if i == cancel[0])
@@ -65,13 +69,14 @@ def run_schedule(ctx, prompts, seeds, arrivals, slots, cancel=None):
 
 @pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
-def test_inserted_rows_equal_rows_alone(models, folder, mode, do_sample):
+@pytest.mark.parametrize("verb,steps", [("insert", "whole"), ("admit", "whole"), ("admit", "pieces")])
+def test_inserted_rows_equal_rows_alone(models, folder, mode, do_sample, verb, steps):
     ctx = generation.context(models[folder], max_new_tokens=24, cache_mode=mode, do_sample=do_sample,
-                             temperature=0.8, top_k=40)
+                             temperature=0.8, top_k=40, prompt_steps=steps)
     prompts = prompts_of([9, 3, 17, 1, 12, 30])
     seeds = [11, 12, 13, 14, 15, 16]
     arrivals = [0, 0, 3, 5, 26, 30]  # rows join a running batch, later ones into slots freed by others
-    got = run_schedule(ctx, prompts, seeds, arrivals, slots=4)
+    got = run_schedule(ctx, prompts, seeds, arrivals, slots=4, verb=verb)
     assert got == [alone(ctx, p, s) for p, s in zip(prompts, seeds)]
     assert all(len(r) == 24 for r in got)
 
@@ -85,6 +90,21 @@ def test_cancelled_row_leaves_others_unchanged(models, folder, mode):
     assert got[1] == alone(ctx, prompts[1], 1)[:6]
     assert got[0] == alone(ctx, prompts[0], 0)
     assert got[2] == alone(ctx, prompts[2], 2)
+
+
+def test_admit_runs_rows_of_scattered_slots_together(models, oracle):
+    """admit into slots 3, 0, 1 of a fresh in_place state (runs [0, 1] and [3]), in pieces."""
+    ctx = generation.context(models["llama-genai"], max_new_tokens=10, prompt_steps="pieces")
+    prompts = prompts_of([21, 5, 37])
+    state = generation.new_state(ctx, slots=4, capacity=64)
+    state, first = generation.admit(ctx, state, [3, 0, 1], prompts, [0, 0, 0])
+    rows = [[t] for t in first.token.tolist()]
+    while state.live.any():
+        state, out = generation.step(ctx, state)
+        for row, slot in enumerate([3, 0, 1]):
+            if out.token[slot] >= 0:
+                rows[row].append(int(out.token[slot]))
+    assert rows == [oracle.greedy("llama", p, 10) for p in prompts]
 
 
 def test_state_buffers_are_reused_across_steps(models):

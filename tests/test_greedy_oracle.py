@@ -74,11 +74,13 @@ def test_batch_equals_transformers_alone(models, prompts, expected, folder, name
     assert not mismatched, f"rows of lengths {mismatched} differ from transformers"
 
 
+@pytest.mark.parametrize("steps", ["whole", "pieces"])
 @pytest.mark.parametrize("folder,name,mode", [("llama-genai", "llama", "in_place"), ("llama-optimum", "llama", "append"),
                                               ("gpt2-grow", "gpt2", "grow")])
-def test_rows_admitted_as_slots_free_up(models, prompts, expected, folder, name, mode):
+def test_rows_admitted_as_slots_free_up(models, prompts, expected, folder, name, mode, steps):
     """38 prompts through 5 slots: later prompts enter slots that finished rows left."""
-    ctx = generation.compile(generation.context(models[folder], max_new_tokens=MAX_NEW, cache_mode=mode), batch_size=5)
+    ctx = generation.compile(generation.context(models[folder], max_new_tokens=MAX_NEW, cache_mode=mode,
+                                                prompt_steps=steps), batch_size=5)
     order = list(reversed(range(len(prompts))))  # long prompts first, short ones join running rows
     rows = generation.generate(ctx, [prompts[i] for i in order], seeds=order)
     assert rows == [expected[name][i] for i in order]
