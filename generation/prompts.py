@@ -87,20 +87,17 @@ def run_prompts(session, graph: DecoderGraph, mode: str, steps: str, prompts: li
     for group in groups:
         group_prompts = [prompts[b] for b in group]
         widths = _widths(int(lengths[group].max()), steps)
-        if graph.has_group_query_attention and len(group) > 1:
-            widths, first = widths[1:], widths[:1]
-        else:
-            first = []
-        if first:  # GroupQueryAttention: first piece batched, later ones row by row
-            group_last, presents = _run_rows(session, graph, group_prompts, first, pad, max_position)
+        if graph.has_group_query_attention and len(group) > 1 and len(widths) > 1:
+            # GroupQueryAttention: the first piece batched, the later ones row by row
+            first = widths[0]
+            group_last, presents = _run_rows(session, graph, group_prompts, [first], pad, max_position)
             keep(group, group_last, presents)
             for j, b in enumerate(group):
-                if lengths[b] <= first[0]:
-                    continue
-                row_past = {name: np.ascontiguousarray(array[j:j + 1]) for name, array in presents.items()}
-                row_last, row_presents = _run_rows(session, graph, [prompts[b]], pieces(int(lengths[b]) - first[0]),
-                                                   pad, max_position, row_past, first[0])
-                keep([b], row_last, row_presents)
+                if lengths[b] > first:
+                    row_past = {name: np.ascontiguousarray(array[j:j + 1]) for name, array in presents.items()}
+                    row_last, row_presents = _run_rows(session, graph, [prompts[b]], pieces(int(lengths[b]) - first),
+                                                       pad, max_position, row_past, first)
+                    keep([b], row_last, row_presents)
         else:
             group_last, presents = _run_rows(session, graph, group_prompts, widths, pad, max_position)
             keep(group, group_last, presents)

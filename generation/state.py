@@ -176,14 +176,14 @@ def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settin
     return prefix
 
 
-def _check_slots(state: DecodeState, prefix: Prefix, slots: list[int]) -> None:
-    if len(slots) != len(prefix.prompts):
-        raise ValueError(f"slots has {len(slots)} entries for {len(prefix.prompts)} prompts")
+def _check_slots(state: DecodeState, prompts: list[list[int]], slots: list[int]) -> None:
+    if len(slots) != len(prompts):
+        raise ValueError(f"slots has {len(slots)} entries for {len(prompts)} prompts")
     for j, slot in enumerate(slots):
         if not 0 <= slot < state.slots or state.used[slot] or slot in slots[:j]:
             raise ValueError(f"slots[{j}] = {slot} is not a free slot of this state")
-        if len(prefix.prompts[j]) + 1 > state.capacity:
-            raise ValueError(f"prompt {j} has {len(prefix.prompts[j])} tokens; this state's rows hold {state.capacity}")
+        if len(prompts[j]) + 1 > state.capacity:
+            raise ValueError(f"prompt {j} has {len(prompts[j])} tokens; this state's rows hold {state.capacity}")
 
 
 def _occupy(state: DecodeState, slot: int, prefix: Prefix, j: int) -> None:
@@ -208,7 +208,7 @@ def insert(ctx: Context, prefix: Prefix, state: DecodeState, slots) -> DecodeSta
     """Put the rows of `prefix` into free `slots` (one per prefix row; the slots of rows that
     finished at prefill stay free)."""
     slots = [int(s) for s in slots]
-    _check_slots(state, prefix, slots)
+    _check_slots(state, prefix.prompts, slots)
     for j, slot in enumerate(slots):
         if not prefix.first.finished[j]:
             state.cache.insert(slot, prefix.cache.rows[j], len(prefix.prompts[j]))
@@ -227,11 +227,13 @@ def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], see
     if not hasattr(state.cache, "prefill"):
         prefix = prefill(ctx, prompts, seeds, settings, max_new)
         return insert(ctx, prefix, state, slots), prefix.first
-    _check_slots(state, Prefix(list(prompts), None, None, [], None, None), slots)
+    _check_slots(state, prompts, slots)
     last = state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id)
     prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, last)
     for j, slot in enumerate(slots):
-        if not prefix.first.finished[j]:
+        if prefix.first.finished[j]:
+            state.cache.release(slot)  # it ended at its first token: the slot stays free
+        else:
             _occupy(state, slot, prefix, j)
     state.refresh()
     return state, prefix.first
