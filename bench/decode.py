@@ -172,7 +172,7 @@ def main(argv=None):
                     help="repeats of transformers on the small model (~4 s a batch-1 run)")
     ap.add_argument("--min-time", type=float, default=0.2,
                     help="one sample = as many generate calls as fill this many seconds (for short runs)")
-    ap.add_argument("--settle", type=float, default=0.05,
+    ap.add_argument("--settle", type=float, default=0.3,
                     help="seconds of pause before each sample, so worker threads of the system before "
                          "(onnxruntime and torch spin after a run) do not eat into it")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {','.join(SYSTEMS)}")
