@@ -9,6 +9,8 @@ Every mode implements the same verbs over `slots` rows:
                                slot, 0 for a free slot) and return the logits [B, V]; the new
                                token's keys and values land at row `lengths[b]` of slot b
   release(slot)                forget a slot's rows
+The in_place cache also has prefill(slots, prompts, steps, pad): prompts straight into free
+slots, no copy (`state.admit` uses it where a cache has it).
 The state around the cache (lengths, tokens, stops) lives in `state.py`; the cache holds only
 buffers and does not advance lengths itself.
 """
@@ -25,8 +27,7 @@ class _Inputs:
     """The per-token inputs every mode binds once: input_ids [B, 1], position_ids, logits, and
     use_cache_branch (always True while decoding: the past is never empty)."""
 
-    def __init__(self, binding: Binding, graph: DecoderGraph, slots: int, max_position: int):
-        self.max_position = max_position
+    def __init__(self, binding: Binding, graph: DecoderGraph, slots: int):
         self.ids = np.zeros((slots, 1), graph.dtype("input_ids"))
         self.logits = np.empty((slots, 1, graph.vocab_size), graph.logits_dtype)
         binding.input("input_ids", self.ids)
@@ -65,7 +66,7 @@ class InPlaceCache:
         for e in graph.cache:
             self.binding.input(e.past, self.buffers[e.past])
             self.binding.output(e.present, self.buffers[e.past])
-        self.inputs = _Inputs(self.binding, graph, slots, max_position)
+        self.inputs = _Inputs(self.binding, graph, slots)
         self.token_input = self.inputs.ids[:, 0]
         self.mask = np.zeros((slots, capacity), graph.dtype("attention_mask"))
         self.mask[:, 0] = 1  # a free slot is a one-token padding row
@@ -73,6 +74,7 @@ class InPlaceCache:
         self.rows = np.arange(slots)
         self.logits = self.inputs.logits[:, 0]
         self.graph = graph
+        self.decode = self._decoder()
 
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
         for name, rows in cache.items():
@@ -140,12 +142,18 @@ class InPlaceCache:
         self.mask[slot] = 0
         self.mask[slot, 0] = 1
 
-    def decode(self, lengths: np.ndarray) -> np.ndarray:
-        self.mask[self.rows, lengths] = 1
-        if self.inputs.positions is not None:
-            self.inputs.set_positions(lengths)
-        self.binding.run()
-        return self.logits
+    def _decoder(self):
+        """`decode(lengths)` as a closure over what it touches: the greedy loop calls it every
+        step, and on the tiny models a step's Python work is a tenth of the step."""
+        mask, rows, run, logits, inputs = self.mask, self.rows, self.binding.run, self.logits, self.inputs
+
+        def decode(lengths: np.ndarray) -> np.ndarray:
+            mask[rows, lengths] = 1  # the new token's row: GroupQueryAttention writes it at the row's length
+            if inputs.positions is not None:
+                inputs.set_positions(lengths)
+            run()
+            return logits
+        return decode
 
 
 class AppendCache:
@@ -173,7 +181,7 @@ class AppendCache:
         self.current, self.width = 0, 0
         self._used: set[int] = set()
         self.binding = Binding(session)
-        self.inputs = _Inputs(self.binding, graph, slots, max_position)
+        self.inputs = _Inputs(self.binding, graph, slots)
         self.token_input = self.inputs.ids[:, 0]
         self.logits = self.inputs.logits[:, 0]
         self._columns = np.arange(capacity + 1)

@@ -7,6 +7,8 @@ Every cache mode builds the same inputs: `input_ids [n, S]`, `attention_mask [n,
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .graph import DecoderGraph
@@ -64,8 +66,7 @@ class Binding:
         def bind_output(name, device, dtype, shape, pointer):
             io.bind_output(name, "cpu", 0, dtype, list(shape), pointer)
 
-        options = _run_options()
-        return "cpu", bind_input, bind_output, lambda: session.run_with_iobinding(io, options)
+        return "cpu", bind_input, bind_output, functools.partial(session.run_with_iobinding, io, _run_options())
 
     def _direct(self):
         import onnxruntime as ort
@@ -74,8 +75,7 @@ class Binding:
         raw, run = self.io._iobinding, self.session._sess.run_with_iobinding
         probe = np.zeros(1, np.int64)
         raw.bind_input("attention_mask", device, probe.dtype, [1], probe.ctypes.data)  # TypeError if it differs
-        options = _run_options()
-        return device, raw.bind_input, raw.bind_output, lambda: run(raw, options)
+        return device, raw.bind_input, raw.bind_output, functools.partial(run, raw, _run_options())
 
     def input_at(self, name: str, pointer: int, shape, dtype) -> None:
         self.bind_input(name, self.device, dtype, shape, pointer)
