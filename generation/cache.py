@@ -75,6 +75,8 @@ class InPlaceCache:
         self.logits = self.inputs.logits[:, 0]
         self.graph = graph
         self.decode = self._decoder()
+        self._prompt_binding = Binding(session)  # prompts bind their own shapes, apart from decode's
+        self._prompt_logits = np.empty(0, graph.logits_dtype)
 
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
         for name, rows in cache.items():
@@ -120,7 +122,7 @@ class InPlaceCache:
     def _prompt_step(self, slot: int, ids: np.ndarray, offset: int) -> np.ndarray:
         """ids [n, S] after `offset` cached tokens, into slots slot..slot+n-1; logits [n, S, V]."""
         rows, width = ids.shape
-        binding = Binding(self.binding.session)
+        binding = self._prompt_binding
         for e in self.graph.cache:
             buffer = self.buffers[e.past]
             pointer, shape = buffer.ctypes.data + slot * buffer[0].nbytes, (rows, *buffer.shape[1:])
@@ -132,7 +134,10 @@ class InPlaceCache:
         for name, array in feeds.items():
             if name in self.graph.input_dtypes:
                 binding.input(name, array)
-        logits = np.empty((rows, width, self.graph.vocab_size), self.graph.logits_dtype)
+        size = rows * width * self.graph.vocab_size
+        if self._prompt_logits.size < size:  # kept between prompts: no fresh pages per request
+            self._prompt_logits = np.empty(size, self.graph.logits_dtype)
+        logits = self._prompt_logits[:size].reshape(rows, width, self.graph.vocab_size)
         binding.output("logits", logits)
         binding.run()
         return logits
