@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .feeds import Binding, pieces, step_inputs
+from .feeds import Binding, pieces, prompt_widths, step_inputs
 from .graph import DecoderGraph
 
 
@@ -102,7 +102,7 @@ class InPlaceCache:
         runs.append(run)
         for run in runs:
             lengths = [len(prompts[j]) for j in run]
-            first = pieces(max(lengths))[0] if steps == "pieces" else max(lengths)
+            first = prompt_widths(max(lengths), steps)[0]
             ids = np.full((len(run), first), pad, np.int64)
             for i, j in enumerate(run):
                 ids[i, :min(first, lengths[i])] = prompts[j][:first]

@@ -92,6 +92,11 @@ class Binding:
         self.output_at(name, array.ctypes.data, array.shape, array.dtype)
 
 
+def prompt_widths(length: int, steps: str) -> list[int]:
+    """The runs a prompt of `length` takes: one ('whole') or its power-of-two pieces ('pieces')."""
+    return pieces(length) if steps == "pieces" else [length]
+
+
 def pieces(length: int) -> list[int]:
     """The seed's power-of-two prompt pieces, largest first.
 

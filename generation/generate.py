@@ -118,11 +118,12 @@ def generate(ctx: Context, prompts, seeds=None,
 
 
 def _take_state(ctx: Context, slots: int, capacity: int):
-    """The empty state a previous call left, when it has this shape; else a new one."""
+    """The empty state a previous call left, when it has this shape; else a new one.
+    `capacity` is already within the model's context."""
     try:
         state = ctx.spare_states.pop()
     except IndexError:  # none, or another thread took it
         return new_state(ctx, slots, capacity)
-    if state.slots == slots and state.capacity == min(capacity, ctx.model.max_context or capacity):
+    if state.slots == slots and state.capacity == capacity:
         return state
     return new_state(ctx, slots, capacity)

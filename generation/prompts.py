@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .feeds import pieces, step_inputs
+from .feeds import pieces, prompt_widths, step_inputs
 from .graph import DecoderGraph
 
 
@@ -32,10 +32,6 @@ class PromptCache:
     rows: list[dict[str, np.ndarray]]
     lengths: np.ndarray
     last_logits: np.ndarray
-
-
-def _widths(length: int, steps: str) -> list[int]:
-    return pieces(length) if steps == "pieces" else [length]
 
 
 def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: list[int], pad: int,
@@ -86,7 +82,7 @@ def run_prompts(session, graph: DecoderGraph, mode: str, steps: str, prompts: li
         groups = [np.arange(n)]
     for group in groups:
         group_prompts = [prompts[b] for b in group]
-        widths = _widths(int(lengths[group].max()), steps)
+        widths = prompt_widths(int(lengths[group].max()), steps)
         if graph.has_group_query_attention and len(group) > 1 and len(widths) > 1:
             # GroupQueryAttention: the first piece batched, the later ones row by row
             first = widths[0]

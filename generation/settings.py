@@ -94,11 +94,7 @@ def _check(s: Settings) -> Settings:
 def model_settings(config: dict, generation_config: dict) -> dict:
     """The settings a model folder asks for, as transformers reads them: generation_config.json,
     with eos and pad taken from config.json where it is silent."""
-    merged: dict = {}
-    for key, value in generation_config.items():
-        if key in _IGNORED:
-            continue
-        merged[key] = value
+    merged = {k: v for k, v in generation_config.items() if k not in _IGNORED}
     for key in ("eos_token_id", "pad_token_id"):
         if merged.get(key) is None and config.get(key) is not None:
             merged[key] = config[key]
@@ -108,7 +104,7 @@ def model_settings(config: dict, generation_config: dict) -> dict:
 def make_settings(base: dict, overrides: dict) -> Settings:
     """Settings from a model's `base` dict and the caller's `overrides`; unknown or unsupported
     fields raise ValueError naming them."""
-    values = {**base, **{k: v for k, v in overrides.items()}}
+    values = {**base, **overrides}
     for key, value in values.items():
         if key in _NOT_YET:
             if value != _NOT_YET[key] and not (value is None or value == [] or value == {}):
