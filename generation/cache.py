@@ -9,6 +9,8 @@ Every mode implements the same verbs over `slots` rows:
                                slot, 0 for a free slot) and return the logits [B, V]; the new
                                token's keys and values land at row `lengths[b]` of slot b
   release(slot)                forget a slot's rows
+  decode_steps(lengths, count) decode as a generator over up to `count` steps, for loops that
+                               make many tokens in a row (the in_place cache makes it lean)
 The in_place cache also has prefill(slots, prompts, steps, pad): prompts straight into free
 slots, no copy (`state.admit` uses it where a cache has it).
 The state around the cache (lengths, tokens, stops) lives in `state.py`; the cache holds only
@@ -47,7 +49,16 @@ class _Inputs:
             self.positions[..., 0] = lengths
 
 
-class InPlaceCache:
+class _Cache:
+    def decode_steps(self, lengths: np.ndarray, count: int):
+        """Up to `count` decodes, the k-th (from 0) at `lengths + k`, yielding each step's logits;
+        the caller writes each step's tokens into `token_input` before asking for the next, and
+        advances its lengths by the steps it took. `lengths` is not changed."""
+        for k in range(count):
+            yield self.decode(lengths + k)
+
+
+class InPlaceCache(_Cache):
     """One buffer [slots, heads, capacity, head_dim] per cache input, bound as both the past
     input and the present output of GroupQueryAttention, which writes the new rows in place at
     each row's length (the sum of its mask row, minus one).
@@ -148,8 +159,7 @@ class InPlaceCache:
         self.mask[slot, 0] = 1
 
     def _decoder(self):
-        """`decode(lengths)` as a closure over what it touches: the greedy loop calls it every
-        step, and on the tiny models a step's Python work is a tenth of the step."""
+        """`decode(lengths)` as a closure over what it touches (the step loop calls it often)."""
         mask, rows, run, logits, inputs = self.mask, self.rows, self.binding.run, self.logits, self.inputs
 
         def decode(lengths: np.ndarray) -> np.ndarray:
@@ -160,8 +170,23 @@ class InPlaceCache:
             return logits
         return decode
 
+    def decode_steps(self, lengths: np.ndarray, count: int):
+        """Up to `count` decodes from `lengths` on; see `_Cache.decode_steps`. The mask entries
+        of all steps are indexed up front, so a step is one numpy write and the run: on the
+        tiny models a step's Python work is a tenth of the step, and every microsecond shows."""
+        if self.inputs.positions is not None:
+            yield from _Cache.decode_steps(self, lengths, count)
+            return
+        width = self.mask.shape[1]
+        where = (self.rows * width + lengths)[None, :] + np.arange(count)[:, None]
+        set_mask, run, logits = self.mask.reshape(-1).__setitem__, self.binding.run, self.logits
+        for entries in where:
+            set_mask(entries, 1)
+            run()
+            yield logits
 
-class AppendCache:
+
+class AppendCache(_Cache):
     """A fixed buffer whose free rows the attention mask hides, for graphs with position_ids.
 
     The graph returns present = past + the new row, so the buffer is kept twice: the past is a
@@ -258,7 +283,7 @@ class AppendCache:
         return self.logits
 
 
-class GrowCache:
+class GrowCache(_Cache):
     """Exact-length caches, one per group of rows of equal length: the graph takes the cache
     length as every row's position, so only rows of one length can share a run. Each group's
     present becomes its next past; one run per group per step."""

@@ -276,15 +276,15 @@ def _greedy_steps(state: DecodeState, max_steps: int) -> tuple[DecodeState, Step
     """The lean loop of greedy steps over a full batch: the argmax lands in the bound token
     input, nothing is gathered, the tokens go into the history once at the end, and the loop
     breaks at the first step in which a row can end."""
-    decode, rows, lengths, eos = state.cache.decode, state.live_rows, state.lengths, state.single_eos
+    rows, lengths, eos = state.live_rows, state.lengths, state.single_eos
     tokens, start = state.next_input, lengths + 1
     trace = []
-    for _ in range(min(max_steps, state.steps_to_limit)):
-        decode(lengths).argmax(axis=1, out=tokens)
-        lengths += 1
+    for logits in state.cache.decode_steps(lengths, min(max_steps, state.steps_to_limit)):
+        logits.argmax(1, tokens)
         trace.append(chosen := tokens.tolist())
         if eos in chosen:
             break
+    lengths += len(trace)
     state.steps_to_limit -= len(trace)
     state.tokens[rows[:, None], start[:, None] + np.arange(len(trace))] = np.array(trace).T
     if state.steps_to_limit > 0 and eos not in trace[-1]:
