@@ -262,6 +262,35 @@ class AppendCache(_Cache):
             bind_input(past_name, device, dtype, past_shape, past + offset)
             bind_output(present_name, device, dtype, present_shape, present + offset)
 
+    def decode_steps(self, lengths: np.ndarray, count: int):
+        """Up to `count` decodes (see `_Cache.decode_steps`). Rows that all sit at the buffer's
+        width (one prompt length, or batch 1) stay so: their mask is all ones and no new row
+        moves, so a step is the binds of the new width and the run; other batches step as
+        `decode` does."""
+        if not (lengths == self.width).all() or self.width + count > self.capacity:
+            yield from _Cache.decode_steps(self, lengths, count)
+            return
+        self._mask[:] = 1
+        shape = [self.slots, self.heads, 0, self.head_dim]
+        binding, dtype, positions = self.binding, self._dtype, self.inputs.positions
+        bind_input, bind_output, device, run = binding.bind_input, binding.bind_output, binding.device, binding.run
+        pointers = [[(past, present, flat.ctypes.data + offset) for past, present, offset in self._entries]
+                    for flat in self.flat]
+        mask_pointer, mask_dtype, logits = self._mask_pointer, self._mask.dtype, self.logits
+        for _ in range(count):
+            width = self.width
+            bind_input("attention_mask", device, mask_dtype, (self.slots, width + 1), mask_pointer)
+            past_shape, shape[2] = shape.copy(), width + 1
+            past_shape[2] = width
+            for (name, _, past), (_, present_name, present) in zip(pointers[self.current], pointers[1 - self.current]):
+                bind_input(name, device, dtype, past_shape, past)
+                bind_output(present_name, device, dtype, shape, present)
+            if positions is not None:
+                positions.fill(width)
+            run()
+            self.current, self.width = 1 - self.current, width + 1
+            yield logits
+
     def decode(self, lengths: np.ndarray) -> np.ndarray:
         if self.width + 1 > self.capacity:
             self._relayout(int(lengths.max()))
