@@ -6,9 +6,10 @@ from dataclasses import dataclass, field, replace
 
 from .graph import CACHE_MODES
 from .model import Model
-from .settings import Settings, make_settings, model_settings
+from .settings import Settings, check_vocabulary, make_settings, model_settings
 
 PROMPT_STEPS = ("whole", "pieces")
+LOGPROBS_OF = ("processed", "raw")
 # bench/decode.py measures both on the CPU provider; the whole prompt in one run is faster
 # (one call instead of up to log2(length) calls), so it is the default.
 DEFAULT_PROMPT_STEPS = "whole"
@@ -21,6 +22,10 @@ class Context:
     cache_mode: str
     prompt_steps: str
     batch_size: int | None = None
+    token_logprobs: bool = False  # each token with its log-probability (see `context`)
+    top_logprobs: int = 0  # and the k most likely tokens of its step
+    logprobs_of: str = "processed"  # the scores they are the log-softmax of: 'processed' or 'raw'
+    processors: tuple = ()  # the user's (state, process) pairs, after transformers' processors
     # a decode state that generate() left empty, to reuse its buffers and bindings next call
     spare_states: list = field(default_factory=list, compare=False, repr=False)
 
@@ -31,16 +36,24 @@ class Context:
     def with_settings(self, **overrides) -> Settings:
         """Settings for one request: this context's settings with `overrides` (validated)."""
         base = {k: getattr(self.settings, k) for k in self.settings.__dataclass_fields__}
-        return make_settings(base, overrides)
+        settings = make_settings(base, overrides)
+        check_vocabulary(settings, self.model.vocab_size)
+        return settings
 
 
 def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = DEFAULT_PROMPT_STEPS,
-            **overrides) -> Context:
+            token_logprobs: bool = False, top_logprobs: int = 0, logprobs_of: str = "processed",
+            processors=(), **overrides) -> Context:
     """The context for `model`: generation_config.json, then `overrides` (any generation
-    setting: max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, ...).
+    setting: max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, ...).
 
     cache_mode: force a mode the graph supports (`model.graph.modes`); default its native mode.
     prompt_steps: 'whole' (the prompt in one run) or 'pieces' (power-of-two pieces, as the seed).
+    token_logprobs: give each token's log-probability: the log-softmax of the scores it was
+    chosen from (transformers' compute_transition_scores with normalize_logits=True), or of the
+    raw logits with logprobs_of='raw' (what vLLM reports). top_logprobs: also the k most likely
+    tokens of each step, with theirs. processors: (state, process) pairs (processors.py), applied
+    after transformers' processors and before the sampling warpers.
     """
     if cache_mode is None:
         cache_mode = model.graph.native_mode
@@ -51,8 +64,21 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
                          f"runs as {' or '.join(model.graph.modes)})")
     if prompt_steps not in PROMPT_STEPS:
         raise ValueError(f"prompt_steps must be one of {', '.join(PROMPT_STEPS)}, not {prompt_steps!r}")
+    if not isinstance(token_logprobs, bool):
+        raise ValueError(f"token_logprobs must be true or false, not {token_logprobs!r}")
+    if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= model.vocab_size:
+        raise ValueError(f"top_logprobs must be an integer from 0 to the vocabulary size, not {top_logprobs!r}")
+    if logprobs_of not in LOGPROBS_OF:
+        raise ValueError(f"logprobs_of must be one of {', '.join(LOGPROBS_OF)}, not {logprobs_of!r}")
+    processors = tuple(processors)
+    for i, pair in enumerate(processors):
+        if not (isinstance(pair, tuple) and len(pair) == 2 and all(callable(f) for f in pair)):
+            raise ValueError(f"processors[{i}] must be a (state, process) pair of functions, not {pair!r}")
     settings = make_settings(model_settings(model.config, model.generation_config), overrides)
-    return Context(model=model, settings=settings, cache_mode=cache_mode, prompt_steps=prompt_steps)
+    check_vocabulary(settings, model.vocab_size)
+    return Context(model=model, settings=settings, cache_mode=cache_mode, prompt_steps=prompt_steps,
+                   token_logprobs=token_logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
+                   logprobs_of=logprobs_of, processors=processors)
 
 
 def compile(ctx: Context, batch_size: int) -> Context:  # noqa: A001 - the public verb of the seed

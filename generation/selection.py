@@ -1,9 +1,12 @@
-"""Choosing the next token of each row from its logits: greedy or sampling.
+"""Choosing the next token of each row from its processed scores: the sampling warpers,
+greedy or seeded sampling, and the chosen tokens' log-probabilities.
 
 Every setting is an array over the rows, so one call serves a batch whose rows have different
 settings (the server mixes requests). The warpers are those of transformers 4.57
-`_get_logits_processor` for sampling, in its order: temperature, top_k, top_p. They apply only
-to rows that sample; greedy rows take the argmax of the processed scores, as transformers does.
+`_get_logits_processor`, in its order: temperature, top_k, top_p, min_p, typical_p,
+epsilon_cutoff, eta_cutoff, each keeping at least `min_keep` tokens (1, or 1 + the eos tokens
+with beams); they apply only to rows that sample, and `renormalize_logits` comes after them.
+Greedy rows take the argmax of the processed scores, as transformers does.
 """
 
 from __future__ import annotations
@@ -14,41 +17,39 @@ import numpy as np
 
 from .rng import uniforms
 
+NEG_INF = np.float32(-np.inf)
+
 
 @dataclass
 class SamplingRows:
-    """Per-row selection settings, [B] each."""
+    """Per-row warper settings, [n] each; the off values are those of transformers."""
 
     do_sample: np.ndarray  # bool
-    temperature: np.ndarray  # float32, > 0
+    temperature: np.ndarray  # float32, > 0; 1 = off
     top_k: np.ndarray  # int64, 0 = off
     top_p: np.ndarray  # float32, 1 = off
+    min_p: np.ndarray | None = None  # float32, 0 = off
+    typical_p: np.ndarray | None = None  # float32, 1 = off
+    epsilon: np.ndarray | None = None  # float32, 0 = off
+    eta: np.ndarray | None = None  # float32, 0 = off
+    min_keep: np.ndarray | None = None  # int64, >= 1
+    renormalize: np.ndarray | None = None  # bool
+
+    def __post_init__(self):
+        n = len(self.do_sample)
+        for name, value, dtype in (("min_p", 0, np.float32), ("typical_p", 1, np.float32), ("epsilon", 0, np.float32),
+                                   ("eta", 0, np.float32), ("min_keep", 1, np.int64), ("renormalize", False, bool)):
+            if getattr(self, name) is None:
+                setattr(self, name, np.full(n, value, dtype))
 
     def take(self, rows) -> "SamplingRows":
-        return SamplingRows(self.do_sample[rows], self.temperature[rows], self.top_k[rows], self.top_p[rows])
+        return SamplingRows(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
 
-
-def temperature(scores: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """scores [n, V] / t [n], as TemperatureLogitsWarper."""
-    return scores / t[:, None].astype(scores.dtype)
-
-
-def top_k(scores: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Keep the tokens at least as large as each row's k-th largest score (ties kept), as
-    TopKLogitsWarper; k 0 or >= V leaves the row unchanged.
-
-    >>> top_k(np.array([[1., 3., 2., 3.]]), np.array([2]))
-    array([[-inf,   3., -inf,   3.]])
-    """
-    vocab = scores.shape[1]
-    active = (k > 0) & (k < vocab)
-    if not active.any():
-        return scores
-    kmax = int(k[active].max())
-    largest = np.sort(np.partition(scores, vocab - kmax, axis=1)[:, vocab - kmax:], axis=1)  # ascending
-    kth = largest[np.arange(len(scores)), kmax - np.clip(k, 1, kmax)]
-    remove = active[:, None] & (scores < kth[:, None])
-    return np.where(remove, -np.inf, scores).astype(scores.dtype, copy=False)
+    @classmethod
+    def of(cls, settings) -> "SamplingRows":
+        """From a RowSettings (processors.py), whose fields have the same names."""
+        return cls(settings.do_sample, settings.temperature, settings.top_k, settings.top_p, settings.min_p,
+                   settings.typical_p, settings.epsilon, settings.eta, settings.min_keep, settings.renormalize)
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
@@ -57,29 +58,149 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
-def top_p(scores: np.ndarray, p: np.ndarray) -> np.ndarray:
+def log_softmax(scores: np.ndarray) -> np.ndarray:
+    """log_softmax over the last axis; a row of all -inf stays -inf (no nan)."""
+    top = scores.max(axis=1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0).astype(scores.dtype)
+    shifted = scores - top
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def _sort_keep(sorted_remove: np.ndarray, keep: np.ndarray, at_end: bool) -> np.ndarray:
+    """Clear the removal of the `keep[i]` first (or last) sorted entries of each row."""
+    vocab = sorted_remove.shape[1]
+    column = np.arange(vocab)
+    kept = column >= vocab - keep[:, None] if at_end else column < keep[:, None]
+    return sorted_remove & ~kept
+
+
+def _unsort(sorted_values: np.ndarray, order: np.ndarray) -> np.ndarray:
+    out = np.empty_like(sorted_values)
+    np.put_along_axis(out, order, sorted_values, axis=1)
+    return out
+
+
+def _kth_largest(scores: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Each row's k[i]-th largest score (1 <= k[i] <= V)."""
+    vocab, kmax = scores.shape[1], int(k.max())
+    largest = np.sort(np.partition(scores, vocab - kmax, axis=1)[:, vocab - kmax:], axis=1)  # ascending
+    return largest[np.arange(len(scores)), kmax - k]
+
+
+def temperature(scores: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """scores [n, V] / t [n], as TemperatureLogitsWarper."""
+    return scores / t[:, None].astype(scores.dtype)
+
+
+def top_k(scores: np.ndarray, k: np.ndarray, min_keep: np.ndarray | None = None) -> np.ndarray:
+    """Keep the tokens at least as large as each row's k-th largest score (ties kept), as
+    TopKLogitsWarper (k raised to min_keep); k 0 or >= V leaves the row unchanged.
+
+    >>> top_k(np.array([[1., 3., 2., 3.]]), np.array([2]))
+    array([[-inf,   3., -inf,   3.]])
+    """
+    vocab = scores.shape[1]
+    if min_keep is not None:
+        k = np.where(k > 0, np.maximum(k, min_keep), 0)
+    active = (k > 0) & (k < vocab)
+    if not active.any():
+        return scores
+    kth = _kth_largest(scores, np.clip(k, 1, vocab))
+    remove = active[:, None] & (scores < kth[:, None])
+    return np.where(remove, -np.inf, scores).astype(scores.dtype, copy=False)
+
+
+def top_p(scores: np.ndarray, p: np.ndarray, min_keep: np.ndarray | None = None) -> np.ndarray:
     """Keep the smallest set of most likely tokens whose probability exceeds p, as TopPLogitsWarper:
-    sort ascending, remove tokens whose cumulative probability is <= 1 - p, always keep the top one."""
+    sort ascending, remove tokens whose cumulative probability is <= 1 - p, keep the top min_keep."""
     active = p < 1.0
     if not active.any():
         return scores
+    keep = np.ones(len(scores), np.int64) if min_keep is None else min_keep
     order = np.argsort(scores, axis=1, kind="stable")
     ordered = np.take_along_axis(scores, order, axis=1)
     cumulative = np.cumsum(softmax(ordered), axis=1)
     remove_sorted = cumulative <= (1.0 - p)[:, None].astype(cumulative.dtype)
-    remove_sorted[:, -1] = False
-    remove_sorted &= active[:, None]
-    remove = np.empty_like(remove_sorted)
-    np.put_along_axis(remove, order, remove_sorted, axis=1)
+    remove = _unsort(_sort_keep(remove_sorted, keep, at_end=True), order) & active[:, None]
     return np.where(remove, -np.inf, scores).astype(scores.dtype, copy=False)
+
+
+def min_p(scores: np.ndarray, p: np.ndarray, min_keep: np.ndarray) -> np.ndarray:
+    """MinPLogitsWarper: remove tokens less likely than p times the most likely one, keeping the
+    min_keep best; p 0 is off."""
+    active = p > 0
+    if not active.any():
+        return scores
+    probs = softmax(scores)
+    remove = probs < (p[:, None] * probs.max(axis=1, keepdims=True))
+    if (min_keep > 1).any():
+        order = np.argsort(-scores, axis=1, kind="stable")
+        remove = _unsort(_sort_keep(np.take_along_axis(remove, order, axis=1), min_keep, at_end=False), order)
+    else:  # the best token is never below p times itself
+        remove[np.arange(len(scores)), scores.argmax(axis=1)] = False
+    return np.where(remove & active[:, None], -np.inf, scores).astype(scores.dtype, copy=False)
+
+
+def typical_p(scores: np.ndarray, mass: np.ndarray, min_keep: np.ndarray) -> np.ndarray:
+    """TypicalLogitsWarper: keep the tokens whose surprise is closest to the entropy, up to
+    `mass` of probability; mass 1 is off."""
+    active = mass < 1.0
+    if not active.any():
+        return scores
+    normalized = log_softmax(scores)
+    p = np.exp(normalized)
+    with np.errstate(invalid="ignore"):
+        entropy = -np.nansum(normalized * p, axis=1, keepdims=True)
+    shifted = np.abs(-normalized - entropy)
+    order = np.argsort(shifted, axis=1, kind="stable")
+    sorted_shifted = np.take_along_axis(shifted, order, axis=1)
+    cumulative = np.cumsum(softmax(np.take_along_axis(scores, order, axis=1)), axis=1)
+    last = np.minimum((cumulative < mass[:, None]).sum(axis=1), scores.shape[1] - 1)
+    remove_sorted = sorted_shifted > sorted_shifted[np.arange(len(scores)), last][:, None]
+    remove = _unsort(_sort_keep(remove_sorted, min_keep, at_end=False), order) & active[:, None]
+    return np.where(remove, -np.inf, scores).astype(scores.dtype, copy=False)
+
+
+def _cutoff(scores: np.ndarray, threshold: np.ndarray, active: np.ndarray, min_keep: np.ndarray) -> np.ndarray:
+    """Remove tokens whose probability is below threshold [n, 1], unless among the min_keep best."""
+    remove = softmax(scores) < threshold
+    remove &= scores < _kth_largest(scores, np.minimum(min_keep, scores.shape[1]))[:, None]
+    return np.where(remove & active[:, None], -np.inf, scores).astype(scores.dtype, copy=False)
+
+
+def epsilon_cutoff(scores: np.ndarray, epsilon: np.ndarray, min_keep: np.ndarray) -> np.ndarray:
+    """EpsilonLogitsWarper: remove tokens of probability below epsilon; 0 is off."""
+    active = (epsilon > 0) & (epsilon < 1)
+    if not active.any():
+        return scores
+    return _cutoff(scores, epsilon[:, None].astype(np.float32), active, min_keep)
+
+
+def eta_cutoff(scores: np.ndarray, eta: np.ndarray, min_keep: np.ndarray) -> np.ndarray:
+    """EtaLogitsWarper: remove tokens of probability below min(eta, sqrt(eta) * exp(-entropy));
+    0 is off."""
+    active = (eta > 0) & (eta < 1)
+    if not active.any():
+        return scores
+    logp = log_softmax(scores)
+    finite = np.maximum(logp, np.finfo(np.float32).min)  # as torch's Categorical: 0 * -inf is 0
+    entropy = -(finite * np.exp(logp)).sum(axis=1)
+    eta = eta.astype(np.float32)
+    threshold = np.minimum(eta, np.sqrt(eta) * np.exp(-entropy).astype(np.float32))
+    return _cutoff(scores, threshold[:, None], active, min_keep)
 
 
 def warp(scores: np.ndarray, rows: SamplingRows) -> np.ndarray:
     """The sampling warpers in transformers' order, each skipped when no row uses it."""
     if (rows.temperature != 1.0).any():
         scores = temperature(scores, rows.temperature)
-    scores = top_k(scores, rows.top_k)
-    return top_p(scores, rows.top_p)
+    scores = top_k(scores, rows.top_k, rows.min_keep)
+    scores = top_p(scores, rows.top_p, rows.min_keep)
+    scores = min_p(scores, rows.min_p, rows.min_keep)
+    scores = typical_p(scores, rows.typical_p, rows.min_keep)
+    scores = epsilon_cutoff(scores, rows.epsilon, rows.min_keep)
+    return eta_cutoff(scores, rows.eta, rows.min_keep)
 
 
 def sample(scores: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -89,14 +210,57 @@ def sample(scores: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.minimum((cdf < target[:, None]).sum(axis=1), scores.shape[1] - 1)
 
 
-def select(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """Next token of each row: argmax for greedy rows, a seeded draw for sampling rows.
+def final_scores(scores: np.ndarray, rows: SamplingRows) -> np.ndarray:
+    """The scores a row's token is chosen from (transformers' `outputs.scores`): the warpers on
+    sampling rows, then renormalize_logits."""
+    sampling = np.flatnonzero(rows.do_sample)
+    if sampling.size:
+        scores = scores.copy()
+        scores[sampling] = warp(scores[sampling], rows.take(sampling))
+    if rows.renormalize.any():
+        scores = np.where(rows.renormalize[:, None], log_softmax(scores), scores)
+    return scores
 
-    scores [n, V] are the processed logits; seeds, draws [n] uint64 are the rows' random state.
-    """
+
+def choose(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """Next token of each row from its final scores: argmax for greedy rows, a seeded draw for
+    sampling rows (seeds, draws [n] uint64: the rows' random state)."""
     tokens = scores.argmax(axis=1)
     sampling = np.flatnonzero(rows.do_sample)
     if sampling.size:
-        warped = warp(scores[sampling], rows.take(sampling))
-        tokens[sampling] = sample(warped, uniforms(seeds[sampling], draws[sampling]))
+        tokens[sampling] = sample(scores[sampling], uniforms(seeds[sampling], draws[sampling]))
     return tokens
+
+
+def select(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """`choose(final_scores(scores))`: the next token of each row from its processed scores."""
+    return choose(final_scores(scores, rows), rows, seeds, draws)
+
+
+@dataclass
+class LogProbs:
+    """The log-probabilities of one step's chosen tokens, [n], and optionally the `k` best
+    alternatives of each row, [n, k] ids and log-probabilities, best first."""
+
+    token: np.ndarray
+    top_ids: np.ndarray | None = None
+    top: np.ndarray | None = None
+
+
+def logprobs(scores: np.ndarray, tokens: np.ndarray, top: int = 0) -> LogProbs:
+    """log_softmax(scores) at `tokens` (compute_transition_scores with normalize_logits=True
+    when `scores` are the final scores), and the `top` best tokens of each row.
+
+    >>> logprobs(np.log(np.array([[0.5, 0.25, 0.25]])), np.array([1]), top=1).top_ids.tolist()
+    [[0]]
+    """
+    logp = log_softmax(scores.astype(np.float32, copy=False))
+    rows = np.arange(len(scores))
+    out = LogProbs(logp[rows, tokens])
+    if top:
+        top = min(top, scores.shape[1])
+        ids = np.argpartition(-logp, top - 1, axis=1)[:, :top]
+        values = np.take_along_axis(logp, ids, axis=1)
+        order = np.argsort(-values, axis=1, kind="stable")
+        out.top_ids, out.top = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+    return out

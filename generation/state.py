@@ -20,9 +20,11 @@ import numpy as np
 
 from .cache import CACHES
 from .context import Context
+from .processors import RowSettings, apply
 from .prompts import PromptCache, run_prompts
-from .selection import SamplingRows, select
+from .selection import LogProbs, SamplingRows, choose, final_scores, logprobs
 from .settings import Settings
+from .stops import StopMatcher
 
 
 @dataclass(slots=True)
@@ -33,6 +35,9 @@ class StepTokens:
     token: np.ndarray  # [B] int64
     finished: np.ndarray  # [B] bool
     any_finished: bool = False
+    logprob: np.ndarray | None = None  # [B] float32, nan where no token (with token_logprobs)
+    top_ids: np.ndarray | None = None  # [B, k] the step's k most likely tokens (with top_logprobs)
+    top: np.ndarray | None = None  # [B, k] their log-probabilities
 
 
 @dataclass
@@ -46,6 +51,7 @@ class Prefix:
     settings: list[Settings]
     seeds: np.ndarray  # uint64
     limit: np.ndarray  # int64: tokens (prompt included) at which each row stops
+    stops: list  # StopMatcher or None per row, having seen the first token
 
 
 @dataclass
@@ -68,15 +74,27 @@ class DecodeState:
     used: np.ndarray  # [B] bool: the slot holds a row (finished rows stay until released)
     seeds: np.ndarray  # [B] uint64
     draws: np.ndarray  # [B] uint64: random numbers drawn so far
-    sampling: SamplingRows
-    eos: np.ndarray  # [B, E] int64, -1 padded
+    settings: RowSettings  # every slot's selection settings and fixed masks
     next_input: np.ndarray  # [B] the last token of each row: the cache's bound token input
+    stops: list  # [B] StopMatcher of a row with stop strings, else None
+    logprob: np.ndarray | None = None  # [B, capacity] float32: each token's log-probability
+    top_ids: np.ndarray | None = None  # [B, capacity, k]
+    top: np.ndarray | None = None  # [B, capacity, k]
     live_rows: np.ndarray = None  # flatnonzero(live)
+    live_settings: RowSettings = None  # settings.take(live_rows)
+    processes: bool = False  # a processor before the warpers is on for a live row
     greedy: bool = True  # no live row samples
     steps_to_limit: int = 0  # steps before the first live row reaches its limit
     single_eos: int | None = None  # the one eos id every live row has, if so
     no_eos: bool = False  # no live row has an eos id
-    fast: bool = False  # every slot live and greedy, at most one eos id: the lean step applies
+    fast: bool = False  # every slot live, greedy, unprocessed, at most one eos id: the lean step applies
+    any_stops: bool = False  # a live row has stop strings
+    lean: bool = True  # the context allows the lean step (no log-probabilities, no custom processors)
+
+    @property
+    def eos(self) -> np.ndarray:
+        """[B, E] int64, -1 padded."""
+        return self.settings.eos
 
     @property
     def slots(self) -> int:
@@ -89,28 +107,17 @@ class DecodeState:
         """Recompute the derived fields after rows entered or left."""
         self.live_rows = np.flatnonzero(self.live)
         rows = self.live_rows
-        self.greedy = not self.sampling.do_sample[rows].any()
+        self.live_settings = self.settings.take(rows)
+        self.processes = self.live_settings.processes()
+        self.greedy = not self.settings.do_sample[rows].any()
         self.steps_to_limit = int((self.limit[rows] - self.lengths[rows] - 1).min()) if rows.size else 0
         eos = self.eos[rows]
         self.no_eos = bool((eos < 0).all())
         shared = rows.size and (eos == eos[:1]).all() and eos[0, 0] >= 0 and (eos[0, 1:] < 0).all()
         self.single_eos = int(eos[0, 0]) if shared else None
-        self.fast = rows.size == self.slots and self.greedy and (self.no_eos or self.single_eos is not None)
-
-
-def _sampling_rows(settings: list[Settings]) -> SamplingRows:
-    return SamplingRows(
-        do_sample=np.array([s.do_sample for s in settings], bool),
-        temperature=np.array([s.temperature for s in settings], np.float32),
-        top_k=np.array([s.top_k for s in settings], np.int64),
-        top_p=np.array([s.top_p for s in settings], np.float32))
-
-
-def _eos_table(settings: list[Settings], width: int) -> np.ndarray:
-    table = np.full((len(settings), width), -1, np.int64)
-    for i, s in enumerate(settings):
-        table[i, :len(s.eos_token_id)] = s.eos_token_id
-    return table
+        self.any_stops = any(self.stops[r] is not None for r in rows.tolist())
+        self.fast = (rows.size == self.slots and self.greedy and not self.processes and self.lean
+                     and (self.no_eos or self.single_eos is not None) and not self.any_stops)
 
 
 def new_state(ctx: Context, slots: int | None = None, capacity: int | None = None) -> DecodeState:
@@ -131,18 +138,72 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
         prompt_length=np.zeros(slots, np.int64), limit=np.zeros(slots, np.int64),
         live=np.zeros(slots, bool), used=np.zeros(slots, bool),
         seeds=np.zeros(slots, np.uint64), draws=np.zeros(slots, np.uint64),
-        sampling=_sampling_rows([ctx.settings] * slots),
-        eos=_eos_table([ctx.settings] * slots, max(1, len(ctx.settings.eos_token_id))),
-        next_input=cache.token_input)
+        settings=RowSettings(slots, ctx.model.vocab_size), next_input=cache.token_input, stops=[None] * slots,
+        lean=not (ctx.token_logprobs or ctx.processors))
+    if ctx.token_logprobs:
+        state.logprob = np.full((slots, capacity), np.nan, np.float32)
+        if ctx.top_logprobs:
+            state.top_ids = np.zeros((slots, capacity, ctx.top_logprobs), np.int64)
+            state.top = np.full((slots, capacity, ctx.top_logprobs), np.nan, np.float32)
     state.next_input[:] = ctx.settings.pad_token_id
     state.refresh()
     return state
 
 
-def _ends(tokens: np.ndarray, eos: np.ndarray, count: np.ndarray, limit: np.ndarray):
-    """(is_eos, finished) for rows that now hold `count` tokens, the last being `tokens`."""
+def _ends(tokens: np.ndarray, eos: np.ndarray, count: np.ndarray, limit: np.ndarray, stops: list):
+    """(is_eos, finished) for rows that now hold `count` tokens, the last being `tokens`;
+    `stops` are the rows' StopMatchers (or None), which see every token but an eos."""
     is_eos = (tokens[:, None] == eos).any(axis=1)
-    return is_eos, is_eos | (count >= limit)
+    finished = is_eos | (count >= limit)
+    for i, matcher in enumerate(stops):  # empty when no row has stop strings
+        if matcher is not None and not is_eos[i] and matcher.add(int(tokens[i])):
+            finished[i] = True
+    return is_eos, finished
+
+
+def _select(ctx: Context, scores: np.ndarray, rows: RowSettings, processes: bool, history: np.ndarray,
+            length: np.ndarray, prompt_length: np.ndarray, seeds: np.ndarray, draws: np.ndarray
+            ) -> tuple[np.ndarray, LogProbs | None]:
+    """The next token of each row from its logits [n, V], and its log-probabilities when the
+    context asks: the processors, the warpers of sampling rows, then greedy or a seeded draw.
+    history [n, W] holds each row's `length` tokens (prompt first)."""
+    processed = scores
+    if processes or ctx.processors:
+        processed = apply(scores, rows, history, length, ctx.processors, prompt_length)
+    sampling = SamplingRows.of(rows)
+    final = final_scores(processed, sampling)
+    tokens = choose(final, sampling, seeds, draws)
+    if not ctx.token_logprobs:
+        return tokens, None
+    return tokens, logprobs(scores if ctx.logprobs_of == "raw" else final, tokens, ctx.top_logprobs)
+
+
+def _row_settings(ctx: Context, prompts, settings: list[Settings], limit: np.ndarray) -> RowSettings:
+    rows = RowSettings(len(prompts), ctx.model.vocab_size)
+    for j, (prompt, s) in enumerate(zip(prompts, settings)):
+        rows.set_row(j, s, len(prompt), int(limit[j]), encoder_ids=prompt)  # a decoder's prompt, as transformers
+    return rows
+
+
+def _stop_matchers(ctx: Context, prompts, settings: list[Settings]) -> list:
+    if not any(s.stop_strings for s in settings):
+        return [None] * len(prompts)
+    from .text import model_tokenizer
+
+    tokenizer = model_tokenizer(ctx.model)
+    return [StopMatcher(tokenizer, s.stop_strings, p) if s.stop_strings else None for p, s in zip(prompts, settings)]
+
+
+def _with_logprobs(out: StepTokens, rows, size: int, lp: LogProbs | None) -> StepTokens:
+    """`out` with the log-probabilities of `rows` spread over `size` rows (nan elsewhere)."""
+    if lp is not None:
+        out.logprob = np.full(size, np.nan, np.float32)
+        out.logprob[rows] = lp.token
+        if lp.top is not None:
+            out.top_ids = np.full((size, lp.top.shape[1]), -1, np.int64)
+            out.top = np.full((size, lp.top.shape[1]), np.nan, np.float32)
+            out.top_ids[rows], out.top[rows] = lp.top_ids, lp.top
+    return out
 
 
 def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits) -> Prefix:
@@ -153,11 +214,17 @@ def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits) 
         max_new = [s.new_tokens_for(len(p)) for s, p in zip(settings, prompts)]
     limit = np.minimum(lengths + np.array(max_new, np.int64), ctx.max_position)
     seeds = np.array(seeds, np.uint64)
-    tokens = select(last_logits, _sampling_rows(settings), seeds, np.zeros(len(prompts), np.uint64))
-    eos = _eos_table(settings, max(1, max(len(s.eos_token_id) for s in settings)))
-    is_eos, finished = _ends(tokens, eos, lengths + 1, limit)
+    rows = _row_settings(ctx, prompts, settings, limit)
+    history = np.zeros((len(prompts), max(1, int(lengths.max()))), np.int64)
+    for j, prompt in enumerate(prompts):
+        history[j, :len(prompt)] = prompt
+    tokens, lp = _select(ctx, last_logits, rows, rows.processes(), history, lengths, lengths, seeds,
+                         np.zeros(len(prompts), np.uint64))
+    stops = _stop_matchers(ctx, prompts, settings)
+    is_eos, finished = _ends(tokens, rows.eos, lengths + 1, limit, stops)
     first = StepTokens(np.where(is_eos, -1, tokens), finished, bool(finished.any()))
-    return Prefix(list(prompts), None, first, list(settings), seeds, limit)
+    first = _with_logprobs(first, np.arange(len(prompts)), len(prompts), lp)
+    return Prefix(list(prompts), None, first, list(settings), seeds, limit, stops)
 
 
 def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settings] | None = None,
@@ -195,13 +262,13 @@ def _occupy(state: DecodeState, slot: int, prefix: Prefix, j: int) -> None:
     state.limit[slot] = min(prefix.limit[j], state.capacity)
     state.live[slot] = state.used[slot] = True
     state.seeds[slot], state.draws[slot] = prefix.seeds[j], 1
-    s = prefix.settings[j]
-    state.sampling.do_sample[slot], state.sampling.temperature[slot] = s.do_sample, s.temperature
-    state.sampling.top_k[slot], state.sampling.top_p[slot] = s.top_k, s.top_p
-    if len(s.eos_token_id) > state.eos.shape[1]:
-        state.eos = np.pad(state.eos, ((0, 0), (0, len(s.eos_token_id) - state.eos.shape[1])), constant_values=-1)
-    state.eos[slot] = -1
-    state.eos[slot, :len(s.eos_token_id)] = s.eos_token_id
+    state.settings.set_row(slot, prefix.settings[j], length, int(state.limit[slot]), encoder_ids=prompt)
+    state.stops[slot] = prefix.stops[j]
+    if state.logprob is not None:
+        state.logprob[slot] = np.nan
+        state.logprob[slot, length] = prefix.first.logprob[j]
+        if state.top is not None:
+            state.top_ids[slot, length], state.top[slot, length] = prefix.first.top_ids[j], prefix.first.top[j]
 
 
 def insert(ctx: Context, prefix: Prefix, state: DecodeState, slots) -> DecodeState:
@@ -250,17 +317,20 @@ def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
     if state.fast:
         return _greedy_steps(state, 1)
     scores = state.cache.decode(state.lengths)[rows]  # [n, V]
-    if state.greedy:
-        tokens = scores.argmax(axis=1)
-    else:
-        tokens = select(scores.astype(np.float32, copy=False), state.sampling.take(rows),
-                        state.seeds[rows], state.draws[rows])
-        state.draws[rows] += np.uint64(1)
     position = state.lengths[rows] + 1  # the new token's index in the row
+    history = state.tokens if rows.size == state.slots else state.tokens[rows]
+    tokens, lp = _select(ctx, scores, state.live_settings, state.processes, history, position,
+                         state.prompt_length[rows], state.seeds[rows], state.draws[rows])
+    if not state.greedy:
+        state.draws[rows] += np.uint64(1)
     state.tokens[rows, position] = tokens
+    if lp is not None:
+        state.logprob[rows, position] = lp.token
+        if lp.top is not None:
+            state.top_ids[rows, position], state.top[rows, position] = lp.top_ids, lp.top
     state.lengths[rows] = position
     state.next_input[rows] = tokens
-    return state, _settle(state, rows, tokens, position)
+    return state, _with_logprobs(_settle(state, rows, tokens, position), rows, state.slots, lp)
 
 
 def advance(ctx: Context, state: DecodeState, max_steps: int) -> tuple[DecodeState, StepTokens]:
@@ -295,7 +365,8 @@ def _greedy_steps(state: DecodeState, max_steps: int) -> tuple[DecodeState, Step
 def _settle(state: DecodeState, rows: np.ndarray, tokens: np.ndarray, position: np.ndarray) -> StepTokens:
     """The step's output, and the rows it ended (an eos token, or the row's limit)."""
     out = StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
-    is_eos, finished = _ends(tokens, state.eos[rows], position + 1, state.limit[rows])
+    is_eos, finished = _ends(tokens, state.eos[rows], position + 1, state.limit[rows],
+                             [state.stops[r] for r in rows.tolist()] if state.any_stops else ())
     out.token[rows] = np.where(is_eos, -1, tokens)
     out.finished[rows] = finished
     if finished.any():
@@ -311,10 +382,22 @@ def release(ctx: Context, state: DecodeState, slot: int) -> DecodeState:
         raise ValueError(f"slot {slot} is outside this state's {state.slots} slots")
     state.cache.release(slot)
     state.live[slot] = state.used[slot] = False
+    state.stops[slot] = None
     state.lengths[slot] = 0
     state.next_input[slot] = ctx.settings.pad_token_id
     state.refresh()
     return state
+
+
+def row_logprobs(state: DecodeState, slot: int):
+    """The log-probabilities of `row_tokens(state, slot)`, and the top alternatives of each
+    ([(id, logprob), ...] best first; None without top_logprobs)."""
+    start, count = int(state.prompt_length[slot]), len(row_tokens(state, slot))
+    logprob = state.logprob[slot, start:start + count].tolist()
+    if state.top is None:
+        return logprob, None
+    ids, top = state.top_ids[slot, start:start + count].tolist(), state.top[slot, start:start + count].tolist()
+    return logprob, [list(zip(i, t)) for i, t in zip(ids, top)]
 
 
 def row_tokens(state: DecodeState, slot: int) -> list[int]:

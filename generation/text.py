@@ -22,6 +22,17 @@ def load_tokenizer(path: Path | None, folder: Path):
         raise ValueError(f"{path} is not a tokenizer the `tokenizers` library reads: {e}") from None
 
 
+_TOKENIZERS: dict = {}
+
+
+def model_tokenizer(model):
+    """The tokenizer of a loaded model, read once per tokenizer file."""
+    key = (model.tokenizer_path, model.folder)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = load_tokenizer(model.tokenizer_path, model.folder)
+    return _TOKENIZERS[key]
+
+
 class Detokenizer:
     """Turns the new token ids of one row, one at a time, into text pieces.
 

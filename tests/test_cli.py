@@ -104,5 +104,5 @@ def test_bad_model_path_exits_2_naming_it(tmp_path):
 def test_bad_setting_exits_2_naming_it(folder, tmp_path):
     done = raymuter("generate", "--model", folder, "--top-p", 2, "--do-sample", "hello", cwd=tmp_path)
     assert done.returncode == 2
-    assert "top_p must be a number in [0, 1], not 2.0" in done.stderr
+    assert "top_p must be a number in (0, 1] (1 turns it off), not 2.0" in done.stderr
     assert "Traceback" not in done.stderr

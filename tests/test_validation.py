@@ -96,8 +96,29 @@ def test_largest_seed_is_accepted(ctx):
     (dict(max_length=-3), "max_length must be an integer >= 0, not -3"),
     (dict(do_sample=True, temperature=0), "temperature must be > 0 when sampling, not 0"),
     (dict(do_sample=True, temperature=-0.5), r"temperature must be > 0 when sampling, not -0.5"),
-    (dict(do_sample=True, top_p=1.5), r"top_p must be a number in \[0, 1\], not 1.5"),
-    (dict(do_sample=True, top_p=-0.1), r"top_p must be a number in \[0, 1\], not -0.1"),
+    (dict(do_sample=True, top_p=1.5), r"top_p must be a number in \(0, 1\] \(1 turns it off\), not 1.5"),
+    (dict(do_sample=True, top_p=-0.1), r"top_p must be a number in \(0, 1\] .*not -0.1"),
+    (dict(do_sample=True, top_p=0), r"top_p must be a number in \(0, 1\] .*not 0"),
+    (dict(repetition_penalty=-1.0), r"repetition_penalty must be a number > 0 \(1 turns it off\), not -1.0"),
+    (dict(repetition_penalty=0), r"repetition_penalty must be a number > 0 .*not 0"),
+    (dict(encoder_repetition_penalty="x"), r"encoder_repetition_penalty must be a number > 0 .*not 'x'"),
+    (dict(no_repeat_ngram_size=-2), r"no_repeat_ngram_size must be an integer >= 0 .*not -2"),
+    (dict(encoder_no_repeat_ngram_size=1.5), r"encoder_no_repeat_ngram_size must be an integer >= 0 .*not 1.5"),
+    (dict(min_length=-1), r"min_length must be an integer >= 0 .*not -1"),
+    (dict(min_new_tokens=-4), r"min_new_tokens must be an integer >= 0, not -4"),
+    (dict(min_p=1.5), r"min_p must be a number in \[0, 1\], not 1.5"),
+    (dict(typical_p=0.0), r"typical_p must be a number in \(0, 1\] .*not 0.0"),
+    (dict(epsilon_cutoff=1.0), r"epsilon_cutoff must be a number in \[0, 1\) .*not 1.0"),
+    (dict(eta_cutoff=-0.1), r"eta_cutoff must be a number in \[0, 1\) .*not -0.1"),
+    (dict(renormalize_logits="yes"), r"renormalize_logits must be true or false, not 'yes'"),
+    (dict(bad_words_ids=[[5], []]), r"bad_words_ids\[1\] = \[\] is not one of lists of token ids"),
+    (dict(bad_words_ids=[[5, -2]]), r"bad_words_ids\[0\] = \[5, -2\] is not one of lists of token ids"),
+    (dict(bad_words_ids=[[5, 100000]]), r"bad_words_ids names token id 100000, outside this model's vocabulary \(0 to 999\)"),
+    (dict(suppress_tokens=[3, 5000]), r"suppress_tokens names token id 5000, outside this model's vocabulary"),
+    (dict(forced_bos_token_id=1000), r"forced_bos_token_id names token id 1000, outside this model's vocabulary"),
+    (dict(sequence_bias=[[[5], "big"]]), r"sequence_bias\[0\] = \[\[5\], 'big'\] is not one of \[\[token ids\], bias\] pairs"),
+    (dict(exponential_decay_length_penalty=[5]), r"exponential_decay_length_penalty must be \[start_index >= 0, decay_factor > 0\]"),
+    (dict(stop_strings=["ok", ""]), r"stop_strings must be a string or a list of non-empty strings"),
     (dict(do_sample=True, top_k=-1), "top_k must be an integer >= 0 .*not -1"),
     (dict(do_sample="yes"), "do_sample must be true or false, not 'yes'"),
     (dict(eos_token_id=-3), "eos_token_id must be a token id or a list of token ids, not -3"),
@@ -111,19 +132,19 @@ def test_bad_setting_names_the_field(optimum, settings, message):
         generation.context(optimum, **settings)
 
 
-@pytest.mark.parametrize("settings, name", [
-    (dict(repetition_penalty=1.2), "repetition_penalty=1.2"),
-    (dict(num_beams=4), "num_beams=4"),
-    (dict(no_repeat_ngram_size=3), "no_repeat_ngram_size=3"),
-    (dict(min_new_tokens=5), "min_new_tokens=5"),
+@pytest.mark.parametrize("settings, message", [
+    (dict(num_beams=4), "num_beams=4 is not supported by this engine yet"),
+    (dict(guidance_scale=1.5), "guidance_scale=1.5 is not supported by raymuter"),
+    (dict(watermarking_config={"bias": 2.0}), "watermarking_config=.* is not supported by raymuter"),
+    (dict(prefix_allowed_tokens_fn="f"), "prefix_allowed_tokens_fn='f' is not supported by raymuter"),
 ])
-def test_setting_not_supported_yet_is_refused_by_name(optimum, settings, name):
-    with pytest.raises(ValueError, match=f"{name} is not supported by this engine yet"):
+def test_setting_not_supported_is_refused_by_name(optimum, settings, message):
+    with pytest.raises(ValueError, match=message):
         generation.context(optimum, **settings)
 
 
 def test_unsupported_setting_at_its_no_op_value_is_accepted(optimum, ctx):
-    quiet = generation.context(optimum, max_new_tokens=4, repetition_penalty=1.0, num_beams=1)
+    quiet = generation.context(optimum, max_new_tokens=4, guidance_scale=None, num_beams=1, repetition_penalty=1.0)
     prompts = [[5, 6, 7], [8, 9]]
     assert generation.generate(quiet, prompts) == generation.generate(ctx, prompts)
 
@@ -137,7 +158,7 @@ def test_greedy_ignores_temperature_zero_as_transformers_does(optimum, ctx):
 
 
 def test_request_overrides_are_validated(ctx):
-    with pytest.raises(ValueError, match=r"top_p must be a number in \[0, 1\], not 3"):
+    with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\] .*not 3"):
         ctx.with_settings(top_p=3)
     assert ctx.with_settings(top_k=7).top_k == 7
     assert ctx.settings.top_k == 50  # the context's own settings are untouched

@@ -1,0 +1,385 @@
+"""The logits processors of transformers 4.57 `_get_logits_processor`, over a whole batch.
+
+Each processor is a free function over `scores` [n, V] float32 and per-row arrays, so one call
+serves rows with different settings (a row whose setting is off is left as it is). A processor
+returns a new array and never writes into the caller's. The row's tokens so far are
+`history[i, :length[i]]`: its prompt and its new tokens, as transformers counts the columns of
+`input_ids` (`length` is transformers' `cur_len`).
+
+`RowSettings` holds every row's settings as arrays, with the masks that do not change between
+steps (one-token bad words and biases, `suppress_tokens`) built once when the row enters, and
+`apply` runs the processors in transformers' order. The sampling warpers are in `selection.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .settings import Settings
+
+NEG_INF = np.float32(-np.inf)
+
+# A user's processor (the seed's "Processors"): `state(row) -> array` of one shape for every
+# row and step, where row = {"prompt": [ids], "generated": [ids, last first], "vocab": V};
+# `process(scores [n, V], states [n, ...]) -> scores [n, V]` over the rows at once.
+CustomProcessor = tuple[Callable[[dict], np.ndarray], Callable[[np.ndarray, np.ndarray], np.ndarray]]
+
+
+def _gather_history(history: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """history [n, W] with each row's entries past its length replaced by its first token, so a
+    gather over the whole width sees only the row's own tokens (repeats change nothing)."""
+    width = int(length.max())
+    tokens = history[:, :width]
+    return np.where(np.arange(width) < length[:, None], tokens, tokens[:, :1])
+
+
+def repetition_penalty(scores: np.ndarray, history: np.ndarray, length: np.ndarray,
+                       penalty: np.ndarray) -> np.ndarray:
+    """RepetitionPenaltyLogitsProcessor: every token the row holds gets its score multiplied by
+    the penalty when negative, divided by it otherwise; penalty 1 is off.
+
+    >>> repetition_penalty(np.array([[2., -2., 1.]], np.float32), np.array([[0, 1]]), np.array([2]),
+    ...                    np.array([2.], np.float32))
+    array([[ 1., -4.,  1.]], dtype=float32)
+    """
+    out = scores.copy()
+    rows = np.flatnonzero(penalty != 1)
+    if rows.size and length[rows].max() > 0:
+        ids = _gather_history(history[rows], length[rows])
+        p = penalty[rows, None].astype(np.float32)
+        got = np.take_along_axis(scores[rows], ids, axis=1)
+        got = np.where(got < 0, got * p, got / p)
+        block = out[rows]
+        np.put_along_axis(block, ids, got, axis=1)
+        out[rows] = block
+    return out
+
+
+def encoder_repetition_penalty(scores: np.ndarray, encoder_ids: Sequence[np.ndarray],
+                               penalty: np.ndarray) -> np.ndarray:
+    """EncoderRepetitionPenaltyLogitsProcessor: the tokens of the row's encoder input (the prompt
+    of a decoder-only model, as transformers passes it) are favoured by 1 / penalty."""
+    out = scores.copy()
+    for i in np.flatnonzero(penalty != 1):
+        ids = np.asarray(encoder_ids[i], np.int64)
+        if ids.size:
+            p = np.float32(1 / penalty[i])
+            got = scores[i, ids]
+            out[i, ids] = np.where(got < 0, got * p, got / p)
+    return out
+
+
+def ngram_bans(source: np.ndarray, tail: np.ndarray, size: int, complete: int) -> np.ndarray:
+    """The tokens that follow `tail` (size - 1 tokens) in the size-grams of `source[:complete +
+    size - 1]` that are whole: the `complete` n-grams starting at 0..complete-1.
+
+    >>> ngram_bans(np.array([1, 2, 3, 1, 2]), np.array([1]), 2, 4).tolist()
+    [2, 2]
+    """
+    if complete <= 0:
+        return np.zeros(0, np.int64)
+    if size == 1:
+        return source[:complete]
+    windows = np.lib.stride_tricks.sliding_window_view(source[:complete + size - 2], size - 1)[:complete]
+    return source[size - 1:complete + size - 1][(windows == tail).all(axis=1)]
+
+
+def no_repeat_ngram(scores: np.ndarray, history: np.ndarray, length: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """NoRepeatNGramLogitsProcessor: a token that would repeat an n-gram of the row is removed."""
+    out = scores.copy()
+    for i in np.flatnonzero(size > 0):
+        n, cur = int(size[i]), int(length[i])
+        if cur + 1 < n:
+            continue
+        tokens = history[i, :cur]
+        out[i, ngram_bans(tokens, tokens[cur - n + 1:], n, cur - n + 1)] = NEG_INF
+    return out
+
+
+def encoder_no_repeat_ngram(scores: np.ndarray, history: np.ndarray, length: np.ndarray, size: np.ndarray,
+                            encoder_ids: Sequence[np.ndarray]) -> np.ndarray:
+    """EncoderNoRepeatNGramLogitsProcessor: a token that would complete an n-gram of the row's
+    encoder input (its prompt, for a decoder-only model) is removed."""
+    out = scores.copy()
+    for i in np.flatnonzero(size > 0):
+        n, cur = int(size[i]), int(length[i])
+        source = np.asarray(encoder_ids[i], np.int64)
+        if cur < n - 1 or len(source) < n:
+            continue
+        out[i, ngram_bans(source, history[i, cur - n + 1:cur], n, len(source) - n + 1)] = NEG_INF
+    return out
+
+
+@dataclass(frozen=True)
+class SequenceRule:
+    """A multi-token sequence_bias (or bad word) entry of one row: when the row's last tokens
+    are `prefix`, `bias` is added to `token`."""
+
+    prefix: tuple[int, ...]
+    token: int
+    bias: float
+
+
+def sequence_bias(scores: np.ndarray, history: np.ndarray, length: np.ndarray,
+                  one_token: np.ndarray | None, rules: Sequence[Sequence[SequenceRule]]) -> np.ndarray:
+    """SequenceBiasLogitsProcessor (and NoBadWordsLogitsProcessor, whose bias is -inf):
+    `one_token` [n, V] float32 is the bias of the one-token sequences (or None), `rules[i]` the
+    longer sequences of row i in their order; a sequence longer than the row never applies."""
+    bias = np.zeros_like(scores) if one_token is None else one_token.astype(np.float32, copy=True)
+    for i, row_rules in enumerate(rules):
+        cur = int(length[i])
+        for rule in row_rules:
+            k = len(rule.prefix)
+            if k + 1 <= cur and tuple(history[i, cur - k:cur].tolist()) == rule.prefix:
+                bias[i, rule.token] += np.float32(rule.bias)
+    return scores + bias
+
+
+def min_length(scores: np.ndarray, length: np.ndarray, minimum: np.ndarray, eos: np.ndarray) -> np.ndarray:
+    """MinLengthLogitsProcessor (and MinNewTokensLengthLogitsProcessor, as minimum = prompt +
+    min_new_tokens): the row's eos tokens ([n, E], -1 padded) are removed while it holds fewer
+    than `minimum` tokens."""
+    out = scores.copy()
+    rows, cols = np.nonzero((eos >= 0) & (length < minimum)[:, None])
+    out[rows, eos[rows, cols]] = NEG_INF
+    return out
+
+
+def force_tokens(scores: np.ndarray, when: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """ForcedBOSTokenLogitsProcessor / ForcedEOSTokenLogitsProcessor: rows where `when` get
+    -inf everywhere but 0 at their tokens ([n, F], -1 padded)."""
+    out = scores.copy()
+    rows = np.flatnonzero(when)
+    if rows.size:
+        out[rows] = NEG_INF
+        r, c = np.nonzero(tokens[rows] >= 0)
+        out[rows[r], tokens[rows][r, c]] = 0
+    return out
+
+
+def remove_invalid_values(scores: np.ndarray, on: np.ndarray) -> np.ndarray:
+    """InfNanRemoveLogitsProcessor: nan to 0, +-inf to the largest finite float32."""
+    out = scores.copy()
+    rows = np.flatnonzero(on)
+    if rows.size:
+        info = np.finfo(np.float32)
+        block = scores[rows]
+        block = np.where(block != block, np.float32(0), block)
+        block = np.where(block == np.inf, info.max, block)
+        out[rows] = np.where(block == -np.inf, info.min, block)
+    return out
+
+
+def exponential_decay_length_penalty(scores: np.ndarray, length: np.ndarray, start: np.ndarray,
+                                     factor: np.ndarray, eos: np.ndarray) -> np.ndarray:
+    """ExponentialDecayLengthPenalty: past `start` tokens (the prompt plus the setting's start
+    index; -1 = off), the eos scores grow by |score| * (factor ** (length - start) - 1)."""
+    out = scores.copy()
+    for i in np.flatnonzero((start >= 0) & (length > start)):
+        ids = eos[i][eos[i] >= 0]
+        grow = np.float32(pow(float(factor[i]), int(length[i] - start[i])) - 1)
+        out[i, ids] = scores[i, ids] + np.abs(scores[i, ids]) * grow
+    return out
+
+
+def suppress(scores: np.ndarray, mask: np.ndarray, when: np.ndarray | None = None) -> np.ndarray:
+    """SuppressTokensLogitsProcessor (mask [n, V]), and SuppressTokensAtBeginLogitsProcessor
+    (only rows where `when`)."""
+    if when is not None:
+        mask = mask & when[:, None]
+    return np.where(mask, NEG_INF, scores)
+
+
+def _token_table(lists: Sequence[Sequence[int]]) -> np.ndarray:
+    width = max([1] + [len(x) for x in lists])
+    table = np.full((len(lists), width), -1, np.int64)
+    for i, ids in enumerate(lists):
+        table[i, :len(ids)] = list(ids)
+    return table
+
+
+class RowSettings:
+    """The settings of `n` rows as arrays, for `apply` and the warpers of `selection`.
+
+    Rows enter with `set_row` (which builds that row's fixed masks) and are read through
+    `take(rows)`; a table is allocated only once some row uses it."""
+
+    def __init__(self, n: int, vocab: int):
+        self.n, self.vocab = n, vocab
+        f32, i64 = np.float32, np.int64
+        self.do_sample = np.zeros(n, bool)
+        self.temperature, self.top_p = np.ones(n, f32), np.ones(n, f32)
+        self.top_k = np.zeros(n, i64)
+        self.min_p, self.typical_p = np.zeros(n, f32), np.ones(n, f32)
+        self.epsilon, self.eta = np.zeros(n, f32), np.zeros(n, f32)
+        self.min_keep = np.ones(n, i64)
+        self.renormalize = np.zeros(n, bool)
+        self.repetition_penalty, self.encoder_repetition_penalty = np.ones(n, f32), np.ones(n, f32)
+        self.no_repeat_ngram, self.encoder_no_repeat_ngram = np.zeros(n, i64), np.zeros(n, i64)
+        self.minimum = np.zeros(n, i64)  # tokens (prompt included) before eos may come
+        self.forced_bos = np.full((n, 1), -1, i64)
+        self.forced_eos = np.full((n, 1), -1, i64)
+        self.remove_invalid = np.zeros(n, bool)
+        self.decay_start, self.decay_factor = np.full(n, -1, i64), np.ones(n, np.float64)
+        self.begin_index = np.full(n, -1, i64)
+        self.eos = np.full((n, 1), -1, i64)
+        self.limit = np.zeros(n, i64)
+        self.encoder_ids: list[np.ndarray] = [np.zeros(0, i64)] * n
+        self.bias_rules: list[list[SequenceRule]] = [[] for _ in range(n)]
+        self.bad_rules: list[list[SequenceRule]] = [[] for _ in range(n)]
+        self.one_token_bias: np.ndarray | None = None  # [n, V] float32
+        self.bad_mask: np.ndarray | None = None  # [n, V] bool: one-token bad words
+        self.suppress_mask: np.ndarray | None = None  # [n, V] bool
+        self.begin_mask: np.ndarray | None = None  # [n, V] bool
+
+    def _table(self, name: str, dtype) -> np.ndarray:
+        if getattr(self, name) is None:
+            setattr(self, name, np.zeros((self.n, self.vocab), dtype))
+        return getattr(self, name)
+
+    def _widen(self, name: str, width: int) -> np.ndarray:
+        table = getattr(self, name)
+        if table.shape[1] < width:
+            table = np.pad(table, ((0, 0), (0, width - table.shape[1])), constant_values=-1)
+            setattr(self, name, table)
+        return table
+
+    def set_row(self, i: int, s: Settings, prompt_length: int, limit: int,
+                encoder_ids: Sequence[int] | None = None) -> None:
+        """Row i takes settings `s`, for a prompt of `prompt_length` tokens (decoder-side, with
+        decoder_start_token_id for an encoder-decoder model) that stops at `limit` tokens;
+        `encoder_ids` is the encoder's input (default: none)."""
+        self.do_sample[i], self.temperature[i], self.top_k[i], self.top_p[i] = s.do_sample, s.temperature, s.top_k, s.top_p
+        self.min_p[i] = 0 if s.min_p is None else s.min_p
+        self.typical_p[i], self.epsilon[i], self.eta[i] = s.typical_p, s.epsilon_cutoff, s.eta_cutoff
+        self.renormalize[i] = s.renormalize_logits
+        self.repetition_penalty[i] = s.repetition_penalty
+        self.encoder_repetition_penalty[i] = s.encoder_repetition_penalty
+        self.no_repeat_ngram[i], self.encoder_no_repeat_ngram[i] = s.no_repeat_ngram_size, s.encoder_no_repeat_ngram_size
+        if s.min_new_tokens:  # as generate(): min_new_tokens replaces min_length
+            self.minimum[i] = prompt_length + s.min_new_tokens
+        else:
+            self.minimum[i] = s.min_length
+        self.forced_bos[i, 0] = -1 if s.forced_bos_token_id is None else s.forced_bos_token_id
+        forced_eos = s.forced_eos_token_id or ()
+        self._widen("forced_eos", len(forced_eos))[i] = -1
+        self.forced_eos[i, :len(forced_eos)] = forced_eos
+        self.remove_invalid[i] = s.remove_invalid_values
+        if s.exponential_decay_length_penalty is None:
+            self.decay_start[i], self.decay_factor[i] = -1, 1.0
+        else:
+            start, factor = s.exponential_decay_length_penalty
+            self.decay_start[i], self.decay_factor[i] = start + prompt_length, factor
+        self._widen("eos", len(s.eos_token_id))[i] = -1
+        self.eos[i, :len(s.eos_token_id)] = s.eos_token_id
+        self.limit[i] = limit
+        self.encoder_ids[i] = np.asarray(encoder_ids if encoder_ids is not None else [], np.int64)
+        self._set_sequences(i, s)
+        self._set_mask("suppress_mask", i, s.suppress_tokens)
+        self._set_mask("begin_mask", i, s.begin_suppress_tokens)
+        first = prompt_length + (1 if prompt_length == 1 and s.forced_bos_token_id is not None else 0)
+        self.begin_index[i] = first if s.begin_suppress_tokens else -1
+
+    def _set_mask(self, name: str, i: int, tokens) -> None:
+        if tokens:
+            self._table(name, bool)[i] = False
+            getattr(self, name)[i, list(tokens)] = True
+        elif getattr(self, name) is not None:
+            getattr(self, name)[i] = False
+
+    def _set_sequences(self, i: int, s: Settings) -> None:
+        self.bias_rules[i], self.bad_rules[i] = [], []
+        if self.one_token_bias is not None:
+            self.one_token_bias[i] = 0
+        if self.bad_mask is not None:
+            self.bad_mask[i] = False
+        for ids, bias in s.sequence_bias or ():
+            if len(ids) == 1:
+                self._table("one_token_bias", np.float32)[i, ids[0]] = bias  # the last entry wins, as a dict
+            else:
+                self.bias_rules[i].append(SequenceRule(tuple(ids[:-1]), ids[-1], bias))
+        eos = set(s.eos_token_id)
+        for ids in s.bad_words_ids or ():
+            if len(ids) == 1 and ids[0] in eos:
+                continue  # as NoBadWordsLogitsProcessor: a bad word that is an eos token is dropped
+            if len(ids) == 1:
+                self._table("bad_mask", bool)[i, ids[0]] = True
+            else:
+                self.bad_rules[i].append(SequenceRule(tuple(ids[:-1]), ids[-1], -np.inf))
+
+    def take(self, rows: np.ndarray) -> "RowSettings":
+        """The settings of `rows` (an index array) as a RowSettings of len(rows) rows."""
+        out = RowSettings.__new__(RowSettings)
+        out.n, out.vocab = len(rows), self.vocab
+        for name, value in vars(self).items():
+            if name in ("n", "vocab"):
+                continue
+            if isinstance(value, np.ndarray):
+                setattr(out, name, value[rows])
+            elif isinstance(value, list):
+                setattr(out, name, [value[r] for r in rows])
+            else:
+                setattr(out, name, value)
+        return out
+
+    def processes(self) -> bool:
+        """Whether any processor before the warpers is on for some row (else the raw logits
+        go straight to selection)."""
+        return bool((self.repetition_penalty != 1).any() or (self.encoder_repetition_penalty != 1).any()
+                    or self.no_repeat_ngram.any() or self.encoder_no_repeat_ngram.any()
+                    or (self.minimum > 0).any() or (self.forced_bos >= 0).any() or (self.forced_eos >= 0).any()
+                    or self.remove_invalid.any() or (self.decay_start >= 0).any() or (self.begin_index >= 0).any()
+                    or self.one_token_bias is not None or self.bad_mask is not None
+                    or self.suppress_mask is not None or any(self.bias_rules) or any(self.bad_rules))
+
+
+def row_views(history: np.ndarray, length: np.ndarray, prompt_length: np.ndarray, vocab: int) -> list[dict]:
+    """The row maps a custom processor's `state` reads: prompt, generated (last first), vocab."""
+    return [{"prompt": history[i, :p].tolist(), "generated": history[i, p:int(n)][::-1].tolist(), "vocab": vocab}
+            for i, (p, n) in enumerate(zip(prompt_length.tolist(), length.tolist()))]
+
+
+def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np.ndarray,
+          custom: Sequence[CustomProcessor] = (), prompt_length: np.ndarray | None = None) -> np.ndarray:
+    """The processors of transformers' `_get_logits_processor` before the warpers, in its order,
+    then the custom processors. scores [n, V]; history [n, W] and length [n] as in the module
+    docstring; `prompt_length` [n] (for custom processors) splits each row's history."""
+    out = scores.astype(np.float32, copy=True)
+    if rows.one_token_bias is not None or any(rows.bias_rules):
+        out = sequence_bias(out, history, length, rows.one_token_bias, rows.bias_rules)
+    if (rows.encoder_repetition_penalty != 1).any():
+        out = encoder_repetition_penalty(out, rows.encoder_ids, rows.encoder_repetition_penalty)
+    if (rows.repetition_penalty != 1).any():
+        out = repetition_penalty(out, history, length, rows.repetition_penalty)
+    if rows.no_repeat_ngram.any():
+        out = no_repeat_ngram(out, history, length, rows.no_repeat_ngram)
+    if rows.encoder_no_repeat_ngram.any():
+        out = encoder_no_repeat_ngram(out, history, length, rows.encoder_no_repeat_ngram, rows.encoder_ids)
+    if rows.bad_mask is not None or any(rows.bad_rules):
+        bad = None if rows.bad_mask is None else np.where(rows.bad_mask, NEG_INF, np.float32(0))
+        out = sequence_bias(out, history, length, bad, rows.bad_rules)
+    if (rows.minimum > 0).any():
+        out = min_length(out, length, rows.minimum, rows.eos)
+    if (rows.forced_bos >= 0).any():
+        out = force_tokens(out, (length == 1) & (rows.forced_bos[:, 0] >= 0), rows.forced_bos)
+    if (rows.forced_eos >= 0).any():
+        out = force_tokens(out, (length == rows.limit - 1) & (rows.forced_eos[:, 0] >= 0), rows.forced_eos)
+    if rows.remove_invalid.any():
+        out = remove_invalid_values(out, rows.remove_invalid)
+    if (rows.decay_start >= 0).any():
+        out = exponential_decay_length_penalty(out, length, rows.decay_start, rows.decay_factor, rows.eos)
+    if rows.suppress_mask is not None:
+        out = suppress(out, rows.suppress_mask)
+    if rows.begin_mask is not None:
+        out = suppress(out, rows.begin_mask, length == rows.begin_index)
+    if custom:
+        views = row_views(history, length, prompt_length, rows.vocab)
+        for state, process in custom:
+            states = np.stack([np.asarray(state(v)) for v in views])
+            out = np.asarray(process(out, states), np.float32)
+            if out.shape != scores.shape:
+                raise ValueError(f"a custom processor returned scores of shape {out.shape}, not {scores.shape}")
+    return out
