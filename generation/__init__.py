@@ -11,12 +11,12 @@ builds continuous batching on.
 """
 
 from .context import Context, compile, context
-from .generate import generate
+from .generate import Generated, generate
 from .model import Model, ModelError, load
 from .settings import Settings
 from .state import DecodeState, Prefix, StepTokens, admit, advance, insert, new_state, prefill, release, step
 
 __all__ = [
-    "Context", "DecodeState", "Model", "ModelError", "Prefix", "Settings", "StepTokens", "admit", "advance", "compile",
+    "Context", "DecodeState", "Generated", "Model", "ModelError", "Prefix", "Settings", "StepTokens", "admit", "advance", "compile",
     "context", "generate", "insert", "load", "new_state", "prefill", "release", "step",
 ]

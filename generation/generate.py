@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from .context import Context
 from .rng import SEED_LIMIT
-from .state import StepTokens, admit, advance, new_state, release, row_tokens, step
+from .state import StepTokens, admit, advance, new_state, release, row_logprobs, row_tokens, step
+
+
+@dataclass
+class Generated:
+    """A row's new tokens (without the eos token) with their log-probabilities, and the
+    `top_logprobs` best alternatives of each step ([(id, logprob), ...], best first)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def check_prompts(ctx: Context, prompts) -> list[list[int]]:
@@ -58,18 +69,21 @@ def check_seeds(seeds, count: int) -> list[int]:
 
 
 def generate(ctx: Context, prompts, seeds=None,
-             on_token: Callable[[StepTokens], None] | None = None) -> list[list[int]]:
-    """The new tokens of each prompt, without the eos token.
+             on_token: Callable[[StepTokens], None] | None = None) -> list[list[int]] | list[Generated]:
+    """The new tokens of each prompt, without the eos token (with `token_logprobs` in the
+    context: a `Generated` per prompt, the tokens with their log-probabilities).
 
     prompts: token id lists; an empty prompt is a padding row that yields nothing.
     seeds: one per prompt (a row's tokens depend only on its prompt, seed and settings).
     on_token: called after each step with a StepTokens over the prompts: the new token of each
-    row (-1 where the row has none) and which rows are finished (all so far).
+    row (-1 where the row has none) and which rows are finished (all so far), with the
+    log-probabilities when the context asks for them.
     """
     prompts = check_prompts(ctx, prompts)
     seeds = check_seeds(seeds, len(prompts))
     settings = ctx.settings
-    results: list[list[int]] = [[] for _ in prompts]
+    results: list = [Generated([], [], [] if ctx.top_logprobs else None) if ctx.token_logprobs else []
+                     for _ in prompts]
     budget = [settings.new_tokens_for(len(p)) if p else 0 for p in prompts]
     waiting = deque(i for i, p in enumerate(prompts) if budget[i] > 0)
     finished = np.array([budget[i] == 0 for i in range(len(prompts))], bool)
@@ -87,7 +101,18 @@ def generate(ctx: Context, prompts, seeds=None,
         if on_token is not None:
             tokens = np.full(len(prompts), -1, np.int64)
             tokens[rows] = out.token
-            on_token(StepTokens(tokens, finished.copy(), bool(out.finished.any())))
+            spread = StepTokens(tokens, finished.copy(), bool(out.finished.any()))
+            if out.logprob is not None:
+                spread.logprob = np.full(len(prompts), np.nan, np.float32)
+                spread.logprob[rows] = out.logprob
+            if out.top is not None:
+                spread.top_ids = np.full((len(prompts), out.top.shape[1]), -1, np.int64)
+                spread.top = np.full((len(prompts), out.top.shape[1]), np.nan, np.float32)
+                spread.top_ids[rows], spread.top[rows] = out.top_ids, out.top
+            on_token(spread)
+
+    def keep(row: int, tokens: list[int], logprobs=None, top=None) -> None:
+        results[row] = Generated(tokens, logprobs, top) if ctx.token_logprobs else tokens
 
     while waiting or state.live_rows.size:
         free = state.free_slots() if waiting else ()
@@ -96,9 +121,12 @@ def generate(ctx: Context, prompts, seeds=None,
             state, first = admit(ctx, state, free[:len(admitted)], [prompts[i] for i in admitted],
                                  [seeds[i] for i in admitted], max_new=[budget[i] for i in admitted])
             row_of[free[:len(admitted)]] = admitted
-            for row, token in zip(admitted, first.token):
-                if token >= 0:
-                    results[row] = [int(token)]
+            for j, row in enumerate(admitted):
+                if not ctx.token_logprobs:
+                    results[row] = [int(first.token[j])] if first.token[j] >= 0 else []
+                elif first.token[j] >= 0:
+                    top = None if first.top is None else [list(zip(first.top_ids[j].tolist(), first.top[j].tolist()))]
+                    keep(row, [int(first.token[j])], [float(first.logprob[j])], top)
             report(np.array(admitted), first)
         if state.live_rows.size:
             used = state.live_rows
@@ -109,7 +137,10 @@ def generate(ctx: Context, prompts, seeds=None,
                 report(row_of[used], StepTokens(out.token[used], out.finished[used]))
             if out.any_finished:
                 for slot in np.flatnonzero(out.finished):
-                    results[row_of[slot]] = row_tokens(state, slot)
+                    if ctx.token_logprobs:
+                        keep(row_of[slot], row_tokens(state, slot), *row_logprobs(state, slot))
+                    else:
+                        results[row_of[slot]] = row_tokens(state, slot)
                     finished[row_of[slot]] = True
                     state = release(ctx, state, slot)
                     row_of[slot] = -1
