@@ -22,6 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--top-k", type=int)
     gen.add_argument("--top-p", type=float)
+    gen.add_argument("--repetition-penalty", type=float)
+    gen.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeat for several); the text "
+                     "ends before it")
+    gen.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
+                     help="any generation_config.json setting, e.g. --set no_repeat_ngram_size=3 "
+                     "--set 'bad_words_ids=[[5]]' (repeat for several)")
     gen.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i gets seed + i")
     gen.add_argument("--cache-mode", choices=["in_place", "append", "grow"], help="force a cache mode the graph supports")
     gen.add_argument("--prompt-steps", choices=["whole", "pieces"], default="whole")
@@ -31,15 +37,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args) -> dict:
+    import json
+
     names = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "temperature": args.temperature,
-             "top_k": args.top_k, "top_p": args.top_p}
-    return {k: v for k, v in names.items() if v is not None}
+             "top_k": args.top_k, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty,
+             "stop_strings": args.stop}
+    overrides = {k: v for k, v in names.items() if v is not None}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--set takes NAME=JSON, not {item!r}")
+        try:
+            overrides[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[name.strip()] = value  # a bare string
+    return overrides
 
 
 def generate_command(args) -> int:
     import numpy as np
 
     import generation
+    from generation.stops import cut_at_stop
     from generation.text import Detokenizer, load_tokenizer
 
     started = time.perf_counter()
@@ -51,7 +70,8 @@ def generate_command(args) -> int:
           f"{model.threads} threads) loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     prompts = [tokenizer.encode(text).ids for text in args.prompts]
     seeds = [args.seed + i for i in range(len(prompts))]
-    stream = Detokenizer(tokenizer) if len(prompts) == 1 else None
+    stops = ctx.settings.stop_strings
+    stream = Detokenizer(tokenizer) if len(prompts) == 1 and not stops else None  # stop strings: cut, then print
 
     def on_token(event) -> None:
         token = int(event.token[0])
@@ -66,7 +86,8 @@ def generate_command(args) -> int:
         print(stream.flush())
     else:
         for text, row in zip(args.prompts, rows):
-            print(f"--- {text}\n{tokenizer.decode(row, skip_special_tokens=True)}")
+            out = cut_at_stop(tokenizer.decode(row, skip_special_tokens=True), stops)
+            print(out if len(prompts) == 1 else f"--- {text}\n{out}")
     count = int(np.sum([len(r) for r in rows]))
     print(f"[raymuter] {count} tokens in {elapsed:.2f} s ({count / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
     return 0

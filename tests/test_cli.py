@@ -91,6 +91,23 @@ def test_streamed_text_ends_with_the_whole_last_token(folder, model, tokenizer, 
     assert done.stdout == expected_text(model, tokenizer, ragged, 8) + "\n"
 
 
+def test_processor_settings_and_stop_strings(folder, model, tokenizer, tmp_path):
+    done = raymuter("generate", "--model", folder, "--max-new-tokens", 8, "--repetition-penalty", 1.3,
+                    "--set", "no_repeat_ngram_size=2", "--set", "bad_words_ids=[[5]]", "ka lo mi", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    ctx = generation.context(model, max_new_tokens=8, repetition_penalty=1.3, no_repeat_ngram_size=2,
+                             bad_words_ids=[[5]])
+    row = generation.generate(ctx, [tokenizer.encode("ka lo mi").ids])[0]
+    assert done.stdout == tokenizer.decode(row, skip_special_tokens=True) + "\n"
+    text = expected_text(model, tokenizer, "ka lo mi", 8)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    done = raymuter("generate", "--model", folder, "--max-new-tokens", 8, "--stop", stop, "ka lo mi", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == text[:text.index(stop)] + "\n"
+    bad = raymuter("generate", "--model", folder, "--set", "no_repeat_ngram_size", "ka", cwd=tmp_path)
+    assert bad.returncode == 2 and "--set takes NAME=JSON, not 'no_repeat_ngram_size'" in bad.stderr
+
+
 def test_bad_model_path_exits_2_naming_it(tmp_path):
     missing = tmp_path / "no-such-model"
     done = raymuter("generate", "--model", missing, "hello", cwd=tmp_path)
