@@ -2,7 +2,8 @@
 
 Each processor is a free function over `scores` [n, V] float32 and per-row arrays, so one call
 serves rows with different settings (a row whose setting is off is left as it is). A processor
-returns a new array and never writes into the caller's. The row's tokens so far are
+returns a new array and never writes into the caller's, unless told `inplace=True` (what `apply`
+does on its own copy, so a step copies the scores once, not once per processor). The row's tokens so far are
 `history[i, :length[i]]`: its prompt and its new tokens, as transformers counts the columns of
 `input_ids` (`length` is transformers' `cur_len`).
 
@@ -37,7 +38,7 @@ def _gather_history(history: np.ndarray, length: np.ndarray) -> np.ndarray:
 
 
 def repetition_penalty(scores: np.ndarray, history: np.ndarray, length: np.ndarray,
-                       penalty: np.ndarray) -> np.ndarray:
+                       penalty: np.ndarray, inplace: bool = False) -> np.ndarray:
     """RepetitionPenaltyLogitsProcessor: every token the row holds gets its score multiplied by
     the penalty when negative, divided by it otherwise; penalty 1 is off.
 
@@ -45,29 +46,26 @@ def repetition_penalty(scores: np.ndarray, history: np.ndarray, length: np.ndarr
     ...                    np.array([2.], np.float32))
     array([[ 1., -4.,  1.]], dtype=float32)
     """
-    out = scores.copy()
+    out = scores if inplace else scores.copy()
     rows = np.flatnonzero(penalty != 1)
     if rows.size and length[rows].max() > 0:
-        ids = _gather_history(history[rows], length[rows])
+        flat = _gather_history(history[rows], length[rows]) + (rows * scores.shape[1])[:, None]
         p = penalty[rows, None].astype(np.float32)
-        got = np.take_along_axis(scores[rows], ids, axis=1)
-        got = np.where(got < 0, got * p, got / p)
-        block = out[rows]
-        np.put_along_axis(block, ids, got, axis=1)
-        out[rows] = block
+        got = out.take(flat)
+        np.put(out, flat, np.where(got < 0, got * p, got / p))
     return out
 
 
 def encoder_repetition_penalty(scores: np.ndarray, encoder_ids: Sequence[np.ndarray],
-                               penalty: np.ndarray) -> np.ndarray:
+                               penalty: np.ndarray, inplace: bool = False) -> np.ndarray:
     """EncoderRepetitionPenaltyLogitsProcessor: the tokens of the row's encoder input (the prompt
     of a decoder-only model, as transformers passes it) are favoured by 1 / penalty."""
-    out = scores.copy()
+    out = scores if inplace else scores.copy()
     for i in np.flatnonzero(penalty != 1):
         ids = np.asarray(encoder_ids[i], np.int64)
         if ids.size:
             p = np.float32(1 / penalty[i])
-            got = scores[i, ids]
+            got = out[i, ids]
             out[i, ids] = np.where(got < 0, got * p, got / p)
     return out
 
@@ -87,9 +85,10 @@ def ngram_bans(source: np.ndarray, tail: np.ndarray, size: int, complete: int) -
     return source[size - 1:complete + size - 1][(windows == tail).all(axis=1)]
 
 
-def no_repeat_ngram(scores: np.ndarray, history: np.ndarray, length: np.ndarray, size: np.ndarray) -> np.ndarray:
+def no_repeat_ngram(scores: np.ndarray, history: np.ndarray, length: np.ndarray, size: np.ndarray,
+                    inplace: bool = False) -> np.ndarray:
     """NoRepeatNGramLogitsProcessor: a token that would repeat an n-gram of the row is removed."""
-    out = scores.copy()
+    out = scores if inplace else scores.copy()
     for i in np.flatnonzero(size > 0):
         n, cur = int(size[i]), int(length[i])
         if cur + 1 < n:
@@ -100,10 +99,10 @@ def no_repeat_ngram(scores: np.ndarray, history: np.ndarray, length: np.ndarray,
 
 
 def encoder_no_repeat_ngram(scores: np.ndarray, history: np.ndarray, length: np.ndarray, size: np.ndarray,
-                            encoder_ids: Sequence[np.ndarray]) -> np.ndarray:
+                            encoder_ids: Sequence[np.ndarray], inplace: bool = False) -> np.ndarray:
     """EncoderNoRepeatNGramLogitsProcessor: a token that would complete an n-gram of the row's
     encoder input (its prompt, for a decoder-only model) is removed."""
-    out = scores.copy()
+    out = scores if inplace else scores.copy()
     for i in np.flatnonzero(size > 0):
         n, cur = int(size[i]), int(length[i])
         source = np.asarray(encoder_ids[i], np.int64)
@@ -124,34 +123,46 @@ class SequenceRule:
 
 
 def sequence_bias(scores: np.ndarray, history: np.ndarray, length: np.ndarray,
-                  one_token: np.ndarray | None, rules: Sequence[Sequence[SequenceRule]]) -> np.ndarray:
+                  one_token: np.ndarray | None, rules: Sequence[Sequence[SequenceRule]],
+                  inplace: bool = False) -> np.ndarray:
     """SequenceBiasLogitsProcessor (and NoBadWordsLogitsProcessor, whose bias is -inf):
     `one_token` [n, V] float32 is the bias of the one-token sequences (or None), `rules[i]` the
-    longer sequences of row i in their order; a sequence longer than the row never applies."""
-    bias = np.zeros_like(scores) if one_token is None else one_token.astype(np.float32, copy=True)
+    longer sequences of row i in their order; a sequence longer than the row never applies.
+    As transformers, a token's biases are summed first, then added to its score."""
+    out = scores if inplace else scores.copy()
+    summed: dict[tuple[int, int], np.float32] = {}  # (row, token) -> its whole bias, where a rule matched
     for i, row_rules in enumerate(rules):
         cur = int(length[i])
         for rule in row_rules:
             k = len(rule.prefix)
             if k + 1 <= cur and tuple(history[i, cur - k:cur].tolist()) == rule.prefix:
-                bias[i, rule.token] += np.float32(rule.bias)
-    return scores + bias
+                key = (i, rule.token)
+                if key not in summed:
+                    summed[key] = np.float32(0) if one_token is None else np.float32(one_token[key])
+                summed[key] = np.float32(summed[key] + np.float32(rule.bias))
+    before = {key: out[key] for key in summed}
+    if one_token is not None:
+        out += one_token
+    for key, bias in summed.items():
+        out[key] = before[key] + bias
+    return out
 
 
-def min_length(scores: np.ndarray, length: np.ndarray, minimum: np.ndarray, eos: np.ndarray) -> np.ndarray:
+def min_length(scores: np.ndarray, length: np.ndarray, minimum: np.ndarray, eos: np.ndarray,
+               inplace: bool = False) -> np.ndarray:
     """MinLengthLogitsProcessor (and MinNewTokensLengthLogitsProcessor, as minimum = prompt +
     min_new_tokens): the row's eos tokens ([n, E], -1 padded) are removed while it holds fewer
     than `minimum` tokens."""
-    out = scores.copy()
+    out = scores if inplace else scores.copy()
     rows, cols = np.nonzero((eos >= 0) & (length < minimum)[:, None])
     out[rows, eos[rows, cols]] = NEG_INF
     return out
 
 
-def force_tokens(scores: np.ndarray, when: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def force_tokens(scores: np.ndarray, when: np.ndarray, tokens: np.ndarray, inplace: bool = False) -> np.ndarray:
     """ForcedBOSTokenLogitsProcessor / ForcedEOSTokenLogitsProcessor: rows where `when` get
     -inf everywhere but 0 at their tokens ([n, F], -1 padded)."""
-    out = scores.copy()
+    out = scores if inplace else scores.copy()
     rows = np.flatnonzero(when)
     if rows.size:
         out[rows] = NEG_INF
@@ -160,13 +171,13 @@ def force_tokens(scores: np.ndarray, when: np.ndarray, tokens: np.ndarray) -> np
     return out
 
 
-def remove_invalid_values(scores: np.ndarray, on: np.ndarray) -> np.ndarray:
+def remove_invalid_values(scores: np.ndarray, on: np.ndarray, inplace: bool = False) -> np.ndarray:
     """InfNanRemoveLogitsProcessor: nan to 0, +-inf to the largest finite float32."""
-    out = scores.copy()
+    out = scores if inplace else scores.copy()
     rows = np.flatnonzero(on)
     if rows.size:
         info = np.finfo(np.float32)
-        block = scores[rows]
+        block = out[rows]
         block = np.where(block != block, np.float32(0), block)
         block = np.where(block == np.inf, info.max, block)
         out[rows] = np.where(block == -np.inf, info.min, block)
@@ -174,23 +185,29 @@ def remove_invalid_values(scores: np.ndarray, on: np.ndarray) -> np.ndarray:
 
 
 def exponential_decay_length_penalty(scores: np.ndarray, length: np.ndarray, start: np.ndarray,
-                                     factor: np.ndarray, eos: np.ndarray) -> np.ndarray:
+                                     factor: np.ndarray, eos: np.ndarray, inplace: bool = False) -> np.ndarray:
     """ExponentialDecayLengthPenalty: past `start` tokens (the prompt plus the setting's start
     index; -1 = off), the eos scores grow by |score| * (factor ** (length - start) - 1)."""
-    out = scores.copy()
+    out = scores if inplace else scores.copy()
     for i in np.flatnonzero((start >= 0) & (length > start)):
         ids = eos[i][eos[i] >= 0]
         grow = np.float32(pow(float(factor[i]), int(length[i] - start[i])) - 1)
-        out[i, ids] = scores[i, ids] + np.abs(scores[i, ids]) * grow
+        out[i, ids] = out[i, ids] + np.abs(out[i, ids]) * grow
     return out
 
 
-def suppress(scores: np.ndarray, mask: np.ndarray, when: np.ndarray | None = None) -> np.ndarray:
+def suppress(scores: np.ndarray, mask: np.ndarray, when: np.ndarray | None = None, inplace: bool = False) -> np.ndarray:
     """SuppressTokensLogitsProcessor (mask [n, V]), and SuppressTokensAtBeginLogitsProcessor
     (only rows where `when`)."""
-    if when is not None:
-        mask = mask & when[:, None]
-    return np.where(mask, NEG_INF, scores)
+    out = scores if inplace else scores.copy()
+    if when is None:
+        np.putmask(out, mask, NEG_INF)
+    elif when.any():
+        rows = np.flatnonzero(when)
+        block = out[rows]
+        np.putmask(block, mask[rows], NEG_INF)
+        out[rows] = block
+    return out
 
 
 def _token_table(lists: Sequence[Sequence[int]]) -> np.ndarray:
@@ -252,6 +269,7 @@ class RowSettings:
         """Row i takes settings `s`, for a prompt of `prompt_length` tokens (decoder-side, with
         decoder_start_token_id for an encoder-decoder model) that stops at `limit` tokens;
         `encoder_ids` is the encoder's input (default: none)."""
+        self._bad_bias = None
         self.do_sample[i], self.temperature[i], self.top_k[i], self.top_p[i] = s.do_sample, s.temperature, s.top_k, s.top_p
         self.min_p[i] = 0 if s.min_p is None else s.min_p
         self.typical_p[i], self.epsilon[i], self.eta[i] = s.typical_p, s.epsilon_cutoff, s.eta_cutoff
@@ -310,12 +328,18 @@ class RowSettings:
             else:
                 self.bad_rules[i].append(SequenceRule(tuple(ids[:-1]), ids[-1], -np.inf))
 
+    def bad_bias(self) -> np.ndarray:
+        """The one-token bad words as a bias table: -inf where banned (built once per take)."""
+        if getattr(self, "_bad_bias", None) is None:
+            self._bad_bias = np.where(self.bad_mask, NEG_INF, np.float32(0))
+        return self._bad_bias
+
     def take(self, rows: np.ndarray) -> "RowSettings":
         """The settings of `rows` (an index array) as a RowSettings of len(rows) rows."""
         out = RowSettings.__new__(RowSettings)
         out.n, out.vocab = len(rows), self.vocab
         for name, value in vars(self).items():
-            if name in ("n", "vocab"):
+            if name in ("n", "vocab", "_bad_bias"):
                 continue
             if isinstance(value, np.ndarray):
                 setattr(out, name, value[rows])
@@ -347,34 +371,34 @@ def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np
     """The processors of transformers' `_get_logits_processor` before the warpers, in its order,
     then the custom processors. scores [n, V]; history [n, W] and length [n] as in the module
     docstring; `prompt_length` [n] (for custom processors) splits each row's history."""
-    out = scores.astype(np.float32, copy=True)
+    out = scores.astype(np.float32, copy=True)  # the one copy; every processor below works in it
     if rows.one_token_bias is not None or any(rows.bias_rules):
-        out = sequence_bias(out, history, length, rows.one_token_bias, rows.bias_rules)
+        sequence_bias(out, history, length, rows.one_token_bias, rows.bias_rules, inplace=True)
     if (rows.encoder_repetition_penalty != 1).any():
-        out = encoder_repetition_penalty(out, rows.encoder_ids, rows.encoder_repetition_penalty)
+        encoder_repetition_penalty(out, rows.encoder_ids, rows.encoder_repetition_penalty, inplace=True)
     if (rows.repetition_penalty != 1).any():
-        out = repetition_penalty(out, history, length, rows.repetition_penalty)
+        repetition_penalty(out, history, length, rows.repetition_penalty, inplace=True)
     if rows.no_repeat_ngram.any():
-        out = no_repeat_ngram(out, history, length, rows.no_repeat_ngram)
+        no_repeat_ngram(out, history, length, rows.no_repeat_ngram, inplace=True)
     if rows.encoder_no_repeat_ngram.any():
-        out = encoder_no_repeat_ngram(out, history, length, rows.encoder_no_repeat_ngram, rows.encoder_ids)
+        encoder_no_repeat_ngram(out, history, length, rows.encoder_no_repeat_ngram, rows.encoder_ids, inplace=True)
     if rows.bad_mask is not None or any(rows.bad_rules):
-        bad = None if rows.bad_mask is None else np.where(rows.bad_mask, NEG_INF, np.float32(0))
-        out = sequence_bias(out, history, length, bad, rows.bad_rules)
+        bad = None if rows.bad_mask is None else rows.bad_bias()
+        sequence_bias(out, history, length, bad, rows.bad_rules, inplace=True)
     if (rows.minimum > 0).any():
-        out = min_length(out, length, rows.minimum, rows.eos)
+        min_length(out, length, rows.minimum, rows.eos, inplace=True)
     if (rows.forced_bos >= 0).any():
-        out = force_tokens(out, (length == 1) & (rows.forced_bos[:, 0] >= 0), rows.forced_bos)
+        force_tokens(out, (length == 1) & (rows.forced_bos[:, 0] >= 0), rows.forced_bos, inplace=True)
     if (rows.forced_eos >= 0).any():
-        out = force_tokens(out, (length == rows.limit - 1) & (rows.forced_eos[:, 0] >= 0), rows.forced_eos)
+        force_tokens(out, (length == rows.limit - 1) & (rows.forced_eos[:, 0] >= 0), rows.forced_eos, inplace=True)
     if rows.remove_invalid.any():
-        out = remove_invalid_values(out, rows.remove_invalid)
+        remove_invalid_values(out, rows.remove_invalid, inplace=True)
     if (rows.decay_start >= 0).any():
-        out = exponential_decay_length_penalty(out, length, rows.decay_start, rows.decay_factor, rows.eos)
+        exponential_decay_length_penalty(out, length, rows.decay_start, rows.decay_factor, rows.eos, inplace=True)
     if rows.suppress_mask is not None:
-        out = suppress(out, rows.suppress_mask)
+        suppress(out, rows.suppress_mask, inplace=True)
     if rows.begin_mask is not None:
-        out = suppress(out, rows.begin_mask, length == rows.begin_index)
+        suppress(out, rows.begin_mask, length == rows.begin_index, inplace=True)
     if custom:
         views = row_views(history, length, prompt_length, rows.vocab)
         for state, process in custom:

@@ -237,6 +237,87 @@ def select(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.
     return choose(final_scores(scores, rows), rows, seeds, draws)
 
 
+def top_k_candidates(scores: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's tokens at least as large as its k-th largest score (and maybe a few more), in
+    token-id order: ids [n, m] (-1 padded) and their scores (-inf padded), m << V.
+
+    A row's sampling over these equals its sampling over the whole vocabulary after top_k, since
+    every other token has probability 0, and the id order keeps the inverse-CDF draw the same;
+    but it costs O(V) compares instead of sorts. The threshold comes from every 32nd score,
+    placed so about twice k tokens pass; a row where fewer than k pass takes an exact partition.
+
+    >>> ids, values = top_k_candidates(np.array([[0., 5., 1., 4.]], np.float32), np.array([2]))
+    >>> {1, 3} <= set(ids[0].tolist()), ids[0].tolist() == sorted(ids[0].tolist())
+    (True, True)
+    """
+    n, vocab = scores.shape
+    stride = 32 if vocab >= 32 * 64 else 1
+    sample = scores[:, ::stride]
+    j = np.minimum(2 * k // stride + 2, sample.shape[1])  # j-th largest of the sample: ~2k above it
+    jmax = int(j.max())
+    head = np.sort(np.partition(sample, sample.shape[1] - jmax, axis=1)[:, sample.shape[1] - jmax:], axis=1)
+    threshold = head[np.arange(n), jmax - j]
+    passed = scores >= threshold[:, None]
+    counts = np.count_nonzero(passed, axis=1)
+    short = np.flatnonzero(counts < k)
+    if short.size:  # exact: at least everything >= the k-th largest
+        passed[short] = scores[short] >= _kth_largest(scores[short], k[short])[:, None]
+        counts[short] = np.count_nonzero(passed[short], axis=1)
+    flat = np.flatnonzero(passed)
+    rows = flat // vocab
+    slot = np.arange(flat.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    width = int(counts.max())
+    ids = np.full((n, width), -1, np.int64)
+    values = np.full((n, width), NEG_INF, scores.dtype)
+    ids[rows, slot] = flat - rows * vocab
+    values[rows, slot] = scores.reshape(-1)[flat]
+    return ids, values
+
+
+def pick(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.ndarray,
+         want_logprobs: bool = False, top: int = 0) -> tuple[np.ndarray, "LogProbs | None"]:
+    """`choose(final_scores(scores))`, and the log-probabilities of the final scores at the chosen
+    tokens when asked, without building the final scores over the whole vocabulary: sampling rows
+    with top_k run their warpers on their top_k candidates only (`top_k_candidates`).
+    renormalize_logits changes neither the tokens nor the log-probabilities, so it is skipped."""
+    n, vocab = scores.shape
+    tokens = np.empty(n, np.int64)
+    out = LogProbs(np.full(n, np.nan, np.float32)) if want_logprobs else None
+    if out is not None and top:
+        out.top_ids, out.top = np.full((n, top), -1, np.int64), np.full((n, top), NEG_INF, np.float32)
+
+    def finish(where, ids, final, chosen):
+        """Rows `where` chose column `chosen` of `final` (their ids: `ids`, or None for 0..V-1)."""
+        tokens[where] = chosen if ids is None else np.take_along_axis(ids, chosen[:, None], axis=1)[:, 0]
+        if out is not None:
+            lp = logprobs(final, chosen, top)
+            out.token[where] = lp.token
+            if top:
+                width = lp.top.shape[1]
+                out.top_ids[where, :width] = lp.top_ids if ids is None else np.take_along_axis(ids, lp.top_ids, axis=1)
+                out.top[where, :width] = lp.top
+
+    sampling = rows.do_sample
+    compact = sampling & (rows.top_k > 0) & (rows.top_k < vocab)
+    for where, kind in ((np.flatnonzero(~sampling), "greedy"), (np.flatnonzero(sampling & ~compact), "full"),
+                        (np.flatnonzero(compact), "compact")):
+        if not where.size:
+            continue
+        block = scores if where.size == n else scores[where]
+        if kind == "greedy":
+            finish(where, None, block, block.argmax(axis=1))
+            continue
+        settings = rows.take(where)
+        ids = None
+        if kind == "compact":
+            k = np.maximum(settings.top_k, settings.min_keep)
+            ids, block = top_k_candidates(block, np.minimum(k, vocab))
+        final = warp(block, settings)
+        chosen = sample(final, uniforms(seeds[where], draws[where]))
+        finish(where, ids, final, chosen)
+    return tokens, out
+
+
 @dataclass
 class LogProbs:
     """The log-probabilities of one step's chosen tokens, [n], and optionally the `k` best

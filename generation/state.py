@@ -22,7 +22,7 @@ from .cache import CACHES
 from .context import Context
 from .processors import RowSettings, apply
 from .prompts import PromptCache, run_prompts
-from .selection import LogProbs, SamplingRows, choose, final_scores, logprobs
+from .selection import LogProbs, SamplingRows, logprobs, pick
 from .settings import Settings
 from .stops import StopMatcher
 
@@ -170,12 +170,11 @@ def _select(ctx: Context, scores: np.ndarray, rows: RowSettings, processes: bool
     processed = scores
     if processes or ctx.processors:
         processed = apply(scores, rows, history, length, ctx.processors, prompt_length)
-    sampling = SamplingRows.of(rows)
-    final = final_scores(processed, sampling)
-    tokens = choose(final, sampling, seeds, draws)
-    if not ctx.token_logprobs:
-        return tokens, None
-    return tokens, logprobs(scores if ctx.logprobs_of == "raw" else final, tokens, ctx.top_logprobs)
+    of_processed = ctx.token_logprobs and ctx.logprobs_of == "processed"
+    tokens, lp = pick(processed, SamplingRows.of(rows), seeds, draws, of_processed, ctx.top_logprobs)
+    if ctx.token_logprobs and not of_processed:
+        lp = logprobs(scores, tokens, ctx.top_logprobs)
+    return tokens, lp
 
 
 def _row_settings(ctx: Context, prompts, settings: list[Settings], limit: np.ndarray) -> RowSettings:

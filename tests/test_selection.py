@@ -75,3 +75,29 @@ def test_select_mixes_greedy_and_sampling_rows():
     first = select(scores, rows, np.zeros(3, np.uint64), draws)
     assert first[0] == 1 and first[2] == 0  # greedy rows: argmax, first of a tie as torch.argmax
     np.testing.assert_allclose(np.bincount(picks, minlength=3) / 3000, softmax(scores[1:2])[0], atol=0.03)
+
+
+def test_pick_equals_the_whole_vocabulary_path():
+    """`pick` runs top_k rows on their candidates only; tokens and log-probabilities must be
+    those of the final scores over the whole vocabulary, row by row, in a mixed batch."""
+    from generation.selection import final_scores, logprobs, pick
+
+    rng = np.random.default_rng(5)
+    n, vocab = 12, 5000
+    scores = (rng.standard_normal((n, vocab)) * 3).astype(np.float32)
+    scores[3, :4000] = -np.inf  # a row the processors mostly removed
+    rows = SamplingRows(do_sample=np.array([True] * 10 + [False] * 2),
+                        temperature=np.array([0.7, 1, 1.3, 0.5, 1, 1, 0.9, 1, 1, 2, 1, 1], np.float32),
+                        top_k=np.array([50, 1, 7, 30, 0, 4000, 50, 5000, 200, 3, 50, 0]),
+                        top_p=np.array([0.9, 1, 0.5, 1, 0.8, 1, 0.95, 0.9, 1, 1, 1, 1], np.float32),
+                        min_p=np.array([0, 0, 0.1, 0, 0, 0.05, 0, 0, 0, 0, 0, 0], np.float32))
+    for seed in range(20):
+        seeds, draws = np.arange(n, dtype=np.uint64) + np.uint64(seed * 100), np.full(n, seed, np.uint64)
+        final = final_scores(scores, rows)
+        want = select(scores, rows, seeds, draws)
+        tokens, lp = pick(scores, rows, seeds, draws, want_logprobs=True, top=3)
+        assert tokens.tolist() == want.tolist()
+        full = logprobs(final, want, top=3)
+        np.testing.assert_allclose(lp.token, full.token, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lp.top, full.top, rtol=1e-5, atol=1e-5)
+        assert (lp.top_ids[:, 0] == full.top_ids[:, 0]).all()
