@@ -234,7 +234,8 @@ class RowSettings:
         self.epsilon, self.eta = np.zeros(n, f32), np.zeros(n, f32)
         self.min_keep = np.ones(n, i64)
         self.renormalize = np.zeros(n, bool)
-        self.repetition_penalty, self.encoder_repetition_penalty = np.ones(n, f32), np.ones(n, f32)
+        self.repetition_penalty = np.ones(n, f32)
+        self.encoder_repetition_penalty = np.ones(n, np.float64)  # transformers rounds 1 / penalty from the double
         self.no_repeat_ngram, self.encoder_no_repeat_ngram = np.zeros(n, i64), np.zeros(n, i64)
         self.minimum = np.zeros(n, i64)  # tokens (prompt included) before eos may come
         self.forced_bos = np.full((n, 1), -1, i64)
@@ -277,7 +278,7 @@ class RowSettings:
         self.repetition_penalty[i] = s.repetition_penalty
         self.encoder_repetition_penalty[i] = s.encoder_repetition_penalty
         self.no_repeat_ngram[i], self.encoder_no_repeat_ngram[i] = s.no_repeat_ngram_size, s.encoder_no_repeat_ngram_size
-        if s.min_new_tokens:  # as generate(): min_new_tokens replaces min_length
+        if s.min_new_tokens is not None:  # as generate(): min_new_tokens (even 0) replaces min_length
             self.minimum[i] = prompt_length + s.min_new_tokens
         else:
             self.minimum[i] = s.min_length
