@@ -368,11 +368,13 @@ def row_views(history: np.ndarray, length: np.ndarray, prompt_length: np.ndarray
 
 
 def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np.ndarray,
-          custom: Sequence[CustomProcessor] = (), prompt_length: np.ndarray | None = None) -> np.ndarray:
+          custom: Sequence[CustomProcessor] = (), prompt_length: np.ndarray | None = None,
+          inplace: bool = False) -> np.ndarray:
     """The processors of transformers' `_get_logits_processor` before the warpers, in its order,
     then the custom processors. scores [n, V]; history [n, W] and length [n] as in the module
-    docstring; `prompt_length` [n] (for custom processors) splits each row's history."""
-    out = scores.astype(np.float32, copy=True)  # the one copy; every processor below works in it
+    docstring; `prompt_length` [n] (for custom processors) splits each row's history.
+    `inplace`: the caller owns float32 `scores` and lets them be overwritten (saves a copy)."""
+    out = scores if inplace and scores.dtype == np.float32 else scores.astype(np.float32, copy=True)
     if rows.one_token_bias is not None or any(rows.bias_rules):
         sequence_bias(out, history, length, rows.one_token_bias, rows.bias_rules, inplace=True)
     if (rows.encoder_repetition_penalty != 1).any():

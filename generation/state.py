@@ -164,13 +164,15 @@ def _ends(tokens: np.ndarray, eos: np.ndarray, count: np.ndarray, limit: np.ndar
 def _select(ctx: Context, scores: np.ndarray, rows: RowSettings, processes: bool, history: np.ndarray,
             length: np.ndarray, prompt_length: np.ndarray, seeds: np.ndarray, draws: np.ndarray
             ) -> tuple[np.ndarray, LogProbs | None]:
-    """The next token of each row from its logits [n, V], and its log-probabilities when the
-    context asks: the processors, the warpers of sampling rows, then greedy or a seeded draw.
-    history [n, W] holds each row's `length` tokens (prompt first)."""
+    """The next token of each row from its logits [n, V] (a copy the step owns: the processors
+    work in it), and its log-probabilities when the context asks: the processors, the warpers of
+    sampling rows, then greedy or a seeded draw. history [n, W] holds each row's `length`
+    tokens (prompt first)."""
     processed = scores
-    if processes or ctx.processors:
-        processed = apply(scores, rows, history, length, ctx.processors, prompt_length)
     of_processed = ctx.token_logprobs and ctx.logprobs_of == "processed"
+    if processes or ctx.processors:  # `scores` are this step's own copy; raw log-probabilities still read them
+        processed = apply(scores, rows, history, length, ctx.processors, prompt_length,
+                          inplace=not (ctx.token_logprobs and not of_processed))
     tokens, lp = pick(processed, SamplingRows.of(rows), seeds, draws, of_processed, ctx.top_logprobs)
     if ctx.token_logprobs and not of_processed:
         lp = logprobs(scores, tokens, ctx.top_logprobs)
