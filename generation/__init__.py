@@ -10,6 +10,7 @@ The decode-state verbs (`new_state`, `prefill`, `insert`, `step`, `release`) are
 builds continuous batching on.
 """
 
+from .beam import Hypothesis, beam_search
 from .context import Context, compile, context
 from .generate import Generated, generate
 from .model import Model, ModelError, load
@@ -17,6 +18,6 @@ from .settings import Settings
 from .state import DecodeState, Prefix, StepTokens, admit, advance, insert, new_state, prefill, release, step
 
 __all__ = [
-    "Context", "DecodeState", "Generated", "Model", "ModelError", "Prefix", "Settings", "StepTokens", "admit", "advance", "compile",
+    "Context", "DecodeState", "Generated", "Hypothesis", "beam_search", "Model", "ModelError", "Prefix", "Settings", "StepTokens", "admit", "advance", "compile",
     "context", "generate", "insert", "load", "new_state", "prefill", "release", "step",
 ]

@@ -9,6 +9,8 @@ Every mode implements the same verbs over `slots` rows:
                                slot, 0 for a free slot) and return the logits [B, V]; the new
                                token's keys and values land at row `lengths[b]` of slot b
   release(slot)                forget a slot's rows
+  copy_rows(dst, src, length)  slots dst take the first `length` cache rows of slots src (as
+                               they were before the call): beam search's reorder
   decode_steps(lengths, count) decode as a generator over up to `count` steps, for loops that
                                make many tokens in a row (the in_place cache makes it lean)
 The in_place cache also has prefill(slots, prompts, steps, pad): prompts straight into free
@@ -153,6 +155,13 @@ class InPlaceCache(_Cache):
         binding.run()
         return logits
 
+    def copy_rows(self, dst, src, length: int) -> None:
+        """Only the rows that move, only their valid part: a beam step moves a few rows of a
+        few hundred tokens, where gathering whole buffers would copy them all."""
+        for buffer in self.buffers.values():
+            buffer[dst, :, :length] = buffer[src, :, :length]
+        self.mask[dst] = self.mask[src]
+
     def release(self, slot: int) -> None:
         """The slot's rows stay until a new row is inserted; its mask becomes a padding row's."""
         self.mask[slot] = 0
@@ -245,6 +254,13 @@ class AppendCache(_Cache):
         for i, e in enumerate(self.graph.cache):
             layout[i, slot, :, :length] = cache[e.past]
 
+    def copy_rows(self, dst, src, length: int) -> None:
+        self._used.update(int(d) for d in dst)
+        if length > self.width:
+            self._relayout(length)
+        layout = self._layout(self.current, self.width)
+        layout[:, dst, :, :length] = layout[:, src, :, :length]
+
     def release(self, slot: int) -> None:
         """A slot's rows are hidden by its length and overwritten on insert; once every slot is
         free the layout starts again from width 0."""
@@ -335,6 +351,24 @@ class GrowCache(_Cache):
                 return
         self.groups.append({"slots": [slot], "length": length,
                             "past": {name: np.ascontiguousarray(rows[None]) for name, rows in cache.items()}})
+
+    def copy_rows(self, dst, src, length: int) -> None:
+        """Rows of one prompt's beams share a length, so each moves within its group; a slot
+        that holds no row yet joins the group of its source."""
+        dst, src = [int(d) for d in dst], [int(s) for s in src]
+        for group in self.groups:
+            where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
+            moves = [(d, s) for d, s in zip(dst, src) if s in where]
+            if not moves:
+                continue
+            joining = [d for d, _ in moves if d not in where]
+            if joining:
+                group["slots"] = group["slots"] + joining
+                group["past"] = {name: np.concatenate([array, array[:len(joining)]]) for name, array in group["past"].items()}
+                where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
+            into, take = [where[d] for d, _ in moves], [where[s] for _, s in moves]
+            for array in group["past"].values():
+                array[into] = array[take]
 
     def release(self, slot: int) -> None:
         for group in self.groups:

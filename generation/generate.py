@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from .beam import Hypothesis, beam_search
 from .context import Context
 from .rng import SEED_LIMIT
 from .state import StepTokens, admit, advance, new_state, release, row_logprobs, row_tokens, step
@@ -82,6 +83,8 @@ def generate(ctx: Context, prompts, seeds=None,
     prompts = check_prompts(ctx, prompts)
     seeds = check_seeds(seeds, len(prompts))
     settings = ctx.settings
+    if settings.num_beams > 1:
+        return _best_beams(ctx, prompts, seeds, on_token)
     results: list = [Generated([], [], [] if ctx.top_logprobs else None) if ctx.token_logprobs else []
                      for _ in prompts]
     budget = [settings.new_tokens_for(len(p)) if p else 0 for p in prompts]
@@ -146,6 +149,18 @@ def generate(ctx: Context, prompts, seeds=None,
                     row_of[slot] = -1
     ctx.spare_states[:] = [state]  # every slot is free again
     return results
+
+
+def _best_beams(ctx: Context, prompts, seeds, on_token) -> list:
+    """generate() with num_beams > 1: each prompt's best hypothesis (`beam_search` gives them all)."""
+    if on_token is not None:
+        raise ValueError("on_token streams one token per step; beam search (num_beams > 1) settles its "
+                         "tokens only at the end: call generate without on_token")
+    out = []
+    for hypotheses in beam_search(ctx, prompts, seeds):
+        best = hypotheses[0] if hypotheses else Hypothesis([], 0.0, [])
+        out.append(Generated(best.tokens, best.logprobs or []) if ctx.token_logprobs else best.tokens)
+    return out
 
 
 def _take_state(ctx: Context, slots: int, capacity: int):

@@ -14,15 +14,15 @@ from dataclasses import dataclass, fields, replace
 _UNSUPPORTED = {
     "guidance_scale": None, "watermarking_config": None, "prefix_allowed_tokens_fn": None,
     "num_beam_groups": 1, "diversity_penalty": 0.0, "penalty_alpha": None, "constraints": None,
-    "force_words_ids": None, "num_return_sequences": 1,
+    "force_words_ids": None,
 }
-_NOT_YET = {  # built by later work: beam search, assisted decoding
-    "num_beams": 1, "assistant_model": None, "prompt_lookup_num_tokens": None,
+_NOT_YET = {  # built by later work: assisted decoding
+    "assistant_model": None, "prompt_lookup_num_tokens": None,
 }
 _IGNORED = {  # generation_config.json fields with no effect on the tokens
     "transformers_version", "_from_model_config", "bos_token_id", "use_cache", "output_scores",
     "output_logits", "output_attentions", "output_hidden_states", "return_dict_in_generate",
-    "decoder_start_token_id", "cache_implementation", "early_stopping", "length_penalty",
+    "decoder_start_token_id", "cache_implementation",
     "max_time", "trust_remote_code", "low_memory", "token_healing",
     "num_assistant_tokens", "num_assistant_tokens_schedule", "max_matching_ngram_size",
     "compile_config", "cache_config", "disable_compile", "is_assistant", "dola_layers",
@@ -65,6 +65,11 @@ class Settings:
     eta_cutoff: float = 0.0
     renormalize_logits: bool = False
     stop_strings: tuple[str, ...] | None = None
+    # beam search (beam.py)
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def token_ids(self) -> dict[str, tuple[int, ...]]:
         """Every token id a setting names, by setting (for the check against the vocabulary)."""
@@ -199,6 +204,18 @@ def _check(s: Settings) -> Settings:
     for name in ("remove_invalid_values", "renormalize_logits"):
         if not isinstance(getattr(s, name), bool):
             raise ValueError(f"{name} must be true or false, not {getattr(s, name)!r}")
+    if not _integer(s.num_beams) or s.num_beams < 1:
+        raise ValueError(f"num_beams must be an integer >= 1, not {s.num_beams!r}")
+    if not _integer(s.num_return_sequences) or not 1 <= s.num_return_sequences <= s.num_beams:
+        raise ValueError(f"num_return_sequences must be an integer from 1 to num_beams ({s.num_beams}), "
+                         f"not {s.num_return_sequences!r} (for several samples of one prompt, send it with "
+                         "several seeds)")
+    if not _number(s.length_penalty):
+        raise ValueError(f"length_penalty must be a number, not {s.length_penalty!r}")
+    if s.early_stopping not in (True, False, "never") or s.early_stopping in (0, 1) and not isinstance(s.early_stopping, bool):
+        raise ValueError(f"early_stopping must be true, false or \"never\", not {s.early_stopping!r}")
+    if s.num_beams > 1 and s.stop_strings:
+        raise ValueError("stop_strings with num_beams > 1 is not supported yet; use eos_token_id or one beam")
     if s.forced_bos_token_id is not None and (not _integer(s.forced_bos_token_id) or s.forced_bos_token_id < 0):
         raise ValueError(f"forced_bos_token_id must be a token id >= 0, not {s.forced_bos_token_id!r}")
     for name in ("max_new_tokens", "max_length"):
@@ -212,6 +229,7 @@ def _check(s: Settings) -> Settings:
                    repetition_penalty=float(s.repetition_penalty),
                    encoder_repetition_penalty=float(s.encoder_repetition_penalty),
                    min_p=None if s.min_p is None else float(s.min_p), typical_p=float(s.typical_p),
+                   length_penalty=float(s.length_penalty),
                    epsilon_cutoff=float(s.epsilon_cutoff), eta_cutoff=float(s.eta_cutoff))
 
 

@@ -210,6 +210,9 @@ def _with_logprobs(out: StepTokens, rows, size: int, lp: LogProbs | None) -> Ste
 def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits) -> Prefix:
     """Each fresh row's first token from its prompt's last logits, and where it stops."""
     settings = settings or [ctx.settings] * len(prompts)
+    if any(s.num_beams > 1 for s in settings):
+        raise ValueError("num_beams > 1 runs through generation.beam_search (or generate), not the "
+                         "decode-state verbs")
     lengths = np.array([len(p) for p in prompts], np.int64)
     if max_new is None:
         max_new = [s.new_tokens_for(len(p)) for s, p in zip(settings, prompts)]

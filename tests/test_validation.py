@@ -133,7 +133,7 @@ def test_bad_setting_names_the_field(optimum, settings, message):
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(num_beams=4), "num_beams=4 is not supported by this engine yet"),
+    (dict(assistant_model="draft"), "assistant_model='draft' is not supported by this engine yet"),
     (dict(guidance_scale=1.5), "guidance_scale=1.5 is not supported by raymuter"),
     (dict(watermarking_config={"bias": 2.0}), "watermarking_config=.* is not supported by raymuter"),
     (dict(prefix_allowed_tokens_fn="f"), "prefix_allowed_tokens_fn='f' is not supported by raymuter"),
