@@ -139,6 +139,7 @@ def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],
                    finished=[[None] * beams for _ in range(count)],
                    improvable=np.ones(count, bool), live=np.ones(count, bool))
     logits = np.repeat(last, beams, axis=0)
+    phys = np.arange(rows).reshape(count, beams)  # the row (slot) of each prompt's j-th best beam
     cur = length.copy()  # tokens in each prompt's rows
     lengths = np.repeat(length, beams)  # valid cache rows of each row
     while state.live.any():
@@ -151,27 +152,28 @@ def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],
         processed = np.maximum(processed, FLOOR)
         step_logprob = log_softmax(processed) if keep_logprobs else None
         was_live = state.live.copy()
-        src, new_tokens, new_logprobs = _step(state, processed, run_settings, row_settings, cur, length, limit,
-                                              beams, tokens, logprob, step_logprob, seeds_p, draws)
+        source, new_tokens, new_logprobs = _step(state, processed, phys, run_settings, row_settings, cur, length,
+                                                 limit, beams, tokens, logprob, step_logprob, seeds_p, draws)
         draws += np.uint64(beams * vocab)
         for slot in np.flatnonzero(np.repeat(was_live & ~state.live, beams)).tolist():
             cache.release(slot)  # a stopped prompt's rows run as padding from now on
         if not state.live.any():
             break
-        live_rows = np.repeat(state.live, beams)
-        dst = np.arange(rows)
-        moved = (src != dst) & live_rows
-        if moved.any():
-            cache.copy_rows(dst[moved].tolist(), src[moved].tolist(), int(cur.max()))
-            tokens[dst[moved]] = tokens[src[moved]]
+        phys, dst, src = _place(phys, source.reshape(count, beams), state.live)
+        if dst:
+            cache.copy_rows(dst, src, int(cur.max()))
+            tokens[dst] = tokens[src]
             if logprob is not None:
-                logprob[dst[moved]] = logprob[src[moved]]
-        at = np.repeat(cur, beams)
-        tokens[live_rows, at[live_rows]] = new_tokens[live_rows]
+                logprob[dst] = logprob[src]
+        live = np.repeat(state.live, beams)
+        where, at = phys.reshape(-1)[live], np.repeat(cur, beams)[live]
+        tokens[where, at] = new_tokens[live]
         if logprob is not None:
-            logprob[live_rows, at[live_rows]] = new_logprobs[live_rows]
-        cache.token_input[:] = np.where(live_rows, new_tokens, ctx.settings.pad_token_id)
-        lengths = np.where(live_rows, at, 0)
+            logprob[where, at] = new_logprobs[live]
+        cache.token_input[:] = ctx.settings.pad_token_id
+        cache.token_input[where] = new_tokens[live]
+        lengths = np.zeros(rows, np.int64)
+        lengths[where] = at
         cur = cur + state.live
         logits = cache.decode(lengths)
 
@@ -182,6 +184,28 @@ def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],
     return results
 
 
+def _place(phys: np.ndarray, source: np.ndarray, live: np.ndarray):
+    """The rows of the next beams ([P, B]) and the (dst, src) rows to copy. A beam stays in its
+    source's row when it is that source's first child; the other children take the rows of
+    beams that ended, so a step copies one row per extra child instead of reordering them all
+    (the beams' order, which the search reads, lives in `phys`, not in the rows)."""
+    placed, dst, src = phys.copy(), [], []
+    for p in np.flatnonzero(live).tolist():
+        claimed, extra = set(), []
+        for j, row in enumerate(source[p].tolist()):
+            if row in claimed:
+                extra.append(j)
+            else:
+                claimed.add(row)
+                placed[p, j] = row
+        free = [row for row in phys[p].tolist() if row not in claimed]
+        for j in extra:
+            placed[p, j] = free.pop()
+            dst.append(int(placed[p, j]))
+            src.append(int(source[p, j]))
+    return placed, dst, src
+
+
 def _hypothesis(entry, score: float, settings: Settings) -> Hypothesis:
     new, logprobs = entry
     if new and new[-1] in settings.eos_token_id:
@@ -189,16 +213,18 @@ def _hypothesis(entry, score: float, settings: Settings) -> Hypothesis:
     return Hypothesis(new, score, logprobs)
 
 
-def _step(state: _Beams, processed: np.ndarray, settings: list[Settings], rows: RowSettings, cur: np.ndarray,
-          prompt_length: np.ndarray, limit: np.ndarray, beams: int, tokens: np.ndarray, logprob, step_logprob,
-          seeds: np.ndarray, draws: np.ndarray):
-    """One step of every live prompt, in place on `state`; returns (source row, token) of each
-    row's next beam. Written after transformers' _get_top_k_continuations,
-    _get_running_beams_for_next_iteration, _update_finished_beams and _check_early_stop_heuristic."""
+def _step(state: _Beams, processed: np.ndarray, phys: np.ndarray, settings: list[Settings], rows: RowSettings,
+          cur: np.ndarray, prompt_length: np.ndarray, limit: np.ndarray, beams: int, tokens: np.ndarray, logprob,
+          step_logprob, seeds: np.ndarray, draws: np.ndarray):
+    """One step of every live prompt, in place on `state`; returns the source row, the token and
+    its log-probability of each next beam, [P * B] in beam order. `phys` [P, B]: each beam's row.
+    Written after transformers' _get_top_k_continuations, _get_running_beams_for_next_iteration,
+    _update_finished_beams and _check_early_stop_heuristic."""
     count, vocab = len(cur), processed.shape[1]
     eos_count = (rows.eos[::beams] >= 0).sum(axis=1)
     keep = int(np.max(np.maximum(2, 1 + eos_count))) * beams
-    accumulated = (processed.reshape(count, beams, vocab) + state.running[:, :, None]).reshape(count, beams * vocab)
+    accumulated = (processed[phys.reshape(-1)].reshape(count, beams, vocab)
+                   + state.running[:, :, None]).reshape(count, beams * vocab)
     sampled = rows.do_sample[::beams]
     pick = _topk_desc(accumulated, keep)
     if sampled.any():
@@ -206,7 +232,7 @@ def _step(state: _Beams, processed: np.ndarray, settings: list[Settings], rows: 
         pick[where] = _sample_without_replacement(accumulated[where], keep, seeds[where], draws[where])
     top_scores = np.take_along_axis(accumulated, pick, axis=1)  # [P, K]
     source_beam, token = pick // vocab, pick % vocab
-    source_row = source_beam + (np.arange(count) * beams)[:, None]
+    source_row = np.take_along_axis(phys, source_beam, axis=1)
     eos = rows.eos[::beams]
     ends = (token[:, :, None] == eos[:, None, :]).any(axis=2) & (eos[:, None, :] >= 0).any(axis=2)
     ends |= (cur + 1 >= limit)[:, None]
