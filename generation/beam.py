@@ -100,9 +100,19 @@ def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],
     order = [i for i, p in enumerate(prompts) if p and settings[i].new_tokens_for(len(p)) > 0]
     if not order:
         return results
+    size = ctx.batch_size or len(order)
+    for start in range(0, len(order), size):  # more prompts than the compiled batch: one batch after another
+        chunk = order[start:start + size]
+        for i, hypotheses in zip(chunk, _search(ctx, [prompts[i] for i in chunk], [seeds[i] for i in chunk],
+                                                [settings[i] for i in chunk], beams)):
+            results[i] = hypotheses
+    return results
+
+
+def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: list[Settings],
+            beams: int) -> list[list[Hypothesis]]:
+    """beam_search over non-empty prompts that each may get a token."""
     model, vocab = ctx.model, ctx.model.vocab_size
-    run = [prompts[i] for i in order]
-    run_settings = [settings[i] for i in order]
     count, rows = len(run), len(run) * beams
     length = np.array([len(p) for p in run], np.int64)
     limit = np.minimum(length + np.array([s.new_tokens_for(len(p)) for s, p in zip(run_settings, run)]),
@@ -131,7 +141,7 @@ def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],
     sampling = SamplingRows.of(row_settings)
     keep_logprobs = ctx.token_logprobs
     logprob = np.zeros((rows, capacity), np.float32) if keep_logprobs else None
-    seeds_p = np.array([seeds[i] for i in order], np.uint64)
+    seeds_p = np.array(seeds, np.uint64)
     draws = np.zeros(count, np.uint64)
     state = _Beams(running=np.where(np.arange(beams) == 0, np.float32(0), LOST)[None].repeat(count, 0).astype(np.float32),
                    finished_scores=np.full((count, beams), LOST, np.float32),
@@ -177,11 +187,8 @@ def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],
         cur = cur + state.live
         logits = cache.decode(lengths)
 
-    for p, i in enumerate(order):
-        take = min(run_settings[p].num_return_sequences, beams)
-        results[i] = [_hypothesis(state.finished[p][b], float(state.finished_scores[p, b]), run_settings[p])
-                      for b in range(take)]
-    return results
+    return [[_hypothesis(state.finished[p][b], float(state.finished_scores[p, b]), run_settings[p])
+             for b in range(min(run_settings[p].num_return_sequences, beams))] for p in range(count)]
 
 
 def _place(phys: np.ndarray, source: np.ndarray, live: np.ndarray):

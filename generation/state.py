@@ -14,7 +14,7 @@ state (seed and draw count). Buffers are reused in place from step to step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -414,10 +414,11 @@ def row_tokens(state: DecodeState, slot: int) -> list[int]:
 
 
 def warm_up(ctx: Context) -> None:
-    """One short generation over `ctx.batch_size` rows, so onnxruntime sets up its kernels and
-    memory for this batch size before the first request."""
-    rows = ctx.batch_size
+    """One short generation over the rows a batch runs (`ctx.batch_size`, times num_beams), so
+    onnxruntime sets up its kernels and memory for them before the first request."""
+    rows = ctx.batch_size * ctx.settings.num_beams
+    settings = [replace(ctx.settings, num_beams=1, num_return_sequences=1, stop_strings=None)] * rows
     state = new_state(ctx, rows, capacity=4)
-    prefix = prefill(ctx, [[0, 0]] * rows, [0] * rows, max_new=[2] * rows)
+    prefix = prefill(ctx, [[0, 0]] * rows, [0] * rows, settings=settings, max_new=[2] * rows)
     state = insert(ctx, prefix, state, range(rows))
     step(ctx, state)

@@ -133,3 +133,12 @@ def test_beam_sampling_is_seeded_and_independent_of_other_prompts(models):
     greedy = generation.beam_search(generation.context(models("llama-optimum"), max_new_tokens=10, num_beams=3),
                                     PROMPTS, [0] * 4)
     assert [h[0].tokens for h in greedy] != [h[0].tokens for h in first]
+
+
+def test_compiled_batch_smaller_than_the_prompts(models):
+    """compile sizes the decoder for batch_size * num_beams rows; more prompts run batch after batch."""
+    ctx = generation.context(models("llama-genai"), max_new_tokens=8, num_beams=3)
+    compiled = generation.compile(ctx, batch_size=2)
+    want = generation.beam_search(ctx, PROMPTS, [0] * 4)
+    got = generation.beam_search(compiled, PROMPTS, [0] * 4)
+    assert [[(h.tokens, h.score) for h in hs] for hs in got] == [[(h.tokens, h.score) for h in hs] for hs in want]
