@@ -32,9 +32,11 @@ from .cache import CACHES
 from .context import Context
 from .processors import RowSettings, apply
 from .prompts import run_prompts
+from .seq2seq import run_first_steps
 from .rng import uniforms
 from .selection import SamplingRows, log_softmax, warp
 from .settings import Settings
+from .state import _encoder_ids
 
 LOST = np.float32(-1e9)  # transformers' score of a beam or hypothesis that must not be chosen
 FLOOR = np.finfo(np.float32).min  # a removed token's score, in place of -inf
@@ -89,11 +91,12 @@ def check_beam_settings(settings: list[Settings]) -> int:
 
 
 def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],
-                settings: list[Settings] | None = None) -> list[list[Hypothesis]]:
+                settings: list[Settings] | None = None, encoder=None) -> list[list[Hypothesis]]:
     """The best `num_return_sequences` hypotheses of each prompt, best first (empty prompts: []).
 
     prompts and seeds as `generate` checks them; settings: one per prompt (default: the
-    context's), all with the same num_beams."""
+    context's), all with the same num_beams; encoder: an encoder-decoder model's EncoderOutputs,
+    one row per prompt (a prompt's beams share its source, whose cross cache never moves)."""
     settings = settings or [ctx.settings] * len(prompts)
     beams = check_beam_settings(settings)
     results: list[list[Hypothesis]] = [[] for _ in prompts]
@@ -103,14 +106,15 @@ def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],
     size = ctx.batch_size or len(order)
     for start in range(0, len(order), size):  # more prompts than the compiled batch: one batch after another
         chunk = order[start:start + size]
+        part = None if encoder is None else encoder.take(chunk)
         for i, hypotheses in zip(chunk, _search(ctx, [prompts[i] for i in chunk], [seeds[i] for i in chunk],
-                                                [settings[i] for i in chunk], beams)):
+                                                [settings[i] for i in chunk], beams, part)):
             results[i] = hypotheses
     return results
 
 
 def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: list[Settings],
-            beams: int) -> list[list[Hypothesis]]:
+            beams: int, encoder=None) -> list[list[Hypothesis]]:
     """beam_search over non-empty prompts that each may get a token."""
     model, vocab = ctx.model, ctx.model.vocab_size
     count, rows = len(run), len(run) * beams
@@ -120,8 +124,13 @@ def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: 
     capacity = int(limit.max())
     cache = CACHES[ctx.cache_mode](model.session, model.graph, rows, capacity, ctx.max_position)
     first = np.arange(count) * beams
+    encoder_ids = _encoder_ids(ctx, run, encoder)
     if hasattr(cache, "prefill"):
         last = cache.prefill(first.tolist(), run, ctx.prompt_steps, ctx.settings.pad_token_id)
+    elif model.is_seq2seq:
+        last, prompt_rows = run_first_steps(model, run, encoder)
+        for p, slot in enumerate(first.tolist()):
+            cache.insert(slot, prompt_rows[p], len(run[p]))
     else:
         prompt_cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, run,
                                    ctx.settings.pad_token_id, ctx.max_position)
@@ -135,7 +144,7 @@ def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: 
     tokens = np.zeros((rows, capacity), np.int64)
     for p, (prompt, s) in enumerate(zip(run, run_settings)):
         for b in range(beams):
-            row_settings.set_row(p * beams + b, s, len(prompt), int(limit[p]), encoder_ids=prompt)
+            row_settings.set_row(p * beams + b, s, len(prompt), int(limit[p]), encoder_ids=encoder_ids[p])
         tokens[p * beams:(p + 1) * beams, :len(prompt)] = prompt
     row_settings.min_keep[:] = np.maximum(2, 1 + (row_settings.eos >= 0).sum(axis=1))  # beams keep a non-eos token
     sampling = SamplingRows.of(row_settings)
@@ -171,7 +180,10 @@ def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: 
             break
         phys, dst, src = _place(phys, source.reshape(count, beams), state.live)
         if dst:
-            cache.copy_rows(dst, src, int(cur.max()))
+            if model.is_seq2seq:  # a prompt's beams share its source: the cross cache stays
+                cache.copy_rows(dst, src, int(cur.max()), shared_cross=True)
+            else:
+                cache.copy_rows(dst, src, int(cur.max()))
             tokens[dst] = tokens[src]
             if logprob is not None:
                 logprob[dst] = logprob[src]

@@ -396,4 +396,6 @@ class GrowCache(_Cache):
         return logits
 
 
-CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache}
+from .seq2seq import Seq2SeqCache  # noqa: E402  (an encoder-decoder model's decoder cache)
+
+CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache, "seq2seq": Seq2SeqCache}

@@ -57,7 +57,7 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
     """
     if cache_mode is None:
         cache_mode = model.graph.native_mode
-    if cache_mode not in CACHE_MODES:
+    if cache_mode not in CACHE_MODES + ("seq2seq",):
         raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, not {cache_mode!r}")
     if cache_mode not in model.graph.modes:
         raise ValueError(f"cache_mode '{cache_mode}' does not fit this graph ({model.decoder_path.name} "

@@ -70,7 +70,7 @@ def check_seeds(seeds, count: int) -> list[int]:
 
 
 def generate(ctx: Context, prompts, seeds=None,
-             on_token: Callable[[StepTokens], None] | None = None) -> list[list[int]] | list[Generated]:
+             on_token: Callable[[StepTokens], None] | None = None, encoder=None) -> list[list[int]] | list[Generated]:
     """The new tokens of each prompt, without the eos token (with `token_logprobs` in the
     context: a `Generated` per prompt, the tokens with their log-probabilities).
 
@@ -79,12 +79,17 @@ def generate(ctx: Context, prompts, seeds=None,
     on_token: called after each step with a StepTokens over the prompts: the new token of each
     row (-1 where the row has none) and which rows are finished (all so far), with the
     log-probabilities when the context asks for them.
+    encoder: for an encoder-decoder model, the EncoderOutputs of each prompt's source (the
+    prompts are the decoder's; `generation.tasks` builds both).
     """
     prompts = check_prompts(ctx, prompts)
     seeds = check_seeds(seeds, len(prompts))
     settings = ctx.settings
+    if ctx.model.is_seq2seq and (encoder is None or len(encoder) != len(prompts)):
+        raise ValueError("an encoder-decoder model needs encoder= outputs with one row per prompt "
+                         "(generation.seq2seq.encode_text / encode_audio, or generation.tasks)")
     if settings.num_beams > 1:
-        return _best_beams(ctx, prompts, seeds, on_token)
+        return _best_beams(ctx, prompts, seeds, on_token, encoder)
     results: list = [Generated([], [], [] if ctx.top_logprobs else None) if ctx.token_logprobs else []
                      for _ in prompts]
     budget = [settings.new_tokens_for(len(p)) if p else 0 for p in prompts]
@@ -122,7 +127,8 @@ def generate(ctx: Context, prompts, seeds=None,
         if len(free):
             admitted = [waiting.popleft() for _ in range(min(len(waiting), free.size))]
             state, first = admit(ctx, state, free[:len(admitted)], [prompts[i] for i in admitted],
-                                 [seeds[i] for i in admitted], max_new=[budget[i] for i in admitted])
+                                 [seeds[i] for i in admitted], max_new=[budget[i] for i in admitted],
+                                 encoder=None if encoder is None else encoder.take(admitted))
             row_of[free[:len(admitted)]] = admitted
             for j, row in enumerate(admitted):
                 if not ctx.token_logprobs:
@@ -151,13 +157,13 @@ def generate(ctx: Context, prompts, seeds=None,
     return results
 
 
-def _best_beams(ctx: Context, prompts, seeds, on_token) -> list:
+def _best_beams(ctx: Context, prompts, seeds, on_token, encoder=None) -> list:
     """generate() with num_beams > 1: each prompt's best hypothesis (`beam_search` gives them all)."""
     if on_token is not None:
         raise ValueError("on_token streams one token per step; beam search (num_beams > 1) settles its "
                          "tokens only at the end: call generate without on_token")
     out = []
-    for hypotheses in beam_search(ctx, prompts, seeds):
+    for hypotheses in beam_search(ctx, prompts, seeds, encoder=encoder):
         best = hypotheses[0] if hypotheses else Hypothesis([], 0.0, [])
         out.append(Generated(best.tokens, best.logprobs or []) if ctx.token_logprobs else best.tokens)
     return out

@@ -63,11 +63,22 @@ class DecoderGraph:
     has_use_cache_branch: bool
     has_group_query_attention: bool
     native_mode: str
+    # encoder-decoder models: the cross-attention cache (computed at the first step, then kept)
+    # and the encoder's outputs every step takes
+    cross_cache: tuple[CacheEntry, ...] = ()
+    has_encoder_hidden_states: bool = False
+    has_encoder_attention_mask: bool = False
+
+    @property
+    def is_seq2seq(self) -> bool:
+        return self.has_encoder_hidden_states
 
     @property
     def modes(self) -> tuple[str, ...]:
         """The cache modes this graph can run in, its native mode first."""
-        return (self.native_mode, "grow") if self.native_mode != "grow" else ("grow",)
+        if self.native_mode in ("grow", "seq2seq"):
+            return (self.native_mode,)
+        return (self.native_mode, "grow")
 
     def dtype(self, name: str) -> type:
         return self.input_dtypes[name]
@@ -108,9 +119,9 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
     """Describe the decoder `session` loaded from `path`; `config` fills symbolic dims."""
     ins = {i.name: i for i in session.get_inputs()}
     outs = {o.name: o for o in session.get_outputs()}
-    for required in ("attention_mask",):
-        if required not in ins:
-            raise GraphError(f"{path.name}: the decoder has no '{required}' input (inputs: {sorted(ins)})")
+    seq2seq = "encoder_hidden_states" in ins
+    if not seq2seq and "attention_mask" not in ins:
+        raise GraphError(f"{path.name}: the decoder has no 'attention_mask' input (inputs: {sorted(ins)})")
     if "input_ids" not in ins and "inputs_embeds" not in ins:
         raise GraphError(f"{path.name}: the decoder has neither 'input_ids' nor 'inputs_embeds' inputs")
     if "logits" not in outs:
@@ -127,7 +138,7 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
     if not pasts:
         raise GraphError(f"{path.name}: the decoder has no 'past_key_values.*' inputs; "
                          "export it with a KV cache (optimum task text-generation-with-past)")
-    cache = []
+    cache, cross = [], []
     for past in pasts:
         shape = ins[past].shape
         if len(shape) != 4:
@@ -137,7 +148,8 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         if not heads or not head_dim:
             raise GraphError(f"{path.name}: cannot tell the heads and head size of '{past}' ({shape}); "
                              "config.json lacks num_key_value_heads / head_dim")
-        cache.append(CacheEntry(past, _present_name(past, set(outs), present_names or {}), int(heads), int(head_dim)))
+        entry = CacheEntry(past, _present_name(past, set(outs), present_names or {}), int(heads), int(head_dim))
+        (cross if ".encoder." in past else cache).append(entry)
 
     logits_shape = outs["logits"].shape
     vocab = logits_shape[-1] if isinstance(logits_shape[-1], int) else config.get("vocab_size")
@@ -146,8 +158,10 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
 
     has_pos = "position_ids" in ins
     pos_axes = 3 if has_pos and len(ins["position_ids"].shape) == 3 else 1
-    counting = _gqa_counting(read_nodes(path), set(ins))
-    if counting == "values":
+    counting = None if seq2seq else _gqa_counting(read_nodes(path), set(ins))
+    if seq2seq:
+        native = "seq2seq"  # positions from the cache length, plus the encoder's outputs
+    elif counting == "values":
         native = "in_place"
     elif has_pos:
         native = "append"
@@ -166,4 +180,7 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         has_use_cache_branch="use_cache_branch" in ins,
         has_group_query_attention=counting is not None,
         native_mode=native,
+        cross_cache=tuple(cross),
+        has_encoder_hidden_states=seq2seq,
+        has_encoder_attention_mask="encoder_attention_mask" in ins,
     )

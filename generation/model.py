@@ -1,4 +1,4 @@
-"""Load a decoder-only model folder in Hugging Face layout into an onnxruntime session.
+"""Load a model folder in Hugging Face layout into onnxruntime sessions.
 
 Three layouts are found, in this order:
   (c) onnxruntime-genai builds: `genai_config.json` names the decoder file (`model.onnx`, with
@@ -7,6 +7,9 @@ Three layouts are found, in this order:
   (b) transformers.js / onnx-community exports: `onnx/decoder_model_merged{_variant}.onnx`
       (or `onnx/model{_variant}.onnx`), with `use_cache_branch`.
   (a) Optimum exports: `model.onnx` (or `decoder_model_merged.onnx`) at the top of the folder.
+An encoder-decoder folder (config.json `is_encoder_decoder`) has `encoder_model.onnx` and
+`decoder_model_merged.onnx` (or the unmerged `decoder_model.onnx` + `decoder_with_past_model.onnx`),
+at the top or in `onnx/`.
 A hub id ("org/name") that is not a local folder is downloaded with `huggingface_hub`.
 """
 
@@ -18,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .graph import DecoderGraph, read_graph
+from .graph import DecoderGraph, GraphError, read_graph
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,21 @@ _DECODER_NAMES = ("onnx/decoder_model_merged", "onnx/model", "decoder_model_merg
 
 class ModelError(ValueError):
     """A model folder is missing a file, or a file or field in it is wrong."""
+
+
+@dataclass
+class Encoder:
+    """The encoder of an encoder-decoder model: text (input_ids, attention_mask) or audio
+    (input_features) in, last_hidden_state out."""
+
+    path: Path
+    session: object
+    input_names: tuple[str, ...]
+    output_name: str
+
+    @property
+    def takes_audio(self) -> bool:
+        return "input_features" in self.input_names
 
 
 @dataclass
@@ -45,6 +63,12 @@ class Model:
     threads: int
     tokenizer_path: Path | None = None
     extras: dict = field(default_factory=dict)
+    encoder: "Encoder | None" = None  # encoder-decoder models: the encoder, run once per request
+    first_step_session: object = None  # an unmerged decoder pair: decoder_model.onnx (no past), step 0
+
+    @property
+    def is_seq2seq(self) -> bool:
+        return self.encoder is not None
 
     @property
     def vocab_size(self) -> int:
@@ -209,25 +233,68 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
             raise ModelError(f"{decoder_path.name}, named by genai_config.json, is missing from {folder}")
     else:
         config = _read_json(folder / "config.json", required=True)
-        decoder_path = find_decoder(folder, variant)
-    if config.get("is_encoder_decoder"):
-        raise ModelError(f"{folder}: config.json says is_encoder_decoder; this loader takes decoder-only models")
+        decoder_path = None if config.get("is_encoder_decoder") else find_decoder(folder, variant)
     generation_config = _read_json(folder / "generation_config.json", required=False)
     threads = threads or default_threads()
+    tokenizer = folder / "tokenizer.json"
+    tokenizer_path = tokenizer if tokenizer.exists() else None
+    if config.get("is_encoder_decoder"):
+        return _load_seq2seq(folder, variant, provider, threads, config, generation_config, tokenizer_path)
     session, used = _session(decoder_path, provider, threads)
     graph = read_graph(decoder_path, session, _config_dims(config), present_names)
-    tokenizer = folder / "tokenizer.json"
     return Model(folder=folder, decoder_path=decoder_path, session=session, graph=graph, config=config,
-                 generation_config=generation_config, provider=used, threads=threads,
-                 tokenizer_path=tokenizer if tokenizer.exists() else None)
+                 generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path)
+
+
+def _find(folder: Path, stem: str, suffix: str) -> Path | None:
+    for candidate in (folder / f"{stem}{suffix}.onnx", folder / "onnx" / f"{stem}{suffix}.onnx"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _load_seq2seq(folder: Path, variant: str | None, provider: str | None, threads: int, config: dict,
+                  generation_config: dict, tokenizer_path: Path | None) -> Model:
+    """An encoder-decoder folder (Optimum or transformers.js layout): encoder_model.onnx and
+    decoder_model_merged.onnx, or the unmerged decoder_model.onnx + decoder_with_past_model.onnx."""
+    suffix = "" if variant in (None, "fp32") else f"_{variant}"
+    encoder_path = _find(folder, "encoder_model", suffix)
+    if encoder_path is None:
+        raise ModelError(f"{folder}: config.json says is_encoder_decoder, but there is no "
+                         f"encoder_model{suffix}.onnx (in the folder or onnx/)")
+    merged = _find(folder, "decoder_model_merged", suffix)
+    with_past = _find(folder, "decoder_with_past_model", suffix)
+    first = _find(folder, "decoder_model", suffix)
+    if merged is None and (with_past is None or first is None):
+        raise ModelError(f"{folder}: no decoder for the encoder: expected decoder_model_merged{suffix}.onnx, "
+                         f"or decoder_model{suffix}.onnx with decoder_with_past_model{suffix}.onnx")
+    decoder_path = merged or with_past
+    encoder_session, used = _session(encoder_path, provider, threads)
+    session, _ = _session(decoder_path, provider, threads)
+    first_session = None if merged is not None else _session(first, provider, threads)[0]
+    try:
+        graph = read_graph(decoder_path, session, _config_dims(config))
+    except GraphError as e:
+        raise ModelError(str(e)) from None
+    if not graph.is_seq2seq or not graph.cross_cache:
+        raise ModelError(f"{decoder_path.name}: a decoder of an encoder-decoder model takes encoder_hidden_states "
+                         "and past_key_values.N.encoder.* (export with the -with-past task)")
+    outputs = [o.name for o in encoder_session.get_outputs()]
+    encoder = Encoder(encoder_path, encoder_session, tuple(i.name for i in encoder_session.get_inputs()),
+                      "last_hidden_state" if "last_hidden_state" in outputs else outputs[0])
+    return Model(folder=folder, decoder_path=decoder_path, session=session, graph=graph, config=config,
+                 generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path,
+                 encoder=encoder, first_step_session=first_session)
 
 
 def _config_dims(config: dict) -> dict:
-    """Cache dims and vocabulary from config.json, for graphs whose dims are symbolic."""
-    heads = config.get("num_attention_heads") or config.get("n_head")
-    hidden = config.get("hidden_size") or config.get("n_embd")
+    """Cache dims and vocabulary from config.json, for graphs whose dims are symbolic (the keys
+    of Llama/Qwen2, GPT-2, and the decoders of Marian/BART/Whisper and T5)."""
+    heads = (config.get("num_attention_heads") or config.get("n_head") or config.get("decoder_attention_heads")
+             or config.get("num_heads"))
+    hidden = config.get("hidden_size") or config.get("n_embd") or config.get("d_model")
     return {
         "num_key_value_heads": config.get("num_key_value_heads") or heads,
-        "head_dim": config.get("head_dim") or (hidden // heads if hidden and heads else None),
+        "head_dim": config.get("head_dim") or config.get("d_kv") or (hidden // heads if hidden and heads else None),
         "vocab_size": config.get("vocab_size"),
     }

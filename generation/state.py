@@ -22,6 +22,7 @@ from .cache import CACHES
 from .context import Context
 from .processors import RowSettings, apply
 from .prompts import PromptCache, run_prompts
+from .seq2seq import run_first_steps
 from .selection import LogProbs, SamplingRows, logprobs, pick
 from .settings import Settings
 from .stops import StopMatcher
@@ -52,6 +53,7 @@ class Prefix:
     seeds: np.ndarray  # uint64
     limit: np.ndarray  # int64: tokens (prompt included) at which each row stops
     stops: list  # StopMatcher or None per row, having seen the first token
+    encoder_ids: list  # per row: the "encoder input" of the encoder_ settings (the prompt, or the source)
 
 
 @dataclass
@@ -179,11 +181,24 @@ def _select(ctx: Context, scores: np.ndarray, rows: RowSettings, processes: bool
     return tokens, lp
 
 
-def _row_settings(ctx: Context, prompts, settings: list[Settings], limit: np.ndarray) -> RowSettings:
+def _row_settings(ctx: Context, prompts, settings: list[Settings], limit: np.ndarray, encoder_ids) -> RowSettings:
     rows = RowSettings(len(prompts), ctx.model.vocab_size)
     for j, (prompt, s) in enumerate(zip(prompts, settings)):
-        rows.set_row(j, s, len(prompt), int(limit[j]), encoder_ids=prompt)  # a decoder's prompt, as transformers
+        rows.set_row(j, s, len(prompt), int(limit[j]), encoder_ids=encoder_ids[j])
     return rows
+
+
+def _encoder_ids(ctx: Context, prompts, encoder) -> list:
+    """What transformers passes its encoder_ processors: a decoder-only model's prompt, a text
+    encoder's source ids, nothing for audio."""
+    if not ctx.model.is_seq2seq:
+        return list(prompts)
+    if encoder is None:
+        raise ValueError("an encoder-decoder model needs the encoder's outputs: pass encoder= "
+                         "(generation.seq2seq.encode_text / encode_audio)")
+    if len(encoder) != len(prompts):
+        raise ValueError(f"encoder outputs have {len(encoder)} rows for {len(prompts)} prompts")
+    return encoder.source_ids if encoder.source_ids is not None else [[] for _ in prompts]
 
 
 def _stop_matchers(ctx: Context, prompts, settings: list[Settings]) -> list:
@@ -207,7 +222,7 @@ def _with_logprobs(out: StepTokens, rows, size: int, lp: LogProbs | None) -> Ste
     return out
 
 
-def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits) -> Prefix:
+def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits, encoder_ids) -> Prefix:
     """Each fresh row's first token from its prompt's last logits, and where it stops."""
     settings = settings or [ctx.settings] * len(prompts)
     if any(s.num_beams > 1 for s in settings):
@@ -218,7 +233,7 @@ def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits) 
         max_new = [s.new_tokens_for(len(p)) for s, p in zip(settings, prompts)]
     limit = np.minimum(lengths + np.array(max_new, np.int64), ctx.max_position)
     seeds = np.array(seeds, np.uint64)
-    rows = _row_settings(ctx, prompts, settings, limit)
+    rows = _row_settings(ctx, prompts, settings, limit, encoder_ids)
     history = np.zeros((len(prompts), max(1, int(lengths.max()))), np.int64)
     for j, prompt in enumerate(prompts):
         history[j, :len(prompt)] = prompt
@@ -228,21 +243,27 @@ def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits) 
     is_eos, finished = _ends(tokens, rows.eos, lengths + 1, limit, stops)
     first = StepTokens(np.where(is_eos, -1, tokens), finished, bool(finished.any()))
     first = _with_logprobs(first, np.arange(len(prompts)), len(prompts), lp)
-    return Prefix(list(prompts), None, first, list(settings), seeds, limit, stops)
+    return Prefix(list(prompts), None, first, list(settings), seeds, limit, stops, list(encoder_ids))
 
 
 def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settings] | None = None,
-            max_new: list[int] | None = None) -> Prefix:
+            max_new: list[int] | None = None, encoder=None) -> Prefix:
     """Run non-empty `prompts` and choose each row's first token.
 
     seeds: one per prompt. settings: one per prompt (default: the context's). max_new: the new
     tokens each row may get (default: each row's settings by the max_new_tokens rule); a row
-    never outgrows the model's context.
+    never outgrows the model's context. encoder: an encoder-decoder model's EncoderOutputs, one
+    row per prompt (the prompts are then the decoder's: decoder_start_token_id, ...).
     """
     model = ctx.model
-    cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
-                        ctx.settings.pad_token_id, ctx.max_position)
-    prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, cache.last_logits)
+    encoder_ids = _encoder_ids(ctx, prompts, encoder)
+    if model.is_seq2seq:
+        last, rows = run_first_steps(model, prompts, encoder)
+        cache = PromptCache(rows, np.array([len(p) for p in prompts]), last)
+    else:
+        cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
+                            ctx.settings.pad_token_id, ctx.max_position)
+    prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, cache.last_logits, encoder_ids)
     prefix.cache = cache
     return prefix
 
@@ -266,7 +287,7 @@ def _occupy(state: DecodeState, slot: int, prefix: Prefix, j: int) -> None:
     state.limit[slot] = min(prefix.limit[j], state.capacity)
     state.live[slot] = state.used[slot] = True
     state.seeds[slot], state.draws[slot] = prefix.seeds[j], 1
-    state.settings.set_row(slot, prefix.settings[j], length, int(state.limit[slot]), encoder_ids=prompt)
+    state.settings.set_row(slot, prefix.settings[j], length, int(state.limit[slot]), encoder_ids=prefix.encoder_ids[j])
     state.stops[slot] = prefix.stops[j]
     if state.logprob is not None:
         state.logprob[slot] = np.nan
@@ -289,18 +310,18 @@ def insert(ctx: Context, prefix: Prefix, state: DecodeState, slots) -> DecodeSta
 
 
 def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], seeds,
-          settings: list[Settings] | None = None, max_new: list[int] | None = None
+          settings: list[Settings] | None = None, max_new: list[int] | None = None, encoder=None
           ) -> tuple[DecodeState, StepTokens]:
     """Prefill `prompts` into free `slots` of a running batch: `insert(prefill(...))`, except
     that an in_place cache takes the prompts straight into its buffer, with no copy. Returns the
     state and the rows' first tokens (as `prefill` gives them)."""
     slots = [int(s) for s in slots]
     if not hasattr(state.cache, "prefill"):
-        prefix = prefill(ctx, prompts, seeds, settings, max_new)
+        prefix = prefill(ctx, prompts, seeds, settings, max_new, encoder)
         return insert(ctx, prefix, state, slots), prefix.first
     _check_slots(state, prompts, slots)
     last = state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id)
-    prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, last)
+    prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, last, _encoder_ids(ctx, prompts, encoder))
     for j, slot in enumerate(slots):
         if prefix.first.finished[j]:
             state.cache.release(slot)  # it ended at its first token: the slot stays free
@@ -416,6 +437,8 @@ def row_tokens(state: DecodeState, slot: int) -> list[int]:
 def warm_up(ctx: Context) -> None:
     """One short generation over the rows a batch runs (`ctx.batch_size`, times num_beams), so
     onnxruntime sets up its kernels and memory for them before the first request."""
+    if ctx.model.is_seq2seq:
+        return  # its first step needs an encoder's outputs; the first request sets it up
     rows = ctx.batch_size * ctx.settings.num_beams
     settings = [replace(ctx.settings, num_beams=1, num_return_sequences=1, stop_strings=None)] * rows
     state = new_state(ctx, rows, capacity=4)
