@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PROMPT ?= The quick brown fox
+PROMPT ?= The list type
 
 .PHONY: test demo bench bench-quick clean
 
@@ -18,12 +18,16 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[cpu,test]'
 	touch $@
 
+# The demo needs only the engine and onnxruntime: the default model ships in the repository.
+$(VENV)/.installed-cpu: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[cpu]'
+	touch $@
+
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
-demo: $(VENV)/.installed
-	$(BIN)/raymuter generate --model "$$($(BIN)/python tests/model_builders.py --key llama-genai)" \
-		--max-new-tokens 40 "$(PROMPT)"
+demo: $(VENV)/.installed-cpu
+	$(BIN)/raymuter generate --max-new-tokens 80 "$(PROMPT)"
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/decode.py

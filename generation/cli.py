@@ -13,7 +13,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text after one or more prompts, streamed as it comes")
     gen.add_argument("prompts", nargs="+", help="prompt text; several prompts run as one batch")
-    gen.add_argument("--model", required=True, help="model folder (Hugging Face layout) or hub id")
+    gen.add_argument("--model", help="model folder (Hugging Face layout) or hub id (default: the model that ships "
+                     "with Raymuter, a small Llama trained on the Python documentation)")
     gen.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, quantized, ...")
     gen.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default: generation_config.json)")
     sampling = gen.add_mutually_exclusive_group()
@@ -62,6 +63,12 @@ def generate_command(args) -> int:
     from generation.text import Detokenizer, load_tokenizer
 
     started = time.perf_counter()
+    if args.model is None:
+        from generation.bundled import default_model_path
+
+        args.model = default_model_path(args.variant)
+        print(f"[raymuter] no --model given: using the default model in {args.model} (a small Llama trained on "
+              "the Python documentation; its card is README.md beside it)", file=sys.stderr)
     model = generation.load(args.model, variant=args.variant, provider=args.provider, threads=args.threads)
     tokenizer = load_tokenizer(model.tokenizer_path, model.folder)
     ctx = generation.context(model, cache_mode=args.cache_mode, prompt_steps=args.prompt_steps, **_overrides(args))
