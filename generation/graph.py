@@ -68,10 +68,11 @@ class DecoderGraph:
     cross_cache: tuple[CacheEntry, ...] = ()
     has_encoder_hidden_states: bool = False
     has_encoder_attention_mask: bool = False
+    seq2seq: bool = False
 
     @property
     def is_seq2seq(self) -> bool:
-        return self.has_encoder_hidden_states
+        return self.seq2seq
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -119,7 +120,9 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
     """Describe the decoder `session` loaded from `path`; `config` fills symbolic dims."""
     ins = {i.name: i for i in session.get_inputs()}
     outs = {o.name: o for o in session.get_outputs()}
-    seq2seq = "encoder_hidden_states" in ins
+    # an encoder-decoder's decoder: it takes the encoder's outputs, or (an unmerged
+    # decoder_with_past) only the cross-attention cache they made
+    seq2seq = "encoder_hidden_states" in ins or any(".encoder." in name for name in ins)
     if not seq2seq and "attention_mask" not in ins:
         raise GraphError(f"{path.name}: the decoder has no 'attention_mask' input (inputs: {sorted(ins)})")
     if "input_ids" not in ins and "inputs_embeds" not in ins:
@@ -148,7 +151,11 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         if not heads or not head_dim:
             raise GraphError(f"{path.name}: cannot tell the heads and head size of '{past}' ({shape}); "
                              "config.json lacks num_key_value_heads / head_dim")
-        entry = CacheEntry(past, _present_name(past, set(outs), present_names or {}), int(heads), int(head_dim))
+        if ".encoder." in past and "present." + past[len("past_key_values."):] not in outs:
+            present = "present." + past[len("past_key_values."):]  # an unmerged decoder_with_past: only step 0 gives it
+        else:
+            present = _present_name(past, set(outs), present_names or {})
+        entry = CacheEntry(past, present, int(heads), int(head_dim))
         (cross if ".encoder." in past else cache).append(entry)
 
     logits_shape = outs["logits"].shape
@@ -181,6 +188,7 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         has_group_query_attention=counting is not None,
         native_mode=native,
         cross_cache=tuple(cross),
-        has_encoder_hidden_states=seq2seq,
+        has_encoder_hidden_states="encoder_hidden_states" in ins,
+        seq2seq=seq2seq,
         has_encoder_attention_mask="encoder_attention_mask" in ins,
     )

@@ -76,14 +76,21 @@ def _pad_sources(rows: list[np.ndarray], width: int) -> tuple[np.ndarray, np.nda
     return out, mask
 
 
-def _feeds(graph: DecoderGraph, ids: np.ndarray, hidden: np.ndarray, mask: np.ndarray, use_cache: bool) -> dict:
-    feeds = {"input_ids": ids.astype(graph.dtype("input_ids")), "encoder_hidden_states": hidden.astype(
-        graph.dtype("encoder_hidden_states"))}
-    if graph.has_encoder_attention_mask:
-        feeds["encoder_attention_mask"] = mask.astype(graph.dtype("encoder_attention_mask"))
-    if graph.has_use_cache_branch:
-        feeds["use_cache_branch"] = np.array([use_cache])
-    return feeds
+def _feeds(inputs: dict, ids: np.ndarray, hidden: np.ndarray, mask: np.ndarray, use_cache: bool) -> dict:
+    """The per-step inputs a decoder session takes, of those an encoder-decoder step has
+    (`inputs`: the session's input names -> dtypes)."""
+    feeds = {"input_ids": ids, "encoder_hidden_states": hidden, "encoder_attention_mask": mask,
+             "use_cache_branch": np.array([use_cache])}
+    return {name: value.astype(inputs[name], copy=False) for name, value in feeds.items() if name in inputs}
+
+
+_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+          "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+
+
+def session_inputs(session) -> dict:
+    """A session's input names -> numpy dtypes."""
+    return {i.name: _TYPES.get(i.type, np.float32) for i in session.get_inputs()}
 
 
 def run_first_steps(model, prompts: list[list[int]], encoder: EncoderOutputs):
@@ -101,8 +108,8 @@ def run_first_steps(model, prompts: list[list[int]], encoder: EncoderOutputs):
         sources = [encoder.hidden[b] for b in group]
         hidden, mask = _pad_sources(sources, max(len(s) for s in sources))
         ids = np.array([prompts[b] for b in group], np.int64)
-        feeds = _feeds(graph, ids, hidden, mask, use_cache=False)
         session = model.first_step_session or model.session
+        feeds = _feeds(session_inputs(session), ids, hidden, mask, use_cache=False)
         if model.first_step_session is None:  # the merged decoder takes (unused) empty pasts
             for e in graph.cache + graph.cross_cache:
                 feeds[e.past] = np.zeros((len(group), e.heads, 0, e.head_dim), graph.cache_dtype)
@@ -129,6 +136,7 @@ class Seq2SeqCache:
     def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int):
         self.session, self.graph, self.capacity = session, graph, capacity
         self.token_input = np.zeros(slots, np.int64)
+        self.inputs = session_inputs(session)
         self.groups: list[dict] = []  # {"slots", "length", "past", "cross", "hidden", "mask"}
         self._names = ["logits"] + [e.present for e in graph.cache]
 
@@ -195,7 +203,7 @@ class Seq2SeqCache:
             if group["length"] + 1 > self.capacity:
                 raise ValueError(f"a row needs {group['length'] + 1} cache rows; this state holds {self.capacity}")
             ids = np.where(live, self.token_input[np.maximum(slots, 0)], 0).reshape(-1, 1)
-            feeds = _feeds(self.graph, ids, group["hidden"], group["mask"], use_cache=True)
+            feeds = _feeds(self.inputs, ids, group["hidden"], group["mask"], use_cache=True)
             feeds.update(group["past"])
             feeds.update(group["cross"])
             out, *presents = self.session.run(self._names, feeds)
