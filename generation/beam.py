@@ -1,8 +1,8 @@
 """Beam search as transformers 4.57 `_beam_search`, over a batch of prompts in every cache mode.
 
-The beams of prompt p are rows p*B .. p*B+B-1 of the decode state (B = num_beams); all start
-from one prefill of the prompt, copied, and only the first beam counts at first (the others
-score -1e9). Each step, per prompt (`_step` below, written as transformers' helpers):
+The beams of prompt p are rows p, P + p, 2P + p, ... of the batch (P prompts, B = num_beams
+rows each: the first beams are rows 0..P-1, so the prompts prefill as one batch); all start from
+that prefill, copied, and only the first beam counts at first (the others score -1e9). Each step, per prompt (`_step` below, written as transformers' helpers):
 
   1. scores = processors(log_softmax(logits)) per row (the sampling warpers too, when
      sampling, keeping 1 + the eos count tokens), plus the row's running score;
@@ -34,7 +34,7 @@ from .processors import RowSettings, apply
 from .prompts import run_prompts
 from .seq2seq import run_first_steps
 from .rng import uniforms
-from .selection import SamplingRows, log_softmax, warp
+from .selection import SamplingRows, log_softmax, top_k_candidates, warp
 from .settings import Settings
 from .state import _encoder_ids
 
@@ -59,6 +59,13 @@ def _topk_desc(values: np.ndarray, k: int) -> np.ndarray:
     part = np.argpartition(-values, k - 1, axis=1)[:, :k]
     order = np.lexsort((part, -np.take_along_axis(values, part, axis=1)), axis=1)
     return np.take_along_axis(part, order, axis=1)
+
+
+def _best(values: np.ndarray, k: int) -> np.ndarray:
+    """`_topk_desc` over B * V candidates, through their top-k candidates (O(V) compares, no
+    partition of the whole row)."""
+    ids, top = top_k_candidates(values, np.full(len(values), k))
+    return np.take_along_axis(ids, _topk_desc(top, k), axis=1)
 
 
 def _sample_without_replacement(scores: np.ndarray, k: int, seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
@@ -123,7 +130,8 @@ def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: 
                        ctx.max_position)
     capacity = int(limit.max())
     cache = CACHES[ctx.cache_mode](model.session, model.graph, rows, capacity, ctx.max_position)
-    first = np.arange(count) * beams
+    first = np.arange(count)  # beam 0 of each prompt
+    owner = np.tile(np.arange(count), beams)  # the prompt of each row
     encoder_ids = _encoder_ids(ctx, run, encoder)
     if hasattr(cache, "prefill"):
         last = cache.prefill(first.tolist(), run, ctx.prompt_steps, ctx.settings.pad_token_id)
@@ -138,14 +146,14 @@ def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: 
         for p, slot in enumerate(first.tolist()):
             cache.insert(slot, prompt_cache.rows[p], len(run[p]))
     for b in range(1, beams):
-        cache.copy_rows((first + b).tolist(), first.tolist(), int(length.max()))
+        cache.copy_rows((first + b * count).tolist(), first.tolist(), int(length.max()))
 
     row_settings = RowSettings(rows, vocab)
     tokens = np.zeros((rows, capacity), np.int64)
     for p, (prompt, s) in enumerate(zip(run, run_settings)):
         for b in range(beams):
-            row_settings.set_row(p * beams + b, s, len(prompt), int(limit[p]), encoder_ids=encoder_ids[p])
-        tokens[p * beams:(p + 1) * beams, :len(prompt)] = prompt
+            row_settings.set_row(b * count + p, s, len(prompt), int(limit[p]), encoder_ids=encoder_ids[p])
+            tokens[b * count + p, :len(prompt)] = prompt
     row_settings.min_keep[:] = np.maximum(2, 1 + (row_settings.eos >= 0).sum(axis=1))  # beams keep a non-eos token
     sampling = SamplingRows.of(row_settings)
     keep_logprobs = ctx.token_logprobs
@@ -157,24 +165,24 @@ def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: 
                    finished_flags=np.zeros((count, beams), bool),
                    finished=[[None] * beams for _ in range(count)],
                    improvable=np.ones(count, bool), live=np.ones(count, bool))
-    logits = np.repeat(last, beams, axis=0)
-    phys = np.arange(rows).reshape(count, beams)  # the row (slot) of each prompt's j-th best beam
+    logits = np.tile(last, (beams, 1))
+    phys = np.arange(beams)[None, :] * count + first[:, None]  # [P, B] the row of each prompt's j-th best beam
     cur = length.copy()  # tokens in each prompt's rows
-    lengths = np.repeat(length, beams)  # valid cache rows of each row
+    lengths = length[owner]  # valid cache rows of each row
     while state.live.any():
-        processed = apply(log_softmax(logits.astype(np.float32)), row_settings, tokens, np.repeat(cur, beams),
-                          ctx.processors, np.repeat(length, beams), inplace=True)
+        processed = apply(log_softmax(logits.astype(np.float32, copy=False)), row_settings, tokens, cur[owner],
+                          ctx.processors, length[owner], inplace=True)
         if sampling.do_sample.any():
             processed = np.where(sampling.do_sample[:, None], warp(processed, sampling), processed)
         if sampling.renormalize.any():
             processed = np.where(sampling.renormalize[:, None], log_softmax(processed), processed)
-        processed = np.maximum(processed, FLOOR)
+        np.maximum(processed, FLOOR, out=processed)
         step_logprob = log_softmax(processed) if keep_logprobs else None
         was_live = state.live.copy()
         source, new_tokens, new_logprobs = _step(state, processed, phys, run_settings, row_settings, cur, length,
                                                  limit, beams, tokens, logprob, step_logprob, seeds_p, draws)
         draws += np.uint64(beams * vocab)
-        for slot in np.flatnonzero(np.repeat(was_live & ~state.live, beams)).tolist():
+        for slot in np.flatnonzero((was_live & ~state.live)[owner]).tolist():
             cache.release(slot)  # a stopped prompt's rows run as padding from now on
         if not state.live.any():
             break
@@ -240,19 +248,19 @@ def _step(state: _Beams, processed: np.ndarray, phys: np.ndarray, settings: list
     Written after transformers' _get_top_k_continuations, _get_running_beams_for_next_iteration,
     _update_finished_beams and _check_early_stop_heuristic."""
     count, vocab = len(cur), processed.shape[1]
-    eos_count = (rows.eos[::beams] >= 0).sum(axis=1)
+    eos = rows.eos[phys[:, 0]]  # per prompt (its rows share settings)
+    eos_count = (eos >= 0).sum(axis=1)
     keep = int(np.max(np.maximum(2, 1 + eos_count))) * beams
     accumulated = (processed[phys.reshape(-1)].reshape(count, beams, vocab)
                    + state.running[:, :, None]).reshape(count, beams * vocab)
-    sampled = rows.do_sample[::beams]
-    pick = _topk_desc(accumulated, keep)
+    sampled = rows.do_sample[phys[:, 0]]
+    pick = _best(accumulated, keep)
     if sampled.any():
         where = np.flatnonzero(sampled)
         pick[where] = _sample_without_replacement(accumulated[where], keep, seeds[where], draws[where])
     top_scores = np.take_along_axis(accumulated, pick, axis=1)  # [P, K]
     source_beam, token = pick // vocab, pick % vocab
     source_row = np.take_along_axis(phys, source_beam, axis=1)
-    eos = rows.eos[::beams]
     ends = (token[:, :, None] == eos[:, None, :]).any(axis=2) & (eos[:, None, :] >= 0).any(axis=2)
     ends |= (cur + 1 >= limit)[:, None]
 
