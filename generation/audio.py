@@ -124,6 +124,7 @@ def whisper_features(
     n_mels: int = 80,
     sampling_rate: int = SAMPLING_RATE,
     long_form: bool = False,
+    chunk_seconds: float = CHUNK_SECONDS,
 ) -> LogMelFeatures:
     """Log-mel features of a batch of mono clips of any lengths, as `WhisperFeatureExtractor`.
 
@@ -132,7 +133,8 @@ def whisper_features(
     `long_form=True`: nothing is cut; every clip is padded to the longest one (and to at least
     30 s) -> [B, n_mels, T], as `truncation=False, padding="longest", return_attention_mask=True`
     when the longest clip has 30 s or more; shorter batches get the 30 s windows that transformers'
-    docs then ask for. `num_frames` tells the decoder loop where each clip ends.
+    docs then ask for. `num_frames` tells the decoder loop where each clip ends. `chunk_seconds`:
+    the window (a model's preprocessor_config.json `chunk_length`; 30 for every real Whisper).
 
     >>> out = whisper_features([np.zeros(16000, np.float32), np.ones(800000, np.float32)])
     >>> out.features.shape, out.num_frames.tolist()
@@ -144,7 +146,9 @@ def whisper_features(
     """
     clips = _as_clips(audios)
     _check_int("sampling_rate", sampling_rate, MIN_SAMPLING_RATE, MAX_SAMPLING_RATE)
-    window_samples = CHUNK_SECONDS * sampling_rate
+    if not isinstance(chunk_seconds, (int, float)) or isinstance(chunk_seconds, bool) or not 0 < chunk_seconds <= 600:
+        raise ValueError(f"chunk_seconds must be a number of seconds in (0, 600], not {chunk_seconds!r}")
+    window_samples = int(round(chunk_seconds * sampling_rate))
     lengths = np.array([len(clip) for clip in clips])
     total = max(window_samples, int(lengths.max())) if long_form else window_samples
     waveforms = np.zeros((len(clips), total), np.float32)
