@@ -118,6 +118,29 @@ def speech_systems(base: Path, args, batch: int):
     return ours, theirs
 
 
+def compare(ours, theirs, batch: int, args) -> list[tuple]:
+    """Both systems alternating, best of the repeats after one warm-up round: table rows."""
+    best, tokens = {}, {}
+    for rep in range(args.repeats + 1):
+        for name, run in (("raymuter", ours), ("transformers", theirs)):
+            t0 = time.perf_counter()
+            tokens[name] = run()
+            elapsed = time.perf_counter() - t0
+            if rep and (name not in best or elapsed < best[name]):
+                best[name] = elapsed
+    same = "yes" if np.array_equal(tokens["raymuter"], tokens["transformers"]) else "no"
+    return [(batch, name, batch / best[name], batch * args.new / best[name], best["transformers"] / best[name], same)
+            for name in ("raymuter", "transformers")]
+
+
+def table(title: str, unit: str, rows) -> None:
+    print(f"\n## {title}\n")
+    print(f"| batch | system | {unit} | tokens/s | x transformers | same tokens |\n|---|---|---|---|---|---|")
+    for batch, name, per_source, tps, ratio, same in rows:
+        print(f"| {batch} | {name} | {per_source:.2f} | {tps:.1f} | {ratio:.2f} | {same} |")
+    print("\nTarget: >= 2x transformers at batch 8")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", default="1,8")
@@ -156,24 +179,9 @@ def main() -> int:
                                   min_new_tokens=args.new, do_sample=False, num_beams=1, forced_eos_token_id=None)
             return out[:, 1:].numpy()
 
-        best, tokens = {}, {}
-        for rep in range(args.repeats + 1):
-            for name, run in (("raymuter", ours), ("transformers", theirs)):
-                t0 = time.perf_counter()
-                tokens[name] = run()
-                elapsed = time.perf_counter() - t0
-                if rep and (name not in best or elapsed < best[name]):
-                    best[name] = elapsed
-        same = "yes" if np.array_equal(tokens["raymuter"], tokens["transformers"]) else "no"
-        for name in ("raymuter", "transformers"):
-            rows.append((batch, name, batch / best[name], batch * args.new / best[name],
-                         best["transformers"] / best[name], same))
-    print(f"\n## Text-to-text (Marian-base shape, random weights; source {args.source}, {args.new} new tokens, "
-          f"greedy, {args.threads} threads, best of {args.repeats})\n")
-    print("| batch | system | sources/s | tokens/s | x transformers | same tokens |\n|---|---|---|---|---|---|")
-    for batch, name, sps, tps, ratio, same in rows:
-        print(f"| {batch} | {name} | {sps:.2f} | {tps:.1f} | {ratio:.2f} | {same} |")
-    print("\nTarget: >= 2x transformers at batch 8")
+        rows += compare(ours, theirs, batch, args)
+    table(f"Text-to-text (Marian-base shape, random weights; source {args.source}, {args.new} new tokens, "
+          f"greedy, {args.threads} threads, best of {args.repeats})", "sources/s", rows)
     return 0
 
 
@@ -184,24 +192,9 @@ def speech_main(base: Path, args) -> int:
     rows = []
     for batch in [int(b) for b in args.batch.split(",")]:
         ours, theirs = speech_systems(base, args, batch)
-        best, tokens = {}, {}
-        for rep in range(args.repeats + 1):
-            for name, run in (("raymuter", ours), ("transformers", theirs)):
-                t0 = time.perf_counter()
-                tokens[name] = run()
-                elapsed = time.perf_counter() - t0
-                if rep and (name not in best or elapsed < best[name]):
-                    best[name] = elapsed
-        same = "yes" if np.array_equal(tokens["raymuter"], tokens["transformers"]) else "no"
-        for name in ("raymuter", "transformers"):
-            rows.append((batch, name, batch / best[name], batch * args.new / best[name],
-                         best["transformers"] / best[name], same))
-    print(f"\n## Speech-to-text (Whisper-base shape, random weights; 30 s clips, {args.new} new tokens, greedy, "
-          f"{args.threads} threads, best of {args.repeats}; features + encoder + decoder)\n")
-    print("| batch | system | clips/s | tokens/s | x transformers | same tokens |\n|---|---|---|---|---|---|")
-    for batch, name, sps, tps, ratio, same in rows:
-        print(f"| {batch} | {name} | {sps:.2f} | {tps:.1f} | {ratio:.2f} | {same} |")
-    print("\nTarget: >= 2x transformers at batch 8")
+        rows += compare(ours, theirs, batch, args)
+    table(f"Speech-to-text (Whisper-base shape, random weights; 30 s clips, {args.new} new tokens, greedy, "
+          f"{args.threads} threads, best of {args.repeats}; features + encoder + decoder)", "clips/s", rows)
     return 0
 
 
