@@ -141,3 +141,14 @@ def test_bad_sources_say_what_is_wrong(models):
         tasks.text_to_text(ctx, [[5, 5000]])
     with pytest.raises(ValueError, match="an encoder-decoder model needs encoder= outputs"):
         generation.generate(ctx, [[999]])
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=3)], ids=["greedy", "beams"])
+def test_more_sources_than_slots(models, settings):
+    """Sources join as slots free up (greedy) or batch after batch (beams); each source's tokens
+    stay those of one run over all of them."""
+    model = models("t5-optimum")
+    ctx = generation.context(model, max_new_tokens=10, **settings)
+    sources = sources_of(model, (5, 9, 2, 14, 3), seed=1)
+    want = [r.tokens for r in tasks.text_to_text(ctx, sources)]
+    assert [r.tokens for r in tasks.text_to_text(generation.compile(ctx, batch_size=2), sources)] == want
