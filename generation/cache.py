@@ -51,6 +51,24 @@ class _Inputs:
             self.positions[..., 0] = lengths
 
 
+def moves_by_group(groups: list[dict], dst, src, join) -> list[tuple[dict, list[int], list[int]]]:
+    """The copies dst <- src between slots of grouped caches (grow, seq2seq: each group is
+    {"slots": [slot or -1], ...}), per group holding a source: (group, rows to write, rows to
+    read). A dst slot new to its source's group joins it first through `join(group, [(dst, src)])`."""
+    out = []
+    for group in groups:
+        where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
+        moves = [(int(d), int(s)) for d, s in zip(dst, src) if int(s) in where]
+        if not moves:
+            continue
+        joining = [(d, s) for d, s in moves if d not in where]
+        if joining:
+            join(group, joining)
+            where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
+        out.append((group, [where[d] for d, _ in moves], [where[s] for _, s in moves]))
+    return out
+
+
 class _Cache:
     def decode_steps(self, lengths: np.ndarray, count: int):
         """Up to `count` decodes, the k-th (from 0) at `lengths + k`, yielding each step's logits;
@@ -355,18 +373,11 @@ class GrowCache(_Cache):
     def copy_rows(self, dst, src, length: int) -> None:
         """Rows of one prompt's beams share a length, so each moves within its group; a slot
         that holds no row yet joins the group of its source."""
-        dst, src = [int(d) for d in dst], [int(s) for s in src]
-        for group in self.groups:
-            where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
-            moves = [(d, s) for d, s in zip(dst, src) if s in where]
-            if not moves:
-                continue
-            joining = [d for d, _ in moves if d not in where]
-            if joining:
-                group["slots"] = group["slots"] + joining
-                group["past"] = {name: np.concatenate([array, array[:len(joining)]]) for name, array in group["past"].items()}
-                where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
-            into, take = [where[d] for d, _ in moves], [where[s] for _, s in moves]
+        def join(group, joining):  # placeholder rows, written below
+            group["slots"] = group["slots"] + [d for d, _ in joining]
+            group["past"] = {name: np.concatenate([array, array[:len(joining)]]) for name, array in group["past"].items()}
+
+        for group, into, take in moves_by_group(self.groups, dst, src, join):
             for array in group["past"].values():
                 array[into] = array[take]
 

@@ -176,19 +176,14 @@ class Seq2SeqCache:
         """Rows dst take src's decoder cache; a row new to the group also takes its cross cache and
         source (with `shared_cross`, rows already in the group keep theirs: a prompt's beams share
         one source, so its cross cache never moves)."""
-        dst, src = [int(d) for d in dst], [int(s) for s in src]
-        for group in self.groups:
+        def join(group, joining):
             where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
-            moves = [(d, s) for d, s in zip(dst, src) if s in where]
-            if not moves:
-                continue
-            joining = [d for d, s in moves if d not in where]
-            if joining:
-                rows = self._rows_of(group)
-                self._join(group, joining, [rows[where[s]] for d, s in moves if d not in where])
-                where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
-            into = [where[d] for d, _ in moves]
-            take = [where[s] for _, s in moves]
+            rows = self._rows_of(group)
+            self._join(group, [d for d, _ in joining], [rows[where[s]] for _, s in joining])
+
+        from .cache import moves_by_group
+
+        for group, into, take in moves_by_group(self.groups, dst, src, join):
             for array in group["past"].values():
                 array[into] = array[take]
             if not shared_cross:

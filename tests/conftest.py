@@ -4,6 +4,8 @@
   (built once into ``$RAYMUTER_TEST_MODELS`` or ``~/.cache/raymuter/test-models``).
 * ``oracle`` (session): :class:`Oracle` -- greedy tokens and logits from ``transformers`` for the
   ``hf/<name>`` models.
+* ``load_model`` (session): ``load_model(path)`` -> ``generation.load(path, threads=1)``, once
+  per path for the whole session.
 
 Nothing here imports the ``generation`` package, torch or transformers at import time.
 """
@@ -117,3 +119,17 @@ def test_models(pytestconfig) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def oracle(test_models) -> Oracle:
     return Oracle(test_models)
+
+
+@pytest.fixture(scope="session")
+def load_model():
+    import generation
+
+    loaded = {}
+
+    def get(path):
+        key = str(path)
+        if key not in loaded:
+            loaded[key] = generation.load(path, threads=1)
+        return loaded[key]
+    return get

@@ -22,14 +22,8 @@ MODES = [("llama-optimum", "llama", "append"), ("llama-genai", "llama", "in_plac
 
 
 @pytest.fixture(scope="module")
-def models(test_models):
-    loaded = {}
-
-    def get(folder):
-        if folder not in loaded:
-            loaded[folder] = generation.load(test_models[folder], threads=1)
-        return loaded[folder]
-    return get
+def models(test_models, load_model):
+    return lambda folder: load_model(test_models[folder])
 
 
 def transformers_beams(oracle, name, prompt, max_new, **settings):

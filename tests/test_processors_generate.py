@@ -41,14 +41,8 @@ def repetitive_prompts():
 
 
 @pytest.fixture(scope="module")
-def models(test_models):
-    loaded = {}
-
-    def get(folder):
-        if folder not in loaded:
-            loaded[folder] = generation.load(test_models[folder], threads=1)
-        return loaded[folder]
-    return get
+def models(test_models, load_model):
+    return lambda folder: load_model(test_models[folder])
 
 
 def transformers_run(oracle, name, prompt, max_new, **kwargs):

@@ -29,14 +29,8 @@ def s2s(test_models):
 
 
 @pytest.fixture(scope="module")
-def models(s2s):
-    loaded = {}
-
-    def get(key):
-        if key not in loaded:
-            loaded[key] = generation.load(s2s[key], threads=1)
-        return loaded[key]
-    return get
+def models(s2s, load_model):
+    return lambda key: load_model(s2s[key])
 
 
 @pytest.fixture(scope="module")
