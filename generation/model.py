@@ -77,7 +77,8 @@ class Model:
     @property
     def max_context(self) -> int | None:
         """Longest sequence the model's positions allow (None when the config does not say)."""
-        for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "context_length"):
+        for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "context_length",
+                    "max_target_positions"):  # the last: Whisper's decoder
             value = self.config.get(key)
             if isinstance(value, int) and value > 0:
                 return value
