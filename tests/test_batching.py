@@ -18,8 +18,8 @@ from deployments.batching import ContinuousBatcher, QueueFull
 
 
 @pytest.fixture(scope="module")
-def ctx(test_models):
-    model = generation.load(test_models["llama-genai"], threads=1)
+def ctx(test_models, load_model):
+    model = load_model(test_models["llama-genai"])
     return generation.context(model, max_new_tokens=16)
 
 

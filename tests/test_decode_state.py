@@ -21,8 +21,8 @@ def prompts_of(lengths, seed=1):
 
 
 @pytest.fixture(scope="module")
-def models(test_models):
-    return {f: generation.load(test_models[f], threads=1) for f in {f for f, _ in MODES}}
+def models(test_models, load_model):
+    return {f: load_model(test_models[f]) for f in {f for f, _ in MODES}}
 
 
 def alone(ctx, prompt, seed):

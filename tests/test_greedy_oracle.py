@@ -44,8 +44,8 @@ def expected(oracle, prompts):
 
 
 @pytest.fixture(scope="module")
-def models(test_models):
-    return {folder: generation.load(test_models[folder], threads=1) for folder, _, _ in GRAPHS}
+def models(test_models, load_model):
+    return {folder: load_model(test_models[folder]) for folder, _, _ in GRAPHS}
 
 
 def test_the_oracle_is_not_trivial(expected):

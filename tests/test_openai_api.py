@@ -24,8 +24,8 @@ def test_openai_fields_map_onto_settings():
     assert settings_of(parse(CompletionRequest, dict(model="m", prompt=[1, 2], temperature=0))) == dict(do_sample=False)
 
 
-def test_the_settings_are_the_engines(test_models):
-    ctx = generation.context(generation.load(test_models["llama-optimum"], threads=1), max_new_tokens=4)
+def test_the_settings_are_the_engines(test_models, load_model):
+    ctx = generation.context(load_model(test_models["llama-optimum"]), max_new_tokens=4)
     request = parse(ChatCompletionRequest, dict(model="m", messages=[{"role": "user", "content": "hi"}],
                                                 temperature=0.5, top_p=0.8, no_repeat_ngram_size=2, stop="x"))
     settings = ctx.with_settings(**settings_of(request))

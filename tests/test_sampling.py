@@ -25,9 +25,9 @@ def prompts_of(lengths, seed=2):
 
 @pytest.fixture(scope="module", params=[("llama-genai", "in_place"), ("llama-optimum", "append"), ("gpt2-grow", "grow")],
                 ids=lambda p: p[1])
-def ctx(request, test_models):
+def ctx(request, test_models, load_model):
     folder, mode = request.param
-    model = generation.load(test_models[folder], threads=1)
+    model = load_model(test_models[folder])
     return generation.context(model, max_new_tokens=30, cache_mode=mode, **SETTINGS)
 
 
@@ -78,8 +78,8 @@ def processed_distribution(oracle, prompt):
     return torch.softmax(scores, dim=-1)[0].double().numpy()
 
 
-def test_first_token_fits_the_processed_distribution(test_models, oracle):
-    model = generation.load(test_models["llama-genai"], threads=1)
+def test_first_token_fits_the_processed_distribution(test_models, oracle, load_model):
+    model = load_model(test_models["llama-genai"])
     ctx = generation.context(model, max_new_tokens=1, **SETTINGS)
     prompt = prompts_of([6], seed=11)[0]
     expected = processed_distribution(oracle, prompt)

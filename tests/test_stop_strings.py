@@ -17,8 +17,8 @@ PROMPT = [40, 41, 42]  # plain greedy on the tiny Llama: 'kathe n ruou repo shii
 
 
 @pytest.fixture(scope="module")
-def model(test_models):
-    return generation.load(test_models["llama-optimum"], threads=1)
+def model(test_models, load_model):
+    return load_model(test_models["llama-optimum"])
 
 
 @pytest.fixture(scope="module")

@@ -33,13 +33,13 @@ def cut(row, eos_ids):
 
 
 @pytest.fixture(scope="module")
-def qwen2(test_models):
-    return generation.load(test_models["qwen2-optimum"], threads=1)
+def qwen2(test_models, load_model):
+    return load_model(test_models["qwen2-optimum"])
 
 
 @pytest.fixture(scope="module")
-def llama(test_models):
-    return generation.load(test_models["llama-optimum"], threads=1)
+def llama(test_models, load_model):
+    return load_model(test_models["llama-optimum"])
 
 
 @pytest.fixture(scope="module")

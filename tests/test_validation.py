@@ -11,18 +11,18 @@ import generation
 
 
 @pytest.fixture(scope="module")
-def optimum(test_models):
-    return generation.load(test_models["llama-optimum"], threads=1)
+def optimum(test_models, load_model):
+    return load_model(test_models["llama-optimum"])
 
 
 @pytest.fixture(scope="module")
-def grow(test_models):
-    return generation.load(test_models["gpt2-grow"], threads=1)
+def grow(test_models, load_model):
+    return load_model(test_models["gpt2-grow"])
 
 
 @pytest.fixture(scope="module")
-def genai(test_models):
-    return generation.load(test_models["llama-genai"], threads=1)
+def genai(test_models, load_model):
+    return load_model(test_models["llama-genai"])
 
 
 @pytest.fixture(scope="module")

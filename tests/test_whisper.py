@@ -24,8 +24,8 @@ def s2s(test_models):
 
 
 @pytest.fixture(scope="module")
-def model(s2s):
-    return generation.load(s2s["whisper-optimum"], threads=1)
+def model(s2s, load_model):
+    return load_model(s2s["whisper-optimum"])
 
 
 @pytest.fixture(scope="module")
