@@ -407,6 +407,6 @@ class GrowCache(_Cache):
         return logits
 
 
-from .seq2seq import Seq2SeqCache  # noqa: E402  (an encoder-decoder model's decoder cache)
+from .seq2seq import Seq2SeqCache  # noqa: E402  (defined over _Cache above: imported last)
 
 CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache, "seq2seq": Seq2SeqCache}

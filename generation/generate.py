@@ -17,7 +17,8 @@ import numpy as np
 from .beam import Hypothesis, beam_search
 from .context import Context
 from .rng import SEED_LIMIT
-from .state import StepTokens, admit, advance, new_state, release, row_logprobs, row_tokens, step
+from .selection import LogProbs
+from .state import StepTokens, admit, advance, new_state, release, row_logprobs, row_tokens, step, with_logprobs
 
 
 @dataclass
@@ -109,15 +110,9 @@ def generate(ctx: Context, prompts, seeds=None,
         if on_token is not None:
             tokens = np.full(len(prompts), -1, np.int64)
             tokens[rows] = out.token
-            spread = StepTokens(tokens, finished.copy(), bool(out.finished.any()))
-            if out.logprob is not None:
-                spread.logprob = np.full(len(prompts), np.nan, np.float32)
-                spread.logprob[rows] = out.logprob
-            if out.top is not None:
-                spread.top_ids = np.full((len(prompts), out.top.shape[1]), -1, np.int64)
-                spread.top = np.full((len(prompts), out.top.shape[1]), np.nan, np.float32)
-                spread.top_ids[rows], spread.top[rows] = out.top_ids, out.top
-            on_token(spread)
+            lp = None if out.logprob is None else LogProbs(out.logprob, out.top_ids, out.top)
+            on_token(with_logprobs(StepTokens(tokens, finished.copy(), bool(out.finished.any())), rows,
+                                   len(prompts), lp))
 
     def keep(row: int, tokens: list[int], logprobs=None, top=None) -> None:
         results[row] = Generated(tokens, logprobs, top) if ctx.token_logprobs else tokens

@@ -25,7 +25,7 @@ from .onnx_graph import Node, flatten, read_nodes
 
 CACHE_MODES = ("in_place", "append", "grow")
 
-_ORT_TYPES = {
+ORT_TYPES = {
     "tensor(float)": np.float32,
     "tensor(float16)": np.float16,
     "tensor(bfloat16)": None,
@@ -132,7 +132,7 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
 
     input_dtypes = {}
     for name, arg in ins.items():
-        dtype = _ORT_TYPES.get(arg.type)
+        dtype = ORT_TYPES.get(arg.type)
         if dtype is None:
             raise GraphError(f"{path.name}: input '{name}' has unsupported type {arg.type}")
         input_dtypes[name] = dtype
@@ -180,7 +180,7 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         output_names=tuple(outs),
         cache=tuple(cache),
         cache_dtype=input_dtypes[pasts[0]],
-        logits_dtype=_ORT_TYPES[outs["logits"].type],
+        logits_dtype=ORT_TYPES[outs["logits"].type],
         vocab_size=int(vocab),
         has_position_ids=has_pos,
         position_axes=pos_axes,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .graph import DecoderGraph
+from .cache import _Cache, moves_by_group
+from .graph import ORT_TYPES, DecoderGraph
 
 
 @dataclass
@@ -84,13 +85,9 @@ def _feeds(inputs: dict, ids: np.ndarray, hidden: np.ndarray, mask: np.ndarray, 
     return {name: value.astype(inputs[name], copy=False) for name, value in feeds.items() if name in inputs}
 
 
-_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-          "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
-
-
 def session_inputs(session) -> dict:
     """A session's input names -> numpy dtypes."""
-    return {i.name: _TYPES.get(i.type, np.float32) for i in session.get_inputs()}
+    return {i.name: ORT_TYPES.get(i.type) or np.float32 for i in session.get_inputs()}
 
 
 def run_first_steps(model, prompts: list[list[int]], encoder: EncoderOutputs):
@@ -125,7 +122,7 @@ def run_first_steps(model, prompts: list[list[int]], encoder: EncoderOutputs):
     return last, rows
 
 
-class Seq2SeqCache:
+class Seq2SeqCache(_Cache):
     """The decoder cache of an encoder-decoder model, in groups of rows of one decoder length
     (as the grow mode): each group holds its decoder cache, its cross cache and encoder hidden
     states padded to the group's longest source, and the source mask. The cross cache never
@@ -181,8 +178,6 @@ class Seq2SeqCache:
             rows = self._rows_of(group)
             self._join(group, [d for d, _ in joining], [rows[where[s]] for _, s in joining])
 
-        from .cache import moves_by_group
-
         for group, into, take in moves_by_group(self.groups, dst, src, join):
             for array in group["past"].values():
                 array[into] = array[take]
@@ -206,7 +201,3 @@ class Seq2SeqCache:
             group["length"] += 1
             logits[slots[live]] = out[live, 0]
         return logits
-
-    def decode_steps(self, lengths: np.ndarray, count: int):
-        for k in range(count):
-            yield self.decode(lengths + k)

@@ -210,7 +210,7 @@ def _stop_matchers(ctx: Context, prompts, settings: list[Settings]) -> list:
     return [StopMatcher(tokenizer, s.stop_strings, p) if s.stop_strings else None for p, s in zip(prompts, settings)]
 
 
-def _with_logprobs(out: StepTokens, rows, size: int, lp: LogProbs | None) -> StepTokens:
+def with_logprobs(out: StepTokens, rows, size: int, lp: LogProbs | None) -> StepTokens:
     """`out` with the log-probabilities of `rows` spread over `size` rows (nan elsewhere)."""
     if lp is not None:
         out.logprob = np.full(size, np.nan, np.float32)
@@ -242,7 +242,7 @@ def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits, 
     stops = _stop_matchers(ctx, prompts, settings)
     is_eos, finished = _ends(tokens, rows.eos, lengths + 1, limit, stops)
     first = StepTokens(np.where(is_eos, -1, tokens), finished, bool(finished.any()))
-    first = _with_logprobs(first, np.arange(len(prompts)), len(prompts), lp)
+    first = with_logprobs(first, np.arange(len(prompts)), len(prompts), lp)
     return Prefix(list(prompts), None, first, list(settings), seeds, limit, stops, list(encoder_ids))
 
 
@@ -355,7 +355,7 @@ def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
             state.top_ids[rows, position], state.top[rows, position] = lp.top_ids, lp.top
     state.lengths[rows] = position
     state.next_input[rows] = tokens
-    return state, _with_logprobs(_settle(state, rows, tokens, position), rows, state.slots, lp)
+    return state, with_logprobs(_settle(state, rows, tokens, position), rows, state.slots, lp)
 
 
 def advance(ctx: Context, state: DecodeState, max_steps: int) -> tuple[DecodeState, StepTokens]:
