@@ -8,8 +8,11 @@ settings, seed and stops; its tokens are those `generation.generate` gives it al
 
     batcher = ContinuousBatcher(ctx, slots=8)
     request = batcher.submit([1, 2, 3], seed=0, settings={"temperature": 0.7, "do_sample": True})
-    for token in request.stream(): ...        # or request.result()
+    for token in request.stream(): ...        # or request.result(); request.events() with log-probs
     batcher.close()
+
+A beam search request (num_beams > 1) holds num_beams slots while it runs; transformers'
+`_beam_search` gives its tokens at the end, so they come all at once.
 
 Serving code never touches arrays: requests carry token id lists, results carry lists.
 """
@@ -27,6 +30,16 @@ from generation.generate import check_prompts, check_seeds
 from generation.state import row_tokens
 
 _DONE = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One new token, with its log-probability and the step's top alternatives [(id, logprob)]
+    when the batcher's context computes them."""
+
+    id: int
+    logprob: float | None = None
+    top: list | None = None
 
 
 @dataclass
@@ -57,14 +70,41 @@ class Request:
     _cancelled: bool = False
     _completion: Completion | None = None
     _first: float | None = None
+    _notify: object = None  # called (from the batcher's thread) after each event
+    beams: int = 1
 
-    def stream(self, timeout: float | None = None):
-        """Yield each new token as the batcher makes it; ends when the request does."""
+    def events(self, timeout: float | None = None):
+        """Yield each new Token as the batcher makes it; ends when the request does."""
         while True:
             item = self._events.get(timeout=timeout)
             if item is _DONE:
                 return
             yield item
+
+    def stream(self, timeout: float | None = None):
+        """Yield each new token id as the batcher makes it; ends when the request does."""
+        return (token.id for token in self.events(timeout))
+
+    async def aevents(self):
+        """`events` for asyncio: the batcher's thread wakes the event loop, no thread per wait."""
+        import asyncio
+
+        loop, ready = asyncio.get_running_loop(), asyncio.Event()
+        self._notify = lambda: loop.call_soon_threadsafe(ready.set)
+        while True:
+            try:
+                item = self._events.get_nowait()
+            except queue.Empty:
+                await ready.wait()
+                ready.clear()
+                continue
+            if item is _DONE:
+                return
+            yield item
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> Completion:
         if not self._done.wait(timeout):
@@ -75,18 +115,23 @@ class Request:
         """Stop the request; its slot is freed at the next step (a client that went away)."""
         self._cancelled = True
 
-    def _emit(self, token: int) -> None:
+    def _put(self, item) -> None:
+        self._events.put(item)
+        if self._notify is not None:
+            self._notify()
+
+    def _emit(self, token: int, logprob: float | None = None, top: list | None = None) -> None:
         if self._first is None:
             self._first = time.perf_counter()
         self._tokens.append(token)
-        self._events.put(token)
+        self._put(Token(token, logprob, top))
 
     def _finish(self, tokens: list[int], reason: str, error: str | None = None, started: float | None = None) -> None:
         self._completion = Completion(list(tokens), reason, error,
                                       queued_seconds=(started or time.perf_counter()) - self.submitted,
                                       first_token_seconds=None if self._first is None else self._first - self.submitted)
-        self._events.put(_DONE)
         self._done.set()
+        self._put(_DONE)
 
 
 class ContinuousBatcher:
@@ -107,7 +152,12 @@ class ContinuousBatcher:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="raymuter-batcher", daemon=True)
         self.steps = 0  # decode steps run (for tests and metrics)
-        self.running = 0  # requests in slots now
+        self.running = 0  # requests in slots now (a beam search request counts once)
+        self.waiting = 0  # requests queued
+        self.occupied = 0  # slots held now (a beam search request holds num_beams)
+        self._beams_held = 0  # slots reserved by beam searches running beside the loop
+        self._held_lock = threading.Lock()
+        self._next: Request | None = None  # a beam request waiting for enough free slots
         self._thread.start()
 
     # -- public -----------------------------------------------------------------------------
@@ -121,15 +171,16 @@ class ContinuousBatcher:
         prompt = check_prompts(self.ctx, [prompt])[0]
         seed = check_seeds([seed], 1)[0]
         resolved = self.ctx.with_settings(**(settings or {}))
-        if resolved.num_beams > 1:
-            raise ValueError("num_beams > 1 runs through generation.beam_search, not the batcher")
         if not prompt:
             raise ValueError("prompt is empty")
+        if resolved.num_beams > self.slots:
+            raise ValueError(f"num_beams: {resolved.num_beams} beams need as many slots; this decoder has {self.slots}")
         max_new = min(resolved.new_tokens_for(len(prompt)), self.capacity - len(prompt))
         if max_new < 1:
             raise ValueError(f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
-        request = Request(next(self._ids), prompt, seed, resolved, max_new)
+        request = Request(next(self._ids), prompt, seed, resolved, max_new, beams=resolved.num_beams)
         self._waiting.put(request)
+        self.waiting = self._waiting.qsize()
         self._wake.set()
         return request
 
@@ -150,6 +201,7 @@ class ContinuousBatcher:
                 for slot, request in list(holder.items()):
                     if request._cancelled:
                         self._end(state, holder, slot, "cancelled", started)
+                self._count(holder)
                 if not holder:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
@@ -159,7 +211,7 @@ class ContinuousBatcher:
                 for slot, request in list(holder.items()):
                     token = int(out.token[slot])
                     if token >= 0 and not request._cancelled:
-                        request._emit(token)
+                        request._emit(token, *_logprobs_of(out, slot))
                     if out.finished[slot]:
                         reason = "length" if len(request._tokens) >= request.max_new else "stop"
                         self._end(state, holder, slot, reason, started)
@@ -168,22 +220,72 @@ class ContinuousBatcher:
                     request._finish(request._tokens, "error", f"{type(e).__name__}: {e}", started.get(slot))
                 holder.clear()
                 state = generation.new_state(ctx, self.slots, self.capacity)
-            self.running = len(holder)
+            self._count(holder)
         for request in list(holder.values()) + self._drain():
             request._finish(request._tokens, "cancelled", "the batcher closed")
 
+    def _count(self, holder: dict) -> None:
+        self.running = len(holder) + self._beam_requests
+        self.occupied = len(holder) + self._beams_held
+        self.waiting = self._waiting.qsize() + (self._next is not None)
+
+    _beam_requests = 0
+
+    def _take(self, room: int) -> list[Request]:
+        """Waiting requests that fit in `room` free slots, in arrival order; beam searches start
+        on their own threads. A beam request that does not fit yet waits at the head."""
+        batch = []
+        while len(batch) < room:
+            if self._next is not None:
+                request, self._next = self._next, None
+            else:
+                try:
+                    request = self._waiting.get_nowait()
+                except queue.Empty:
+                    break
+            if request._cancelled:
+                request._finish([], "cancelled")
+            elif request.beams == 1:
+                batch.append(request)
+            elif request.beams <= room - len(batch):
+                self._start_beams(request)
+                room -= request.beams
+            else:
+                self._next = request  # later arrivals wait behind it, so it is not starved
+                break
+        return batch
+
+    def _start_beams(self, request: Request) -> None:
+        with self._held_lock:
+            self._beams_held += request.beams
+            self._beam_requests += 1
+
+        def run():
+            started = time.perf_counter()
+            try:
+                best = generation.beam_search(self.ctx, [request.prompt], [request.seed], [request.settings])[0]
+                hypothesis = best[0] if best else generation.Hypothesis([], 0.0)
+                logprobs = hypothesis.logprobs or [None] * len(hypothesis.tokens)
+                if not request._cancelled:
+                    for token, logprob in zip(hypothesis.tokens, logprobs):
+                        request._emit(token, logprob)
+                reason = "cancelled" if request._cancelled else (
+                    "length" if len(hypothesis.tokens) >= request.max_new else "stop")
+                request._finish(hypothesis.tokens, reason, started=started)
+            except Exception as e:  # noqa: BLE001 - the request learns why
+                request._finish(request._tokens, "error", f"{type(e).__name__}: {e}", started)
+            finally:
+                with self._held_lock:
+                    self._beams_held -= request.beams
+                    self._beam_requests -= 1
+                self._wake.set()
+
+        threading.Thread(target=run, name=f"raymuter-beams-{request.id}", daemon=True).start()
+
     def _admit(self, state, holder: dict, started: dict):
         free = [s for s in state.free_slots().tolist() if s not in holder]
-        batch = []
-        while free and len(batch) < len(free):
-            try:
-                request = self._waiting.get_nowait()
-            except queue.Empty:
-                break
-            if not request._cancelled:
-                batch.append(request)
-            else:
-                request._finish([], "cancelled")
+        room = len(free) - self._beams_held
+        batch = self._take(room) if room > 0 else []
         if not batch:
             return state
         slots = free[:len(batch)]
@@ -193,7 +295,7 @@ class ContinuousBatcher:
         for j, (slot, request) in enumerate(zip(slots, batch)):
             started[slot] = now
             if first.token[j] >= 0:
-                request._emit(int(first.token[j]))
+                request._emit(int(first.token[j]), *_logprobs_of(first, j))
             if first.finished[j]:  # ended at its first token: the slot stayed free
                 reason = "length" if len(request._tokens) >= request.max_new else "stop"
                 request._finish(request._tokens, reason, started=now)
@@ -208,12 +310,21 @@ class ContinuousBatcher:
         request._finish(tokens, reason, started=started.pop(slot, None))
 
     def _drain(self) -> list[Request]:
-        out = []
+        out = [] if self._next is None else [self._next]
+        self._next = None
         while True:
             try:
                 out.append(self._waiting.get_nowait())
             except queue.Empty:
                 return out
+
+
+def _logprobs_of(out, row: int) -> tuple:
+    """(logprob, top) of one row of a StepTokens, or (None, None) without log-probabilities."""
+    if out.logprob is None:
+        return None, None
+    top = None if out.top is None else list(zip(out.top_ids[row].tolist(), out.top[row].tolist()))
+    return float(out.logprob[row]), top
 
 
 class QueueFull(RuntimeError):

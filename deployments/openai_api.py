@@ -47,10 +47,12 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=16)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: dict | None = None
+    logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     presence_penalty: float = 0.0
@@ -98,16 +100,17 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[dict]
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
 
 
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions: messages, rendered with the model folder's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
 def parse(kind: type[_Request], body: dict) -> _Request:
@@ -126,6 +129,8 @@ def parse(kind: type[_Request], body: dict) -> _Request:
 def settings_of(request: _Request, context_length: int | None = None, prompt_length: int = 0) -> dict:
     """The generation settings a request asks for (validated by the engine when used)."""
     settings: dict = {}
+    if getattr(request, "max_completion_tokens", None) is not None:
+        request = request.model_copy(update={"max_tokens": request.max_completion_tokens})
     if request.max_tokens is not None:
         if context_length and prompt_length + request.max_tokens > context_length:
             raise ApiError(400, f"max_tokens: {request.max_tokens} new tokens after a prompt of {prompt_length} "
@@ -140,6 +145,11 @@ def settings_of(request: _Request, context_length: int | None = None, prompt_len
         settings["top_p"] = request.top_p
     if request.stop is not None:
         settings["stop_strings"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    if request.logit_bias:
+        try:
+            settings["sequence_bias"] = [[[int(token)], float(bias)] for token, bias in request.logit_bias.items()]
+        except ValueError:
+            raise ApiError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
     for name in EXTRA_SETTINGS:
         value = getattr(request, name)
         if value is not None:
@@ -173,3 +183,52 @@ def completion_response(request_id: str, model: str, text: str, finish_reason: s
         kind = "text_completion"
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": usage}
+
+
+def generate_request(request: _Request, index: int = 0) -> dict:
+    """The decoder's GenerateRequest fields for choice `index` of an OpenAI request (choice i
+    of a seeded request with n > 1 takes seed + i)."""
+    body: dict = {"settings": settings_of(request), "logprobs": wants_logprobs(request)}
+    if request.seed is not None:
+        body["seed"] = (request.seed + index) % 2**63
+    if isinstance(request, ChatCompletionRequest):
+        body["messages"] = [m.model_dump(exclude_none=True) for m in request.messages]
+    else:
+        body["prompt"] = request.prompt
+    return body
+
+
+def completion_logprobs(tokens: list[dict], chat: bool, offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object from the decoder's TokenLogprob dicts: chat's `content` list, or
+    the legacy completions shape (tokens, token_logprobs, top_logprobs, text_offset)."""
+    if not tokens:
+        return {"content": []} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    if chat:
+        return {"content": [{"token": t["text"], "logprob": t["logprob"], "bytes": list(t["text"].encode()),
+                             "top_logprobs": [{"token": text, "logprob": lp, "bytes": list(text.encode())}
+                                              for _, text, lp in (t.get("top") or [])]} for t in tokens]}
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t["text"])
+    return {"tokens": [t["text"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [{text: lp for _, text, lp in (t.get("top") or [])} for t in tokens],
+            "text_offset": offsets}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """OpenAI's finish_reason ("stop" or "length") of the decoder's."""
+    return None if reason is None else "length" if reason == "length" else "stop"
+
+
+def stream_chunk(request_id: str, model: str, created: int, index: int, text: str, reason: str | None,
+                 chat: bool, logprobs: dict | None = None, first: bool = False) -> dict:
+    """One server-sent event's body."""
+    if chat:
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+        kind = "text_completion"
+    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}

@@ -1,0 +1,211 @@
+"""The decoder replica's work, free of Ray: requests in, text chunks out.
+
+`TextGenerator` owns a model's continuous batcher, its tokenizer and chat template, and the
+decoder's metrics. It turns a `GenerateRequest` into the prompt's token ids and the engine's
+settings, submits it, and turns the tokens that come back into text pieces (held back while
+they might be the start of a stop string, cut before the stop string when one ends the text).
+The Ray deployment (`deployments.app.Decoder`) is a thin shell around it, and tests drive it
+directly, with the real engine or with `deployments.fake`.
+
+    generator = TextGenerator.from_model("folder", slots=8)
+    async for chunk in generator.stream(GenerateRequest(prompt="Once", settings={"max_new_tokens": 8})):
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from pathlib import Path
+
+from generation.stops import cut_at_stop
+from generation.text import Detokenizer
+
+from .batching import ContinuousBatcher, QueueFull
+from .metrics import DecoderMetrics
+from .schema import GenerateChunk, GenerateRequest, GenerateResponse, ModelCard, TokenLogprob
+
+
+class RequestError(ValueError):
+    """A request the decoder refuses: `field` names what was wrong (HTTP 400)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):  # crosses Ray's process boundary intact
+        return type(self), (str(self), self.field)
+
+
+class Overloaded(RuntimeError):
+    """The decoder's queue is full (HTTP 503 with Retry-After)."""
+
+
+class TextGenerator:
+    """A model's generation service: tokenizer in front of a ContinuousBatcher.
+
+    `batcher`: ContinuousBatcher-like (submit -> Request). `tokenizer`: a `tokenizers.Tokenizer`
+    or anything with encode(text, add_special_tokens).ids / decode(ids, skip_special_tokens).
+    `max_logprobs`: the most alternatives a request may ask per token (the batcher's context
+    computes that many for every row)."""
+
+    def __init__(self, name: str, batcher, tokenizer, context_length: int | None, chat_template: str | None = None,
+                 special_tokens: dict | None = None, max_logprobs: int = 0, kind: str = "decoder"):
+        self.name, self.batcher, self.tokenizer = name, batcher, tokenizer
+        self.context_length, self.template, self.special_tokens = context_length, chat_template, special_tokens or {}
+        self.max_logprobs, self.kind = max_logprobs, kind
+        self.metrics = DecoderMetrics(name, batcher)
+
+    @classmethod
+    def from_model(cls, source: str | Path, name: str | None = None, slots: int = 8, capacity: int | None = None,
+                   max_waiting: int = 256, max_logprobs: int = 5, threads: int | None = None,
+                   provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
+                   **settings) -> "TextGenerator":
+        """Load `source` (folder or hub id) and start its batcher. `settings`: defaults over the
+        model's generation_config.json for every request (max_new_tokens, ...)."""
+        import generation
+        from generation.chat import chat_template, special_tokens
+        from generation.text import model_tokenizer
+
+        model = generation.load(source, variant=variant, provider=provider, threads=threads)
+        ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
+                                 top_logprobs=max(0, max_logprobs), **settings)
+        ctx = generation.compile(ctx, batch_size=slots)
+        batcher = ContinuousBatcher(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting)
+        name = name or (Path(source).name if Path(source).is_dir() else str(source))
+        return cls(name, batcher, model_tokenizer(model), batcher.capacity, chat_template(model.folder),
+                   special_tokens(model.folder), max_logprobs,
+                   "encoder-decoder" if model.is_seq2seq else "decoder")
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.name, context_length=self.context_length, slots=self.batcher.slots, kind=self.kind,
+                         has_chat_template=self.template is not None)
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    # -- a request ---------------------------------------------------------------------------
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids: ids as given, text tokenized, messages through the template."""
+        if request.messages is not None:
+            from generation.chat import ChatTemplateError, render_chat
+
+            messages = [_plain(m.model_dump(exclude_none=True), i) for i, m in enumerate(request.messages)]
+            try:
+                text = render_chat(self.template, messages, self.special_tokens)
+            except ChatTemplateError as e:
+                raise RequestError(str(e), "messages") from None
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        if isinstance(request.prompt, str):
+            if not request.prompt:
+                raise RequestError("prompt is empty", "prompt")
+            return self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens).ids
+        return list(request.prompt)
+
+    def submit(self, request: GenerateRequest):
+        """Check and queue a request: (batcher request, prompt ids). Bad input raises
+        RequestError naming the field; a full queue raises Overloaded."""
+        prompt = self.prompt_ids(request)
+        if not prompt:
+            raise RequestError("the prompt has no tokens", "prompt")
+        if request.logprobs is not None and request.logprobs > self.max_logprobs:
+            raise RequestError(f"logprobs: this server gives at most {self.max_logprobs} alternatives per token "
+                               f"(asked {request.logprobs})" if self.max_logprobs >= 0 else
+                               "logprobs: this server runs without log-probabilities", "logprobs")
+        settings = dict(request.settings)
+        if settings.get("max_new_tokens") is not None and self.context_length \
+                and len(prompt) + int(settings["max_new_tokens"]) > self.context_length:
+            raise RequestError(f"max_tokens: {settings['max_new_tokens']} new tokens after a prompt of {len(prompt)} "
+                               f"exceed the context of {self.context_length} tokens", "max_tokens")
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        try:
+            handle = self.batcher.submit(prompt, seed=seed, settings=settings)
+        except QueueFull as e:
+            self.metrics.rejected.inc()
+            raise Overloaded(str(e)) from None
+        except ValueError as e:
+            raise RequestError(str(e), _field_of(str(e))) from None
+        return handle, prompt
+
+    async def stream(self, request: GenerateRequest):
+        """GenerateChunks as the tokens come; the last one carries finish_reason and counts. A
+        consumer that stops early (a client that went away) cancels the request."""
+        handle, prompt = self.submit(request)
+        arrived = time.perf_counter()
+        stops = list(request.settings.get("stop_strings") or [])
+        if isinstance(request.settings.get("stop_strings"), str):
+            stops = [request.settings["stop_strings"]]
+        hold = max((len(s) for s in stops), default=1) - 1
+        detok = Detokenizer(self.tokenizer)
+        text, sent, last = "", 0, None
+        count = 0
+        try:
+            async for token in handle.aevents():
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.first_token(now - arrived)
+                else:
+                    self.metrics.inter_token.observe(now - last)
+                last, count = now, count + 1
+                text += detok.add(token.id)
+                visible = cut_at_stop(text, stops)
+                end = len(visible) if len(visible) < len(text) else max(sent, len(visible) - hold)
+                piece, sent = visible[sent:end], max(sent, end)
+                yield GenerateChunk(text=piece, token_ids=[token.id],
+                                    logprobs=None if request.logprobs is None else [self._logprob(token, request.logprobs)])
+            completion = handle.result(timeout=5)
+        except (asyncio.CancelledError, GeneratorExit):
+            handle.cancel()
+            raise
+        text += detok.flush()
+        visible = cut_at_stop(text, stops)
+        self.metrics.finished(handle, completion, len(prompt), time.perf_counter() - arrived)
+        yield GenerateChunk(text=visible[sent:], finish_reason=completion.finish_reason, error=completion.error,
+                            prompt_tokens=len(prompt), completion_tokens=len(completion.tokens))
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        """The whole generation at once."""
+        text, ids, logprobs, last = [], [], [], None
+        async for chunk in self.stream(request):
+            text.append(chunk.text)
+            ids += chunk.token_ids
+            logprobs += chunk.logprobs or []
+            last = chunk
+        return GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
+                                prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                                logprobs=logprobs if request.logprobs is not None else None, error=last.error)
+
+    def _logprob(self, token, top: int) -> TokenLogprob:
+        alternatives = None
+        if top and token.top is not None:
+            alternatives = [(i, self._text(i), lp) for i, lp in token.top[:top]]
+        return TokenLogprob(id=token.id, text=self._text(token.id), logprob=token.logprob, top=alternatives)
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _plain(message: dict, index: int) -> dict:
+    """A message for the template: list content joins its text parts (images are the vision
+    path's; this decoder refuses them by name)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise RequestError(f"messages[{index}].content[{j}]: this model takes text parts only, not {kind!r}",
+                                   f"messages.{index}.content.{j}")
+        message = {**message, "content": "".join(texts)}
+    return message
+
+
+def _field_of(message: str) -> str | None:
+    """The setting an engine error names first ('top_p must be ...' -> 'top_p')."""
+    if message.startswith("prompts["):
+        return "prompt"
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.replace("_", "").isalnum() and head.islower() else None

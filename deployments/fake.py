@@ -1,0 +1,142 @@
+"""A small fake engine whose outputs are known, for testing the serving layer alone.
+
+`FakeBatcher` has ContinuousBatcher's interface (submit -> Request, close, the counters) and
+runs a loop thread that steps every admitted request each `step_seconds`; `CharTokenizer` maps
+each character to its code point. A request's new tokens are its prompt's ids reversed, repeated
+to max_new_tokens (default 8), shifted by its seed when it samples: so a test knows the text
+each request must get, whatever else runs. The token "." (46) is the eos token.
+
+    generator = fake_generator(slots=4, step_seconds=0.01)
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+
+from .batching import QueueFull, Request
+
+EOS = ord(".")
+VOCAB = 0x250  # code points up to here
+
+
+def fake_tokens(prompt: list[int], seed: int, settings: dict) -> list[int]:
+    """The new tokens the fake engine gives (the eos token, when reached, is left out)."""
+    count = int(settings.get("max_new_tokens") or 8)
+    shift = seed % 7 if settings.get("do_sample") else 0
+    source = [t for t in reversed(prompt)] or [ord("x")]
+    out = []
+    for i in range(count):
+        token = (source[i % len(source)] - ord("a") + shift) % 26 + ord("a") if chr(source[i % len(source)]).isalpha() \
+            else source[i % len(source)]
+        if token == EOS:
+            break
+        out.append(token)
+    return out
+
+
+class _Encoded:
+    def __init__(self, ids):
+        self.ids = ids
+
+
+class CharTokenizer:
+    """One token per character (its code point)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> _Encoded:
+        return _Encoded([ord(c) for c in text])
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+class _Settings:
+    """The fake's resolved settings: the request's dict, checked like the engine checks."""
+
+    def __init__(self, settings: dict):
+        for name, value in settings.items():
+            if name == "temperature" and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"temperature must be a positive number, not {value!r}")
+            if name == "max_new_tokens" and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"max_new_tokens must be a positive integer, not {value!r}")
+        self.raw = settings
+        self.num_beams = int(settings.get("num_beams") or 1)
+
+
+class FakeBatcher:
+    """ContinuousBatcher's interface over `fake_tokens`: `slots` requests step together, one
+    token each per `step_seconds`; later ones wait for a free slot."""
+
+    def __init__(self, slots: int = 4, max_waiting: int = 64, step_seconds: float = 0.005, capacity: int = 256):
+        self.slots, self.max_waiting, self.step_seconds, self.capacity = slots, max_waiting, step_seconds, capacity
+        self.running = self.waiting = self.occupied = 0
+        self.steps = 0
+        self._waiting: queue.Queue[Request] = queue.Queue()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="raymuter-fake-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None) -> Request:
+        if self._waiting.qsize() >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are waiting already")
+        for i, t in enumerate(prompt):
+            if not 0 <= t < VOCAB:
+                raise ValueError(f"prompts[0][{i}] = {t} is not a token id of this model (vocabulary {VOCAB})")
+        resolved = _Settings(settings or {})
+        if len(prompt) >= self.capacity:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
+        request = Request(next(self._ids), list(prompt), seed, resolved, int(resolved.raw.get("max_new_tokens") or 8))
+        request.planned = fake_tokens(prompt, seed, resolved.raw)
+        self._waiting.put(request)
+        self.waiting = self._waiting.qsize()
+        return request
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        live: list[Request] = []
+        started: dict[int, float] = {}
+        while not self._stop.is_set():
+            while len(live) < self.slots:
+                try:
+                    request = self._waiting.get_nowait()
+                except queue.Empty:
+                    break
+                live.append(request)
+                started[request.id] = time.perf_counter()
+            self.running = self.occupied = len(live)
+            self.waiting = self._waiting.qsize()
+            if not live:
+                time.sleep(self.step_seconds / 2)
+                continue
+            time.sleep(self.step_seconds)
+            self.steps += 1
+            for request in list(live):
+                if request._cancelled:
+                    request._finish(request._tokens, "cancelled", started=started.pop(request.id))
+                    live.remove(request)
+                    continue
+                done = len(request._tokens)
+                if done < len(request.planned):
+                    request._emit(request.planned[done], -0.5, [(request.planned[done], -0.5)])
+                if len(request._tokens) == len(request.planned):
+                    reason = "length" if len(request.planned) >= request.max_new else "stop"
+                    request._finish(request._tokens, reason, started=started.pop(request.id))
+                    live.remove(request)
+        for request in live:
+            request._finish(request._tokens, "cancelled", "the batcher closed")
+
+
+def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int = 64, name: str = "fake"):
+    """A TextGenerator over the fake engine (with a chat template: 'role: content' lines)."""
+    from .decoder import TextGenerator
+
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+    return TextGenerator(name, FakeBatcher(slots, max_waiting, step_seconds), CharTokenizer(), 256, template,
+                         max_logprobs=5)

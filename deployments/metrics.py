@@ -1,0 +1,105 @@
+"""Prometheus metrics, named after vLLM's so its dashboards and the Gateway API inference
+extension read them (`vllm:time_to_first_token_seconds` -> `raymuter:time_to_first_token_seconds`).
+
+Each deployment keeps its own registry; the ingress's `/metrics` joins the ingress's with one
+replica of each deployment behind it (`exposition`). With several replicas of a deployment,
+scrape each replica's node through Ray's metrics export instead (cluster/README.md).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's buckets (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class DecoderMetrics:
+    """The decoder's request metrics; gauges read the batcher when scraped."""
+
+    def __init__(self, model_name: str, batcher=None):
+        self.registry = CollectorRegistry()
+        labels, r = ["model_name"], self.registry
+        self.model_name = model_name
+
+        def one(metric):
+            return metric.labels(model_name=model_name)
+
+        self.ttft = one(Histogram("raymuter:time_to_first_token_seconds", "Time from arrival at the decoder to the "
+                                  "first token.", labels, buckets=TTFT_BUCKETS, registry=r))
+        self.inter_token = one(Histogram("raymuter:inter_token_latency_seconds", "Time between a request's tokens.",
+                                         labels, buckets=ITL_BUCKETS, registry=r))
+        self.e2e = one(Histogram("raymuter:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                                 labels, buckets=E2E_BUCKETS, registry=r))
+        self.queue = one(Histogram("raymuter:request_queue_time_seconds", "Time waiting for a slot.", labels,
+                                   buckets=E2E_BUCKETS, registry=r))
+        self.prompt_hist = one(Histogram("raymuter:request_prompt_tokens", "Prompt tokens per request.", labels,
+                                         buckets=TOKEN_BUCKETS, registry=r))
+        self.generation_hist = one(Histogram("raymuter:request_generation_tokens", "New tokens per request.",
+                                             labels, buckets=TOKEN_BUCKETS, registry=r))
+        self.prompt_tokens = one(Counter("raymuter:prompt_tokens", "Prompt tokens processed.", labels, registry=r))
+        self.generation_tokens = one(Counter("raymuter:generation_tokens", "Tokens generated.", labels, registry=r))
+        self.success = Counter("raymuter:request_success", "Finished requests by reason.",
+                               labels + ["finished_reason"], registry=r)
+        self.rejected = one(Counter("raymuter:request_rejected", "Requests refused because the queue was full.",
+                                    labels, registry=r))
+        if batcher is not None:
+            one(Gauge("raymuter:num_requests_running", "Requests in the batch now.", labels,
+                      registry=r)).set_function(lambda: batcher.running)
+            one(Gauge("raymuter:num_requests_waiting", "Requests waiting for a slot.", labels,
+                      registry=r)).set_function(lambda: batcher.waiting)
+            one(Gauge("raymuter:batch_occupancy", "Share of the decoder's slots in use (0-1).", labels,
+                      registry=r)).set_function(lambda: batcher.occupied / batcher.slots)
+            one(Gauge("raymuter:num_slots", "The decoder's batch slots.", labels,
+                      registry=r)).set_function(lambda: batcher.slots)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def finished(self, handle, completion, prompt_tokens: int, seconds: float) -> None:
+        self.e2e.observe(seconds)
+        self.queue.observe(completion.queued_seconds)
+        self.prompt_hist.observe(prompt_tokens)
+        self.generation_hist.observe(len(completion.tokens))
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(len(completion.tokens))
+        self.success.labels(model_name=self.model_name, finished_reason=completion.finish_reason).inc()
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+class EncoderMetrics:
+    """An encoder or vision replica: latency per call and the feature cache's hits."""
+
+    def __init__(self, model_name: str, kind: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.latency = Histogram(f"raymuter:{kind}_latency_seconds", f"Time per {kind} call.", labels,
+                                 buckets=E2E_BUCKETS, registry=self.registry).labels(model_name=model_name)
+        self.items = Counter(f"raymuter:{kind}_inputs", f"Inputs through the {kind}.", labels,
+                             registry=self.registry).labels(model_name=model_name)
+        self.cache_hits = Counter(f"raymuter:{kind}_cache_hits", f"{kind} inputs served from the cache.", labels,
+                                  registry=self.registry).labels(model_name=model_name)
+        self.cache_misses = Counter(f"raymuter:{kind}_cache_misses", f"{kind} inputs computed.", labels,
+                                    registry=self.registry).labels(model_name=model_name)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+class IngressMetrics:
+    """HTTP requests by route and status."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("raymuter:http_requests", "HTTP requests by route and status.", ["route", "status"],
+                                registry=self.registry)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()

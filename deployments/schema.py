@@ -1,0 +1,97 @@
+"""The typed requests and responses of the Python handle API (pydantic, no arrays).
+
+    handle = serve.get_app_handle("raymuter")
+    response = await handle.generate.remote(GenerateRequest(prompt="Once", settings={"max_new_tokens": 8}))
+    async for chunk in handle.options(stream=True).generate_stream.remote(GenerateRequest(prompt="Once")):
+        print(chunk.text, end="")
+
+The same shapes travel between the ingress and the decoder deployment, so the HTTP routes and
+the handles run one code path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Message(BaseModel):
+    """A chat message; `content` is text, or OpenAI's list of parts ({"type": "text", ...})."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+
+class GenerateRequest(BaseModel):
+    """One generation: a prompt (text or token ids) or chat messages (rendered with the model's
+    chat template), generation settings (any generation_config.json field, validated by the
+    engine), a seed (None: the server picks one), and log-probabilities on request (None: none;
+    0: each token's own; k: also the k most likely tokens of each step)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | list[int] | None = None
+    messages: list[Message] | None = None
+    settings: dict[str, Any] = Field(default_factory=dict)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_special_tokens: bool = True
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class TokenLogprob(BaseModel):
+    """A token, its text, its log-probability, and the step's best alternatives."""
+
+    id: int
+    text: str
+    logprob: float | None
+    top: list[tuple[int, str, float]] | None = None
+
+
+class GenerateChunk(BaseModel):
+    """A piece of a streamed generation: the new text and token ids since the last chunk. The
+    last chunk has `finish_reason` ("stop", "length", "cancelled", "error", or "rejected": the
+request was refused before it ran) and the counts."""
+
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    status: int | None = None  # with finish_reason "rejected": 400 (bad input, `field` names it) or 503 (busy)
+    field: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class GenerateResponse(BaseModel):
+    """A whole generation."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    status: int | None = None
+    field: str | None = None
+
+
+class ModelCard(BaseModel):
+    """What the decoder serves (GET /v1/models)."""
+
+    id: str
+    context_length: int | None
+    slots: int
+    kind: str  # "decoder" or "encoder-decoder"
+    has_chat_template: bool
