@@ -1,11 +1,12 @@
-# The two commands of README.md: `make demo` (generate text) and `make test` (the test suite).
+# The two commands of README.md: `make serve` (serve the default model over HTTP) and `make test`
+# (the test suite). `make demo` generates text without a server.
 # Each creates .venv and installs what it needs on a fresh clone; later runs reuse it.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= The list type
 
-.PHONY: test demo bench bench-quick clean
+.PHONY: test serve demo bench bench-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +24,17 @@ $(VENV)/.installed-cpu: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[cpu]'
 	touch $@
 
+# Serving: the engine, onnxruntime and Ray Serve.
+$(VENV)/.installed-serve: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[cpu,serve]'
+	touch $@
+
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+
+PORT ?= 8000
+serve: $(VENV)/.installed-serve
+	$(BIN)/raymuter serve --port $(PORT)
 
 demo: $(VENV)/.installed-cpu
 	$(BIN)/raymuter generate --max-new-tokens 80 "$(PROMPT)"

@@ -1,1 +1,1 @@
-"""Ray cluster configuration for Raymuter (Serve config files): not built yet."""
+"""Ray cluster configuration for Raymuter: `serve.yaml` (a Serve config file) and its README."""

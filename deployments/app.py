@@ -31,6 +31,7 @@ from .openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, com
 from .schema import GenerateChunk, GenerateRequest, GenerateResponse
 
 RETRY_AFTER_SECONDS = 1
+DEFAULT_MODEL_NAME = "raymuter-default"  # the model id of the default model (no `model` given)
 
 
 class AppConfig(BaseModel):
@@ -123,7 +124,7 @@ class Decoder:
 
                 model = str(default_model_path())
             self.generator = TextGenerator.from_model(
-                model, name=cfg.name, slots=cfg.slots, capacity=cfg.capacity, max_waiting=cfg.max_waiting,
+                model, name=cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else None), slots=cfg.slots, capacity=cfg.capacity, max_waiting=cfg.max_waiting,
                 max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
                 **cfg.settings)
 

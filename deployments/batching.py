@@ -71,6 +71,8 @@ class Request:
     _completion: Completion | None = None
     _first: float | None = None
     _notify: object = None  # called (from the batcher's thread) after each event
+    finished: float | None = None  # perf_counter() when it ended
+    encoder: object = None  # an encoder-decoder request's EncoderOutputs (one row)
     beams: int = 1
 
     def events(self, timeout: float | None = None):
@@ -91,16 +93,19 @@ class Request:
 
         loop, ready = asyncio.get_running_loop(), asyncio.Event()
         self._notify = lambda: loop.call_soon_threadsafe(ready.set)
-        while True:
-            try:
-                item = self._events.get_nowait()
-            except queue.Empty:
-                await ready.wait()
-                ready.clear()
-                continue
-            if item is _DONE:
-                return
-            yield item
+        try:
+            while True:
+                try:
+                    item = self._events.get_nowait()
+                except queue.Empty:
+                    await ready.wait()
+                    ready.clear()
+                    continue
+                if item is _DONE:
+                    return
+                yield item
+        finally:
+            self._notify = None
 
     @property
     def done(self) -> bool:
@@ -117,8 +122,12 @@ class Request:
 
     def _put(self, item) -> None:
         self._events.put(item)
-        if self._notify is not None:
-            self._notify()
+        notify = self._notify
+        if notify is not None:
+            try:
+                notify()
+            except RuntimeError:  # the listener's event loop has closed: nobody is waiting
+                self._notify = None
 
     def _emit(self, token: int, logprob: float | None = None, top: list | None = None) -> None:
         if self._first is None:
@@ -127,6 +136,7 @@ class Request:
         self._put(Token(token, logprob, top))
 
     def _finish(self, tokens: list[int], reason: str, error: str | None = None, started: float | None = None) -> None:
+        self.finished = time.perf_counter()
         self._completion = Completion(list(tokens), reason, error,
                                       queued_seconds=(started or time.perf_counter()) - self.submitted,
                                       first_token_seconds=None if self._first is None else self._first - self.submitted)
@@ -140,9 +150,6 @@ class ContinuousBatcher:
     `QueueFull` beyond it (the server answers 503)."""
 
     def __init__(self, ctx, slots: int = 8, capacity: int | None = None, max_waiting: int = 256):
-        if ctx.model.is_seq2seq:
-            raise ValueError("the batcher runs decoder-only models; encoder-decoder requests go through "
-                             "generation.tasks")
         self.ctx, self.slots = ctx, slots
         self.capacity = capacity or min(ctx.model.max_context or 4096, 4096)
         self.max_waiting = max_waiting
@@ -161,9 +168,13 @@ class ContinuousBatcher:
         self._thread.start()
 
     # -- public -----------------------------------------------------------------------------
-    def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None) -> Request:
+    def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None) -> Request:
         """Queue a prompt (token ids) with its generation settings (any generation_config
-        field: validated here, so a bad one raises ValueError naming it)."""
+        field: validated here, so a bad one raises ValueError naming it). An encoder-decoder
+        model's request brings its source through the encoder: `encoder`, an EncoderOutputs of
+        one row (the prompt is then the decoder's: decoder_start_token_id, ...)."""
+        if self.ctx.model.is_seq2seq and (encoder is None or len(encoder) != 1):
+            raise ValueError("an encoder-decoder request needs its encoder outputs (one row): encoder=")
         if self._stop.is_set():
             raise RuntimeError("the batcher is closed")
         if self._waiting.qsize() >= self.max_waiting:
@@ -178,7 +189,7 @@ class ContinuousBatcher:
         max_new = min(resolved.new_tokens_for(len(prompt)), self.capacity - len(prompt))
         if max_new < 1:
             raise ValueError(f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
-        request = Request(next(self._ids), prompt, seed, resolved, max_new, beams=resolved.num_beams)
+        request = Request(next(self._ids), prompt, seed, resolved, max_new, beams=resolved.num_beams, encoder=encoder)
         self._waiting.put(request)
         self.waiting = self._waiting.qsize()
         self._wake.set()
@@ -263,7 +274,8 @@ class ContinuousBatcher:
         def run():
             started = time.perf_counter()
             try:
-                best = generation.beam_search(self.ctx, [request.prompt], [request.seed], [request.settings])[0]
+                best = generation.beam_search(self.ctx, [request.prompt], [request.seed], [request.settings],
+                                              encoder=request.encoder)[0]
                 hypothesis = best[0] if best else generation.Hypothesis([], 0.0)
                 logprobs = hypothesis.logprobs or [None] * len(hypothesis.tokens)
                 if not request._cancelled:
@@ -291,7 +303,8 @@ class ContinuousBatcher:
         slots = free[:len(batch)]
         now = time.perf_counter()
         state, first = generation.admit(self.ctx, state, slots, [r.prompt for r in batch], [r.seed for r in batch],
-                                        settings=[r.settings for r in batch], max_new=[r.max_new for r in batch])
+                                        settings=[r.settings for r in batch], max_new=[r.max_new for r in batch],
+                                        encoder=_joined([r.encoder for r in batch]))
         for j, (slot, request) in enumerate(zip(slots, batch)):
             started[slot] = now
             if first.token[j] >= 0:
@@ -317,6 +330,16 @@ class ContinuousBatcher:
                 out.append(self._waiting.get_nowait())
             except queue.Empty:
                 return out
+
+
+def _joined(encoders: list):
+    """One EncoderOutputs of the requests' rows (None for a decoder-only model)."""
+    if encoders[0] is None:
+        return None
+    from generation.seq2seq import EncoderOutputs
+
+    ids = None if encoders[0].source_ids is None else [i for e in encoders for i in e.source_ids]
+    return EncoderOutputs([h for e in encoders for h in e.hidden], ids)
 
 
 def _logprobs_of(out, row: int) -> tuple:

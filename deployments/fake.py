@@ -69,7 +69,7 @@ class FakeBatcher:
     """ContinuousBatcher's interface over `fake_tokens`: `slots` requests step together, one
     token each per `step_seconds`; later ones wait for a free slot."""
 
-    def __init__(self, slots: int = 4, max_waiting: int = 64, step_seconds: float = 0.005, capacity: int = 256):
+    def __init__(self, slots: int = 4, max_waiting: int = 64, step_seconds: float = 0.005, capacity: int = 4096):
         self.slots, self.max_waiting, self.step_seconds, self.capacity = slots, max_waiting, step_seconds, capacity
         self.running = self.waiting = self.occupied = 0
         self.steps = 0
@@ -138,5 +138,5 @@ def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int
 
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}")
-    return TextGenerator(name, FakeBatcher(slots, max_waiting, step_seconds), CharTokenizer(), 256, template,
+    return TextGenerator(name, FakeBatcher(slots, max_waiting, step_seconds), CharTokenizer(), 4096, template,
                          max_logprobs=5)

@@ -82,6 +82,7 @@ class _Request(BaseModel):
     remove_invalid_values: bool | None = None
     encoder_repetition_penalty: float | None = None
     encoder_no_repeat_ngram_size: int | None = None
+    ignore_eos: bool = False  # vLLM's: generate to max_tokens whatever the eos token
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -145,6 +146,8 @@ def settings_of(request: _Request, context_length: int | None = None, prompt_len
         settings["top_p"] = request.top_p
     if request.stop is not None:
         settings["stop_strings"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    if request.ignore_eos:
+        settings["eos_token_id"] = []
     if request.logit_bias:
         try:
             settings["sequence_bias"] = [[[int(token)], float(bias)] for token, bias in request.logit_bias.items()]

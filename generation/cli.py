@@ -1,4 +1,4 @@
-"""The `raymuter` command: generate text from a model folder or hub id."""
+"""The `raymuter` command: generate text from a model folder or hub id, or serve it (`raymuter serve`)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-steps", choices=["whole", "pieces"], default="whole")
     gen.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all CPUs)")
     gen.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
+    srv = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-style routes) on a local Ray")
+    try:
+        from deployments.cli import add_arguments
+    except ImportError:  # a wheel without deployments/: generate still works
+        srv.set_defaults(unavailable=True)
+    else:
+        add_arguments(srv)
     return parser
 
 
@@ -104,6 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[raymuter] %(message)s")
     try:
+        if args.command == "serve":
+            try:
+                from deployments.cli import serve_command
+
+                import ray  # noqa: F401
+            except ImportError as e:
+                print(f"raymuter: error: serving needs the serve extra (pip install 'raymuter[cpu,serve]'): {e}",
+                      file=sys.stderr)
+                return 2
+            return serve_command(args)
         return generate_command(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"raymuter: error: {e}", file=sys.stderr)

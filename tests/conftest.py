@@ -133,3 +133,48 @@ def load_model():
             loaded[key] = generation.load(path, threads=1)
         return loaded[key]
     return get
+
+
+class ServeApps:
+    """The test session's Ray Serve: a real-engine app at `real` (the tiny llama-genai model)
+    and fake-engine apps (deployments.fake, outputs known) at `fake` and `guarded` (an API key,
+    a small queue and body limit)."""
+
+    def __init__(self, port: int, real_model: Path):
+        self.port, self.real_model = port, real_model
+        self.url = f"http://127.0.0.1:{port}"
+        self.real, self.fake, self.guarded = self.url + "/real", self.url + "/fake", self.url + "/guarded"
+
+    REAL = dict(name="tiny", slots=4, threads=1, settings={"max_new_tokens": 16})
+    FAKE = dict(engine="fake", name="fake", slots=4, step_seconds=0.005)
+    GUARDED = dict(engine="fake", name="fake", slots=1, max_waiting=2, step_seconds=0.02, api_key="sesame",
+                   max_body_bytes=4096)
+
+
+@pytest.fixture(scope="session")
+def serve_apps(test_models):
+    """One Ray instance for the whole session (RAY.md: ~9 s to start): three applications."""
+    import os
+    import socket
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    from deployments.app import build
+
+    root = str(_HERE.parent)
+    path = os.environ.get("PYTHONPATH")
+    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": root + (os.pathsep + path if path else "")}})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    apps = ServeApps(port, test_models["llama-genai"])
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build({**ServeApps.REAL, "model": str(apps.real_model)}), name="real", route_prefix="/real")
+    serve.run(build(ServeApps.FAKE), name="fake", route_prefix="/fake")
+    serve.run(build(ServeApps.GUARDED), name="guarded", route_prefix="/guarded")
+    yield apps
+    ray.shutdown()

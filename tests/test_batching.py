@@ -94,3 +94,86 @@ def test_bad_requests_fail_at_submit_and_the_queue_is_bounded(ctx):
                 batcher.submit([5, 6], settings=dict(max_new_tokens=30, eos_token_id=[]))
     finally:
         batcher.close()
+
+
+def test_events_carry_the_engines_log_probabilities(test_models, load_model):
+    model = load_model(test_models["llama-genai"])
+    ctx = generation.context(model, max_new_tokens=8, top_logprobs=3)
+    batcher = ContinuousBatcher(ctx, slots=2, capacity=64)
+    try:
+        prompts = prompts_of(3, seed=4)
+        requests = [batcher.submit(p, seed=i, settings=dict(do_sample=True)) for i, p in enumerate(prompts)]
+        for i, request in enumerate(requests):
+            events = list(request.events(timeout=30))
+            alone = generation.generate(generation.context(model, max_new_tokens=8, top_logprobs=3, do_sample=True),
+                                        [prompts[i]], seeds=[i])[0]
+            assert [e.id for e in events] == alone.tokens
+            np.testing.assert_allclose([e.logprob for e in events], alone.logprobs, rtol=1e-5, atol=1e-6)
+            assert all(len(e.top) == 3 and e.top[0][1] >= e.top[-1][1] for e in events)
+    finally:
+        batcher.close()
+
+
+def test_a_beam_request_holds_num_beams_slots_and_equals_beam_search_alone(ctx):
+    batcher = ContinuousBatcher(ctx, slots=4, capacity=64)
+    try:
+        prompts = prompts_of(5, seed=7)
+        beams = batcher.submit(prompts[0], settings=dict(num_beams=3, max_new_tokens=10))
+        others = [batcher.submit(p, seed=i, settings=SETTINGS[i]) for i, p in enumerate(prompts[1:])]
+        expected = generation.beam_search(generation.context(ctx.model, max_new_tokens=10, num_beams=3),
+                                          [prompts[0]], [0])[0][0]
+        assert beams.result(timeout=60).tokens == expected.tokens
+        assert list(beams.stream(timeout=1)) == expected.tokens
+        for i, request in enumerate(others):
+            alone = generation.generate(generation.context(ctx.model, **{"max_new_tokens": 16, **SETTINGS[i]}),
+                                        [prompts[i + 1]], seeds=[i])[0]
+            assert request.result(timeout=60).tokens == alone
+        with pytest.raises(ValueError, match="num_beams: 5 beams need as many slots; this decoder has 4"):
+            batcher.submit(prompts[0], settings=dict(num_beams=5))
+    finally:
+        batcher.close()
+
+
+def test_beams_wait_for_free_slots_and_count_as_occupied(ctx):
+    batcher = ContinuousBatcher(ctx, slots=4, capacity=256)
+    try:
+        long = [batcher.submit(p, settings=dict(max_new_tokens=150, eos_token_id=[])) for p in prompts_of(2, seed=1)]
+        next(long[0].stream(timeout=30))
+        beams = batcher.submit([5, 6, 7], settings=dict(num_beams=3, max_new_tokens=4))
+        assert len(beams.result(timeout=60).tokens) <= 4
+        assert beams.result().first_token_seconds is not None
+        # 2 free slots < 3 beams: it started only once a long request had left its slot
+        assert beams._first >= min(r.result(timeout=60) and r.finished for r in long)
+    finally:
+        batcher.close()
+
+
+def test_encoder_decoder_requests_join_the_running_batch(test_models, load_model):
+    """Marian rows admitted at different steps (different decoder lengths, different source
+    lengths) each equal text_to_text alone; beams too."""
+    from conftest import model_builders
+    from generation.seq2seq import encode_text
+    from generation.tasks import decoder_start
+
+    s2s = model_builders.ensure_test_models(seq2seq=True)
+    model = load_model(s2s["marian-optimum"])
+    ctx = generation.context(model, max_new_tokens=12)
+    sources = prompts_of(6, seed=3)
+    batcher = ContinuousBatcher(ctx, slots=3, capacity=64)
+    try:
+        start = [decoder_start(ctx)]
+        settings = [dict(), dict(do_sample=True, top_k=5), dict(num_beams=2), dict(repetition_penalty=1.5),
+                    dict(no_repeat_ngram_size=2), dict(do_sample=True, temperature=0.7)]
+        requests = []
+        for i, source in enumerate(sources):
+            requests.append(batcher.submit(start, seed=i, settings=settings[i], encoder=encode_text(model, [source])))
+            if i == 1:
+                next(requests[0].stream(timeout=30))  # later ones join a running batch
+        for i, request in enumerate(requests):
+            alone_ctx = generation.context(model, **{"max_new_tokens": 12, **settings[i]})
+            alone = generation.generate(alone_ctx, [start], seeds=[i], encoder=encode_text(model, [sources[i]]))[0]
+            assert request.result(timeout=60).tokens == alone, i
+        with pytest.raises(ValueError, match="needs its encoder outputs"):
+            batcher.submit(start)
+    finally:
+        batcher.close()

@@ -37,7 +37,7 @@ def test_the_settings_are_the_engines(test_models, load_model):
     (dict(model="m", prompt="hi", max_tokens=0), "max_tokens", "greater than or equal to 1"),
     (dict(model="m", prompt="hi", temperature=3), "temperature", "less than or equal to 2"),
     (dict(model="m", prompt="hi", top_p=0), "top_p", "greater than 0"),
-    (dict(model="m", prompt="hi", n=2), "n", "less than or equal to 1"),
+    (dict(model="m", prompt="hi", n=17), "n", "less than or equal to 16"),
     (dict(model="m", prompt="hi", presence_penalty=0.5), "presence_penalty", "has no transformers processor"),
     (dict(model="m", prompt="hi", frobnicate=1), "frobnicate", "unknown field 'frobnicate'"),
     (dict(model="m", prompt="hi", top_logprobs=50), "top_logprobs", "less than or equal to 20"),

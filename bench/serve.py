@@ -1,0 +1,207 @@
+"""Serving overhead and continuous batching, measured side by side in one run.
+
+Table 1: time to first token (median, p90) and throughput at each concurrency, over HTTP (the
+Ray Serve application: proxy -> Ingress -> Decoder, streamed server-sent events) beside the
+engine called directly in this process (the same TextGenerator and batching loop, no Ray), with
+the same requests; "added" is the HTTP median TTFT minus the direct one. Table 2: continuous
+batching (requests join free slots at step boundaries) against static batching (the same loop
+admitting a new wave only when the whole previous wave has finished) on a mix of short and long
+requests, all sent at once; tokens/s and the ratio.
+
+    PYTHONPATH=. python bench/serve.py                    # the default model, ~2 min on 2 cores
+    PYTHONPATH=. python bench/serve.py --model DIR --slots 8 --requests 32
+
+Every request ignores eos (its length is exactly its max_tokens) so the systems do equal work.
+Targets (issue 7): added median TTFT at concurrency 1 <= 10 ms; continuous / static >= 1.5.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PROMPTS = ["The list type", "A dictionary maps", "Exceptions are raised when", "The for statement",
+           "Modules can import", "A class defines", "Strings are immutable", "The with statement"]
+
+
+def requests_for(count: int, new: int, seed: int = 0) -> list[dict]:
+    rnd = random.Random(seed)
+    return [dict(prompt=rnd.choice(PROMPTS), max_tokens=new, seed=i) for i in range(count)]
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+# -- the engine called directly ----------------------------------------------------------------
+async def direct_run(generator, requests: list[dict], concurrency: int):
+    from deployments.schema import GenerateRequest
+
+    ttft, tokens = [], 0
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(r):
+        nonlocal tokens
+        async with gate:
+            start = time.perf_counter()
+            first = None
+            request = GenerateRequest(prompt=r["prompt"], seed=r["seed"],
+                                      settings={"max_new_tokens": r["max_tokens"], "eos_token_id": []})
+            async for chunk in generator.stream(request):
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter() - start
+                if chunk.finish_reason:
+                    tokens += chunk.completion_tokens
+            ttft.append(first)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(r) for r in requests))
+    return ttft, tokens / (time.perf_counter() - start)
+
+
+# -- over HTTP ---------------------------------------------------------------------------------
+async def http_run(url: str, model: str, requests: list[dict], concurrency: int):
+    import httpx
+
+    ttft, tokens = [], 0
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def one(r):
+            nonlocal tokens
+            async with gate:
+                body = dict(model=model, prompt=r["prompt"], max_tokens=r["max_tokens"], seed=r["seed"],
+                            ignore_eos=True, stream=True, stream_options={"include_usage": True})
+                start = time.perf_counter()
+                first = None
+                async with client.stream("POST", url + "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if first is None and line.startswith("data: {") and '"text": ""' not in line:
+                            first = time.perf_counter() - start
+                        if '"usage"' in line and line.startswith("data: {") and '"choices": []' in line:
+                            import json
+
+                            tokens += json.loads(line[6:])["usage"]["completion_tokens"]
+                ttft.append(first)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(r) for r in requests))
+    return ttft, tokens / (time.perf_counter() - start)
+
+
+# -- continuous vs static ----------------------------------------------------------------------
+def mix(count: int, short: int, long: int, seed: int = 1) -> list[dict]:
+    rnd = random.Random(seed)
+    out = [dict(prompt=rnd.choice(PROMPTS), max_tokens=long if i % 4 == 0 else short, seed=i) for i in range(count)]
+    rnd.shuffle(out)
+    return out
+
+
+def batching_run(batcher, tokenizer, requests: list[dict], static: bool) -> float:
+    """Tokens/s of the loop: all requests at once (continuous), or wave by wave (static)."""
+    waves = [requests[i:i + batcher.slots] for i in range(0, len(requests), batcher.slots)] if static else [requests]
+    tokens = 0
+    start = time.perf_counter()
+    for wave in waves:
+        handles = [batcher.submit(tokenizer.encode(r["prompt"]).ids, seed=r["seed"],
+                                  settings={"max_new_tokens": r["max_tokens"], "eos_token_id": []}) for r in wave]
+        tokens += sum(len(h.result(timeout=600).tokens) for h in handles)
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model folder (default: the default model)")
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads of the decoder (both systems)")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at least 8)")
+    parser.add_argument("--new", type=int, default=32, help="tokens per request in table 1")
+    parser.add_argument("--mix", default="64,16,256", help="requests,short,long tokens for table 2 (1 in 4 long)")
+    args = parser.parse_args()
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from generation.bundled import default_model_path
+    from generation.text import model_tokenizer
+
+    from deployments.decoder import TextGenerator
+
+    model = args.model or str(default_model_path())
+    levels = [int(c) for c in args.concurrency.split(",")]
+    generator = TextGenerator.from_model(model, name="bench", slots=args.slots, threads=args.threads,
+                                         max_logprobs=5)
+    tokenizer = model_tokenizer(generator.batcher.ctx.model)
+
+    # Table 2 first, before Ray starts (in-process loop, nothing else running)
+    count, short, long = (int(x) for x in args.mix.split(","))
+    work = mix(count, short, long)
+    batching_run(generator.batcher, tokenizer, work[: args.slots], static=False)  # warm-up
+    rates = {"static": [], "continuous": []}
+    for _ in range(3):
+        for kind in ("static", "continuous"):
+            rates[kind].append(batching_run(generator.batcher, tokenizer, work, static=kind == "static"))
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(dict(model=model, name="bench", slots=args.slots, threads=args.threads, max_logprobs=5)),
+              name="bench", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+
+    rows = []
+    for level in levels:
+        work = requests_for(max(args.requests, level), args.new, seed=level)
+        asyncio.run(direct_run(generator, work[:2], 2))  # warm-ups
+        asyncio.run(http_run(url, "bench", work[:2], 2))
+        d_ttft, d_rate = asyncio.run(direct_run(generator, work, level))
+        h_ttft, h_rate = asyncio.run(http_run(url, "bench", work, level))
+        rows.append((level, d_ttft, d_rate, h_ttft, h_rate))
+    serve.shutdown()
+    ray.shutdown()
+    generator.close()
+
+    print(f"\nmodel: {model}   slots {args.slots}   threads {args.threads}   {args.new} tokens per request\n")
+    print("| concurrency | system | TTFT p50 ms | TTFT p90 ms | tokens/s | HTTP/direct tokens/s | added TTFT p50 ms |")
+    print("|---|---|---|---|---|---|---|")
+    added_at_1 = None
+    for level, d_ttft, d_rate, h_ttft, h_rate in rows:
+        added = 1000 * (statistics.median(h_ttft) - statistics.median(d_ttft))
+        if level == 1:
+            added_at_1 = added
+        print(f"| {level} | direct | {1000 * statistics.median(d_ttft):.1f} | {1000 * percentile(d_ttft, 0.9):.1f} | "
+              f"{d_rate:.0f} | | |")
+        print(f"| {level} | HTTP | {1000 * statistics.median(h_ttft):.1f} | {1000 * percentile(h_ttft, 0.9):.1f} | "
+              f"{h_rate:.0f} | {h_rate / d_rate:.2f} | {added:.1f} |")
+    best = {k: max(v) for k, v in rates.items()}
+    print(f"\n{count} requests, 1 in 4 of {long} tokens, the rest {short}; slots {args.slots}; best of 3\n")
+    print("| batching | tokens/s | ratio |")
+    print("|---|---|---|")
+    print(f"| static (waves) | {best['static']:.0f} | 1.00 |")
+    print(f"| continuous | {best['continuous']:.0f} | {best['continuous'] / best['static']:.2f} |")
+    if added_at_1 is not None:
+        print(f"\ntarget: added median TTFT at concurrency 1 <= 10 ms: {added_at_1:.1f} ms "
+              f"{'PASS' if added_at_1 <= 10 else 'FAIL'}")
+    ratio = best["continuous"] / best["static"]
+    print(f"target: continuous / static >= 1.5: {ratio:.2f} {'PASS' if ratio >= 1.5 else 'FAIL'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The decoder's TextGenerator without Ray: prompts, chat templates, streamed text around stop
+strings, log-probabilities, refusals naming the field (deployments/decoder.py, generation/chat.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.decoder import Overloaded, RequestError, TextGenerator
+from deployments.fake import fake_generator, fake_tokens
+from deployments.schema import GenerateRequest
+from generation.chat import ChatTemplateError, chat_template, render_chat, special_tokens
+
+
+def collect(generator, **request):
+    async def run():
+        return [chunk async for chunk in generator.stream(GenerateRequest(**request))]
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def fake():
+    generator = fake_generator(slots=2, step_seconds=0.001, max_waiting=3)
+    yield generator
+    generator.close()
+
+
+def test_streamed_text_never_passes_a_stop_string(fake):
+    # the fake gives the prompt reversed: "abcdefgh" -> "hgfedcba"
+    chunks = collect(fake, prompt="abcdefgh", settings={"stop_strings": ["edc"]})
+    pieces = [c.text for c in chunks]
+    assert "".join(pieces) == "hgf"
+    # the hold-back: no chunk ever showed a character of the stop string
+    shown = ""
+    for piece in pieces:
+        shown += piece
+        assert "e" not in shown
+    assert chunks[-1].finish_reason == "length"  # the fake ignores stops; the engine ends the row at one
+
+
+def test_text_without_stops_streams_token_by_token(fake):
+    chunks = collect(fake, prompt="abc", settings={"max_new_tokens": 5})
+    assert [c.text for c in chunks[:-1]] == ["c", "b", "a", "c", "b"]
+    assert chunks[-1].completion_tokens == 5 and chunks[-1].prompt_tokens == 3
+
+
+def test_chat_prompt_and_logprobs(fake):
+    chunks = collect(fake, messages=[{"role": "user", "content": "hi"}], logprobs=1,
+                     settings={"max_new_tokens": 3})
+    prompt = "user: hi\nassistant: "
+    assert "".join(c.text for c in chunks) == "".join(map(chr, fake_tokens([ord(c) for c in prompt], 0,
+                                                                           {"max_new_tokens": 3})))
+    assert all(c.logprobs[0].logprob == -0.5 and len(c.logprobs[0].top) == 1 for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("request_, field, message", [
+    (dict(prompt=""), "prompt", "prompt is empty"),
+    (dict(prompt=[10**6]), "prompt", "not a token id"),
+    (dict(prompt="a", logprobs=9), "logprobs", "at most 5 alternatives"),
+    (dict(prompt="a", settings={"max_new_tokens": 5000}), "max_tokens", "exceed the context of 4096"),
+    (dict(prompt="a", settings={"temperature": -1}), "temperature", "temperature must be a positive number"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages.0.content.0", "text parts only"),
+])
+def test_refusals_name_the_field(fake, request_, field, message):
+    with pytest.raises(RequestError, match=message) as info:
+        collect(fake, **request_)
+    assert info.value.field == field
+
+
+def test_a_full_queue_is_overloaded():
+    generator = fake_generator(slots=1, step_seconds=0.05, max_waiting=1)
+    try:
+        request = GenerateRequest(prompt="abc", settings={"max_new_tokens": 50})
+        generator.submit(request)  # the queue was empty
+        with pytest.raises(Overloaded, match="1 requests are waiting already"):
+            for _ in range(4):
+                generator.submit(request)
+    finally:
+        generator.close()
+
+
+def test_stopping_early_cancels_the_request(fake):
+    async def run():
+        stream = fake.stream(GenerateRequest(prompt="ab", settings={"max_new_tokens": 4000}))
+        await stream.__anext__()
+        await stream.aclose()
+    asyncio.run(run())
+    handle = fake.batcher.submit([97], settings={"max_new_tokens": 1})
+    assert handle.result(timeout=10).tokens == [97]  # a slot came free
+    assert fake.batcher.steps < 1000
+
+
+def test_unknown_request_fields_are_refused():
+    with pytest.raises(ValueError, match="exactly one of prompt and messages"):
+        GenerateRequest(prompt="a", messages=[{"role": "user", "content": "b"}])
+    with pytest.raises(ValueError, match="Extra inputs"):
+        GenerateRequest(prompt="a", temperature=1)
+
+
+# -- chat templates ----------------------------------------------------------------------------
+def test_chat_template_equals_transformers(test_models):
+    from transformers import AutoTokenizer
+
+    folder = test_models["llama-genai"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"},
+                {"role": "assistant", "content": "A sequence."}, {"role": "user", "content": "And a tuple?"}]
+    ours = render_chat(chat_template(folder), messages, special_tokens(folder))
+    assert ours == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_the_default_models_template_is_found():
+    from generation.bundled import default_model_path
+
+    folder = default_model_path()
+    text = render_chat(chat_template(folder), [{"role": "user", "content": "hi"}], special_tokens(folder))
+    assert text.endswith("user: hi\nassistant:")
+
+
+def test_missing_or_failing_templates_say_so(tmp_path):
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        render_chat(chat_template(tmp_path), [{"role": "user", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="refused the messages: only users"):
+        render_chat("{{ raise_exception('only users') }}", [])
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        render_chat("{% for %}", [])
+
+
+def test_real_engine_generator_matches_generate(test_models, load_model):
+    import generation
+    from generation.text import model_tokenizer
+
+    generator = TextGenerator.from_model(test_models["llama-genai"], slots=2, threads=1, max_new_tokens=10)
+    try:
+        chunks = collect(generator, prompt="The list", seed=4, settings={"do_sample": True, "top_k": 10})
+        model = load_model(test_models["llama-genai"])
+        ids = model_tokenizer(model).encode("The list").ids
+        expected = generation.generate(generation.context(model, max_new_tokens=10, do_sample=True, top_k=10),
+                                       [ids], seeds=[4])[0]
+        assert sum((c.token_ids for c in chunks), []) == expected
+        assert "".join(c.text for c in chunks) == model_tokenizer(model).decode(expected)
+        assert generator.card().id == "llama-genai" and generator.card().has_chat_template
+    finally:
+        generator.close()
