@@ -35,3 +35,12 @@ def uniforms(seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         bits = _splitmix64(_splitmix64(seeds) + draws * _GOLDEN)
     return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 2**53)
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """The `index`-th seed derived from `seed` (index 0: the seed itself), for a request that
+    samples several independent runs (Whisper's windows) from one seed."""
+    if index == 0:
+        return int(seed)
+    with np.errstate(over="ignore"):
+        return int(_splitmix64(_splitmix64(np.uint64(seed)) ^ _splitmix64(np.uint64(index))))

@@ -3,20 +3,24 @@
     ctx = generation.context(generation.load("marian-folder"), max_new_tokens=64)
     out = text_to_text(ctx, ["How are you?", "Good morning"])   # [TaskResult(text, tokens, ...)]
     out = speech_to_text(whisper_ctx, ["clip.wav", samples_16k], language="en")
+    out = speech_to_text(whisper_ctx, ["hour.wav"], return_timestamps=True)  # out[0].segments
 
 Each task tokenizes or featurizes its batch, runs the encoder once (`generation.seq2seq`; a
 server can run that step in its own deployment), and generates from the decoder's prompt
-(decoder_start_token_id) with every setting of the context, beam search included.
+(decoder_start_token_id) with every setting of the context, beam search included. Whisper with
+timestamps, or with audio longer than its window, decodes window after window
+(`generation.longform`), running the encoder once per window.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .context import Context
-from .generate import Generated, generate
 import numpy as np
 
+from .context import Context
+from .generate import Generated, check_seeds, generate
+from .longform import Segment, decode_windows, run_encoder, window_frames
 from .seq2seq import EncoderOutputs, encode_audio, encode_text
 from .text import model_tokenizer
 
@@ -24,11 +28,14 @@ from .text import model_tokenizer
 @dataclass
 class TaskResult:
     """One source's output: its text, its tokens (without the decoder prompt and the final eos),
-    and each token's log-probability when the context has token_logprobs."""
+    and each token's log-probability when the context has token_logprobs. Whisper with
+    timestamps: the tokens of its segments one after another (timestamp tokens included, as
+    transformers returns them), the text without the timestamps, and the segments."""
 
     text: str
     tokens: list[int]
     logprobs: list[float] | None = None
+    segments: list[Segment] | None = None
 
 
 def decoder_start(ctx: Context) -> int:
@@ -91,7 +98,8 @@ def whisper_prompts(ctx: Context, encoder: EncoderOutputs, language=None, task: 
                     timestamps: bool = False) -> list[list[int]]:
     """Each clip's decoder prompt as transformers 4.57 Whisper builds it: <|startoftranscript|>,
     then for a multilingual model the language (given, or detected from the first step's logits
-    over the language tokens) and the task (default transcribe), then <|notimestamps|>."""
+    over the language tokens) and the task (default transcribe), then <|notimestamps|> unless
+    `timestamps`. `encoder`: the outputs of each clip's first window (what detection reads)."""
     config = ctx.model.generation_config
     start = decoder_start(ctx)
     prompts = [[start] for _ in range(len(encoder))]
@@ -121,33 +129,104 @@ def whisper_prompts(ctx: Context, encoder: EncoderOutputs, language=None, task: 
             prompt += [int(lang), int(task_to_id[task])]
     elif language is not None or task not in (None, "transcribe"):
         raise ValueError(f"{ctx.model.folder} is an English-only model: language and task do not apply")
-    if timestamps:
-        raise ValueError("timestamps are not supported yet")
     no_timestamps = config.get("no_timestamps_token_id")
-    if no_timestamps is not None:
+    if no_timestamps is not None and not timestamps:
         for prompt in prompts:
             prompt.append(int(no_timestamps))
     return prompts
 
 
+# Whisper generate options that change its output and that this engine does not implement
+# (name: its off value): a model whose generation_config.json turns one on is refused rather
+# than decoded differently. compression_ratio_threshold and logprob_threshold alone only choose
+# a temperature fallback, which needs a list of temperatures: with one, the output is the same.
+WHISPER_NOT_IMPLEMENTED = {"no_speech_threshold": None, "condition_on_prev_tokens": False}
+
+
 def speech_to_text(ctx: Context, audios, sampling_rate: int = 16000, language=None, task: str | None = None,
-                   seeds=None) -> list[TaskResult]:
+                   seeds=None, return_timestamps: bool | None = None, encode=None) -> list[TaskResult]:
     """Transcribe (or translate) each clip: float arrays at `sampling_rate`, or audio files.
-    Clips up to one window long (30 s for real Whisper models); tokens and text are what
-    transformers' Whisper generate returns (the decoder prompt dropped)."""
+    Tokens, text and segments are what transformers 4.57 Whisper generate returns.
+
+    return_timestamps: each result's segments (start and end in seconds, tokens, text), as
+    `generate(return_timestamps=True, return_segments=True)`; None: generation_config.json's
+    return_timestamps. A clip longer than the window (30 s for real Whisper models) is decoded
+    window after window (`generation.longform`), which needs timestamps: None turns them on for
+    the batch, unless generation_config.json sets return_timestamps false, which is an error
+    then, as return_timestamps=False is (as in transformers).
+    encode: [n, n_mels, frames] log-mel windows -> EncoderOutputs (default: this model's encoder).
+    """
     from . import audio
 
     if not isinstance(audios, (list, tuple)) or not audios:
         raise ValueError("audios must be a non-empty list of arrays or audio files")
+    if return_timestamps not in (None, True, False):
+        raise ValueError(f"return_timestamps must be true, false or None, not {return_timestamps!r}")
+    if ctx.settings.num_return_sequences > 1:
+        raise ValueError(f"num_return_sequences={ctx.settings.num_return_sequences}: speech_to_text gives one "
+                         "transcription per clip (set it to 1)")
+    if encode is not None and not callable(encode):
+        raise ValueError(f"encode must be a function of log-mel features, not {encode!r}")
     clips = [audio.load_audio(a) if isinstance(a, (str, bytes)) or hasattr(a, "__fspath__")
              else audio.load_audio(a, sampling_rate) for a in audios]
+    seeds = check_seeds(seeds, len(clips))
     window = _preprocessor(ctx).get("chunk_length", audio.CHUNK_SECONDS)
-    for i, clip in enumerate(clips):
-        if len(clip) > window * audio.SAMPLING_RATE:
-            raise ValueError(f"audios[{i}] lasts {len(clip) / audio.SAMPLING_RATE:.1f} s; this model's window is "
-                             f"{window} s and long-form decoding is not supported yet")
-    features = audio.whisper_features(clips, n_mels=ctx.model.config.get("num_mel_bins", 80), chunk_seconds=window)
-    encoder = encode_audio(ctx.model, features.features)
-    prompts = whisper_prompts(ctx, encoder, language, task)
-    rows = generate(ctx, prompts, seeds=seeds, encoder=encoder)
-    return [_result(ctx, row) for row in rows]
+    frames = window_frames(ctx)
+    if round(window * audio.SAMPLING_RATE) // audio.HOP_LENGTH != frames:
+        raise ValueError(f"{ctx.model.folder}: preprocessor_config.json's chunk_length ({window} s) is not the "
+                         f"encoder's window ({frames} frames)")
+    long_form = max(len(clip) for clip in clips) > window * audio.SAMPLING_RATE
+    timestamps = _timestamps_on(ctx, clips, window, return_timestamps)
+    encode = encode or (lambda features: encode_audio(ctx.model, features))
+    n_mels = ctx.model.config.get("num_mel_bins", 80)
+    features = audio.whisper_features(clips, n_mels=n_mels, long_form=long_form, chunk_seconds=window)
+    first = run_encoder(encode, features.features[..., :frames])
+    prompts = whisper_prompts(ctx, first, language, task, timestamps=timestamps)
+    _check_decoder_length(ctx, max(len(p) for p in prompts))
+    if not timestamps:
+        rows = generate(ctx, prompts, seeds=seeds, encoder=first)
+        return [_result(ctx, row) for row in rows]
+    segments = decode_windows(ctx, features.features, features.num_frames, prompts, encode, seeds, first)
+    return [_timestamped(ctx, row) for row in segments]
+
+
+def _timestamps_on(ctx: Context, clips, window: float, asked: bool | None) -> bool:
+    """Whether the clips decode with timestamps, as transformers decides: `asked`, else the
+    generation config's return_timestamps; a clip longer than the window needs them."""
+    config = ctx.model.generation_config
+    timestamps = config.get("return_timestamps") if asked is None else asked
+    longest = int(np.argmax([len(clip) for clip in clips]))
+    long_form = len(clips[longest]) > window * 16000
+    if long_form and timestamps is False:
+        source = "return_timestamps=False" if asked is False else "generation_config.json's return_timestamps is false"
+        raise ValueError(f"audios[{longest}] lasts {len(clips[longest]) / 16000:.1f} s, longer than this model's "
+                         f"{window} s window: long-form decoding needs timestamps, and {source} "
+                         "(pass return_timestamps=True)")
+    timestamps = bool(timestamps) or long_form
+    for key, off in WHISPER_NOT_IMPLEMENTED.items():
+        if config.get(key, off) not in (off, None) and (timestamps or key != "condition_on_prev_tokens"):
+            raise ValueError(f"generation_config.json sets {key}={config[key]!r}; Whisper's {key} is not "
+                             f"implemented here (set it to {off!r})")
+    return timestamps
+
+
+def _check_decoder_length(ctx: Context, prompt: int) -> None:
+    """As transformers' Whisper generate: the prompt and max_new_tokens within the decoder's positions."""
+    limit, new = ctx.model.config.get("max_target_positions"), ctx.settings.max_new_tokens
+    if isinstance(limit, int) and new is not None and new + prompt > limit:
+        raise ValueError(f"max_new_tokens={new} and the {prompt}-token decoder prompt exceed the decoder's "
+                         f"{limit} positions: max_new_tokens can be at most {limit - prompt}")
+
+
+def _timestamped(ctx: Context, segments: list[Segment]) -> TaskResult:
+    """A clip's segments as a TaskResult: tokens one after another, text without timestamps."""
+    begin = ctx.model.generation_config["no_timestamps_token_id"] + 1
+    tokenizer = model_tokenizer(ctx.model) if ctx.model.tokenizer_path else None
+
+    def text(tokens):
+        return tokenizer.decode([t for t in tokens if t < begin], skip_special_tokens=True) if tokenizer else ""
+    for segment in segments:
+        segment.text = text(segment.tokens)
+    tokens = [t for s in segments for t in s.tokens]
+    logprobs = None if not ctx.token_logprobs else [p for s in segments for p in s.logprobs]
+    return TaskResult(text(tokens), tokens, logprobs, segments)

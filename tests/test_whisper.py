@@ -3,8 +3,9 @@
 Invariants: for a batch of clips of different lengths, the tokens equal transformers' for each
 clip alone, with a given language, with translate, and with language detection; the decoder
 prompt is the one transformers builds; files load like arrays; sampling is seeded and batch
-independent; bad audio, an unknown language and a clip longer than the window say what is
-wrong. (The tiny fixture's window is 2 s: max_source_positions 100, 200 mel frames.)
+independent; bad audio, an unknown language and a clip longer than the window without
+timestamps say what is wrong. (The tiny fixture's window is 2 s: max_source_positions 100, 200
+mel frames.) Timestamps and long-form: test_whisper_longform.py.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def test_bad_audio_says_what_is_wrong(model, tmp_path):
     bad.write_bytes(b"not audio at all")
     with pytest.raises(ValueError, match="bad.wav"):
         tasks.speech_to_text(ctx, [str(bad)])
-    with pytest.raises(ValueError, match=r"audios\[0\] lasts 3.0 s; this model's window is 2 s"):
+    with pytest.raises(ValueError, match=r"audios\[0\] lasts 3.0 s, longer than this model's 2 s window"):
         tasks.speech_to_text(ctx, [np.zeros(48000, np.float32)])
     with pytest.raises(ValueError, match="language 'xx' is not one of this model's"):
         tasks.speech_to_text(ctx, clips()[:1], language="xx")
