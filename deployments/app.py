@@ -28,7 +28,7 @@ from .decoder import Overloaded, RequestError
 from .metrics import IngressMetrics
 from .openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, completion_logprobs, completion_response,
                          finish_reason, generate_request, parse, stream_chunk)
-from .schema import GenerateChunk, GenerateRequest, GenerateResponse
+from .schema import GenerateChunk, GenerateRequest, GenerateResponse, Refusal, Transcription, TranscriptionRequest
 
 RETRY_AFTER_SECONDS = 1
 DEFAULT_MODEL_NAME = "raymuter-default"  # the model id of the default model (no `model` given)
@@ -77,7 +77,7 @@ def _refusal(error: Exception) -> dict:
 
 def _refused(result) -> ApiError | None:
     """The ApiError of a decoder answer that refused the request, else None."""
-    if result.finish_reason != "rejected":
+    if not isinstance(result, Refusal) and result.finish_reason != "rejected":
         return None
     if result.status == 503:
         return ApiError(503, f"the server is busy ({result.error}); retry after {RETRY_AFTER_SECONDS} s",
@@ -90,7 +90,9 @@ def _api_error_of(error: BaseException) -> ApiError:
     from ray.exceptions import RayActorError, RayTaskError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-    cause = error.cause if isinstance(error, RayTaskError) and getattr(error, "cause", None) else error
+    cause = error
+    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None and cause.cause is not cause:
+        cause = cause.cause  # an encoder's failure reaches us through the decoder call that took its reply
     if isinstance(cause, ApiError):
         return cause
     if isinstance(cause, RequestError):
@@ -104,13 +106,42 @@ def _api_error_of(error: BaseException) -> ApiError:
     return ApiError(500, f"the decoder failed: {type(cause).__name__}: {cause}", kind="server_error")
 
 
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
+class Encoder:
+    """An encoder-decoder model's encoder (deployments.encoder.EncoderService): uploaded audio
+    decoded to samples, Whisper windows or texts through the encoder. Its replies go to the
+    decoder unopened."""
+
+    def __init__(self, config: dict):
+        from .encoder import EncoderService
+
+        cfg = AppConfig(**config)
+        self.service = EncoderService(cfg.model, cfg.name, threads=cfg.threads, provider=cfg.provider,
+                                      variant=cfg.variant)
+
+    def decode_audio(self, data: bytes, filename: str = "file"):
+        return self.service.decode_audio(data, filename)
+
+    def encode_features(self, windows):
+        return self.service.encode_features(windows)
+
+    def encode_text(self, sources: list):
+        return self.service.encode_text(sources)
+
+    def metrics(self) -> str:
+        return self.service.metrics.text()
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024, health_check_period_s=2,
                   health_check_timeout_s=10)
 class Decoder:
-    """Owns the model and its continuous batching loop (deployments.decoder.TextGenerator)."""
+    """Owns the model and its continuous batching loop (deployments.decoder.TextGenerator). An
+    encoder-decoder model's decoder gets its sources' encoder outputs from the Encoder
+    deployment (through the ingress's calls, or `encoder` for Whisper's later windows)."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, encoder: DeploymentHandle | None = None):
         cfg = AppConfig(**config)
+        self.encoder = encoder
         if cfg.engine == "fake":
             from .fake import fake_generator
 
@@ -128,19 +159,31 @@ class Decoder:
                 max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
                 **cfg.settings)
 
-    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+    async def generate(self, request: GenerateRequest, encoded=None) -> GenerateResponse:
         try:
-            return await self.generator.generate(request)
+            return await self.generator.generate(request, encoded)
         except (RequestError, Overloaded) as e:  # the client's problem: an answer, not a replica error log
             return GenerateResponse(text="", token_ids=[], finish_reason="rejected", prompt_tokens=0,
                                     completion_tokens=0, **_refusal(e))
 
-    async def stream(self, request: GenerateRequest):
+    async def stream(self, request: GenerateRequest, encoded=None):
         try:
-            async for chunk in self.generator.stream(request):
+            async for chunk in self.generator.stream(request, encoded):
                 yield chunk
         except (RequestError, Overloaded) as e:
             yield GenerateChunk(finish_reason="rejected", **_refusal(e))
+
+    async def transcribe(self, samples, request: TranscriptionRequest):
+        if self.encoder is None:
+            return Refusal(**_refusal(RequestError(f"model: '{self.generator.name}' does not take audio", "model")))
+
+        def encode(windows):  # on speech_to_text's worker thread
+            return self.encoder.encode_features.remote(windows).result()
+
+        try:
+            return await self.generator.transcribe(samples, request, encode)
+        except (RequestError, Overloaded) as e:
+            return Refusal(**_refusal(e))
 
     def card(self):
         return self.generator.card()
@@ -176,9 +219,9 @@ async def _api_error(request: Request, error: ApiError):
 class Ingress:
     """HTTP routes and the Python handle API over the decoder."""
 
-    def __init__(self, decoder: DeploymentHandle, config: dict):
+    def __init__(self, decoder: DeploymentHandle, config: dict, encoder: DeploymentHandle | None = None):
         cfg = AppConfig(**config)
-        self.decoder = decoder
+        self.decoder, self.encoder = decoder, encoder
         self.api_key = cfg.api_key or os.environ.get("RAYMUTER_API_KEY") or None
         self.max_body = cfg.max_body_bytes
         self.metrics = IngressMetrics()
@@ -195,6 +238,25 @@ class Ingress:
         request = _typed(request)
         async for chunk in self._chunks(request):
             yield chunk
+
+    async def transcribe(self, audio: bytes, request: TranscriptionRequest | dict | None = None,
+                         filename: str = "audio") -> Transcription:
+        """Whisper over an audio file's bytes (handle.transcribe.remote(data, TranscriptionRequest(...)))."""
+        if not isinstance(request, TranscriptionRequest):
+            try:
+                request = TranscriptionRequest.model_validate(request or {})
+            except ValidationError as e:
+                first = e.errors()[0]
+                field = ".".join(str(p) for p in first["loc"]) or None
+                raise ApiError(400, f"{field}: {first['msg']}", param=field) from None
+        if self.encoder is None:
+            card = await self._model_card()
+            raise ApiError(400, f"model: '{card['id']}' does not take audio", param="model")
+        samples = self.encoder.decode_audio.remote(audio, filename)  # stays in Ray's store: the decoder opens it
+        result = await self._call(self.decoder.transcribe.remote(samples, request))
+        if isinstance(result, Refusal):
+            raise _refused(result)
+        return result
 
     async def models(self) -> list[dict]:
         card = await self._model_card()
@@ -219,6 +281,11 @@ class Ingress:
             parts.append(await asyncio.wait_for(self.decoder.metrics.remote(), timeout=5))
         except Exception as e:  # noqa: BLE001 - the ingress's own metrics still come back
             parts.append(f"# decoder metrics unavailable: {type(e).__name__}\n")
+        if self.encoder is not None:
+            try:
+                parts.append(await asyncio.wait_for(self.encoder.metrics.remote(), timeout=5))
+            except Exception as e:  # noqa: BLE001
+                parts.append(f"# encoder metrics unavailable: {type(e).__name__}\n")
         return PlainTextResponse("".join(parts), media_type="text/plain; version=0.0.4")
 
     @api.post("/v1/completions")
@@ -228,6 +295,65 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await self._openai(request, ChatCompletionRequest, chat=True)
+
+    @api.post("/v1/audio/transcriptions")
+    async def transcriptions(self, request: Request):
+        return await self._audio(request, "transcribe")
+
+    @api.post("/v1/audio/translations")
+    async def translations(self, request: Request):
+        return await self._audio(request, "translate")
+
+    async def _audio(self, request: Request, task: str):
+        route = request.url.path
+        try:
+            self._authorize(request)
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body:
+                raise ApiError(413, f"the body has {length} bytes; this server takes at most {self.max_body}")
+            try:
+                form = await request.form()
+            except Exception as e:  # noqa: BLE001 - not multipart, or a broken one
+                raise ApiError(400, f"the body must be multipart/form-data with a file: {e}") from None
+            upload = form.get("file")
+            if upload is None or not hasattr(upload, "read"):
+                raise ApiError(400, "file: required (the audio file, as a multipart upload)", param="file")
+            card = await self._model_card()
+            model = form.get("model")
+            if model != card["id"]:
+                raise ApiError(404, f"model: '{model}' is not served here; this server serves '{card['id']}'",
+                               param="model", kind="model_not_found")
+            if form.get("prompt"):
+                raise ApiError(400, "prompt: previous-text prompts are not supported", param="prompt")
+            response_format = form.get("response_format") or "json"
+            if response_format not in ("json", "text", "verbose_json"):
+                raise ApiError(400, f"response_format: one of json, text, verbose_json, not '{response_format}'",
+                               param="response_format")
+            granularities = form.getlist("timestamp_granularities[]") or form.getlist("timestamp_granularities")
+            if any(g != "segment" for g in granularities):
+                raise ApiError(400, "timestamp_granularities: only 'segment' is supported",
+                               param="timestamp_granularities")
+            try:
+                temperature = float(form.get("temperature") or 0)
+                fields = TranscriptionRequest(language=form.get("language") or None, task=task,
+                                              timestamps=response_format == "verbose_json", temperature=temperature,
+                                              seed=int(form["seed"]) if form.get("seed") else None)
+            except (ValueError, ValidationError) as e:
+                raise ApiError(400, f"temperature: {e}", param="temperature") from None
+            data = await upload.read()
+            if len(data) > self.max_body:
+                raise ApiError(413, f"the file has {len(data)} bytes; this server takes at most {self.max_body}")
+            result = await self.transcribe(data, fields, getattr(upload, "filename", None) or "file")
+            self.metrics.requests.labels(route=route, status="200").inc()
+        except ApiError as e:
+            self.metrics.requests.labels(route=route, status=str(e.status)).inc()
+            raise
+        if response_format == "text":
+            return PlainTextResponse(result.text)
+        if response_format == "verbose_json":
+            return {"task": task, "language": result.language, "duration": result.duration, "text": result.text,
+                    "segments": [s.model_dump() for s in result.segments or []]}
+        return {"text": result.text}
 
     # -- internals ----------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -356,9 +482,19 @@ class Ingress:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def _encoded(self, request: GenerateRequest):
+        """An encoder-decoder model's source through the Encoder deployment (a reply the
+        decoder opens), or None for a decoder-only model."""
+        if self.encoder is None:
+            return None
+        if request.messages is not None:
+            raise ApiError(400, "messages: this encoder-decoder model takes a prompt (the source text), not chat",
+                           param="messages")
+        return self.encoder.encode_text.remote([request.prompt])
+
     async def _chunks(self, request: GenerateRequest):
         """The decoder's stream, its failures as ApiErrors."""
-        stream = self.decoder.options(stream=True).stream.remote(request)
+        stream = self.decoder.options(stream=True).stream.remote(request, self._encoded(request))
         try:
             while True:
                 try:
@@ -377,7 +513,7 @@ class Ingress:
             stream.cancel()
 
     async def _generate(self, request: GenerateRequest) -> GenerateResponse:
-        result = await self._call(self.decoder.generate.remote(request))
+        result = await self._call(self.decoder.generate.remote(request, self._encoded(request)))
         refused = _refused(result)
         if refused is not None:
             raise refused
@@ -397,7 +533,27 @@ def build(args: dict | None = None):
     decoder = Decoder
     if cfg.gpu == "yes" or (cfg.gpu == "auto" and _cluster_has_gpu()):
         decoder = Decoder.options(ray_actor_options={"num_cpus": 0.5, "num_gpus": 1})
+    if cfg.engine == "onnx" and _is_encoder_decoder(cfg.model):
+        encoder = Encoder.bind(config)
+        return Ingress.bind(decoder.bind(config, encoder), config, encoder)
     return Ingress.bind(decoder.bind(config), config)
+
+
+def _is_encoder_decoder(model: str | None) -> bool:
+    """config.json's is_encoder_decoder (for a hub id, config.json alone is fetched)."""
+    if model is None:
+        return False
+    from pathlib import Path
+
+    path = Path(model) / "config.json"
+    if Path(model).is_dir():
+        if not path.is_file():
+            return False  # an onnxruntime-genai folder: decoder-only
+    else:
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "config.json"))
+    return bool(json.loads(path.read_text()).get("is_encoder_decoder"))
 
 
 def _cluster_has_gpu() -> bool:

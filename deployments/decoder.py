@@ -24,7 +24,8 @@ from generation.text import Detokenizer
 
 from .batching import ContinuousBatcher, QueueFull
 from .metrics import DecoderMetrics
-from .schema import GenerateChunk, GenerateRequest, GenerateResponse, ModelCard, TokenLogprob
+from .schema import (GenerateChunk, GenerateRequest, GenerateResponse, ModelCard, Segment, TokenLogprob,
+                     Transcription, TranscriptionRequest)
 
 
 class RequestError(ValueError):
@@ -74,9 +75,17 @@ class TextGenerator:
         ctx = generation.compile(ctx, batch_size=slots)
         batcher = ContinuousBatcher(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting)
         name = name or (Path(source).name if Path(source).is_dir() else str(source))
-        return cls(name, batcher, model_tokenizer(model), batcher.capacity, chat_template(model.folder),
-                   special_tokens(model.folder), max_logprobs,
-                   "encoder-decoder" if model.is_seq2seq else "decoder")
+        generator = cls(name, batcher, model_tokenizer(model), batcher.capacity, chat_template(model.folder),
+                        special_tokens(model.folder), max_logprobs,
+                        "encoder-decoder" if model.is_seq2seq else "decoder")
+        generator.defaults = dict(settings)
+        return generator
+
+    defaults: dict = {}
+
+    @property
+    def is_seq2seq(self) -> bool:
+        return self.kind == "encoder-decoder"
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.name, context_length=self.context_length, slots=self.batcher.slots, kind=self.kind,
@@ -103,10 +112,19 @@ class TextGenerator:
             return self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens).ids
         return list(request.prompt)
 
-    def submit(self, request: GenerateRequest):
+    def submit(self, request: GenerateRequest, encoder=None):
         """Check and queue a request: (batcher request, prompt ids). Bad input raises
-        RequestError naming the field; a full queue raises Overloaded."""
-        prompt = self.prompt_ids(request)
+        RequestError naming the field; a full queue raises Overloaded. An encoder-decoder
+        model's request comes with its source's encoder outputs (`encoder`); its decoder prompt
+        is the decoder start token."""
+        if self.is_seq2seq:
+            if encoder is None:
+                raise RequestError("this encoder-decoder model needs the encoder's outputs of the prompt", "prompt")
+            from generation.tasks import decoder_start
+
+            prompt = [decoder_start(self.batcher.ctx)]
+        else:
+            prompt = self.prompt_ids(request)
         if not prompt:
             raise RequestError("the prompt has no tokens", "prompt")
         if request.logprobs is not None and request.logprobs > self.max_logprobs:
@@ -120,7 +138,7 @@ class TextGenerator:
                                f"exceed the context of {self.context_length} tokens", "max_tokens")
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         try:
-            handle = self.batcher.submit(prompt, seed=seed, settings=settings)
+            handle = self.batcher.submit(prompt, seed=seed, settings=settings, encoder=encoder)
         except QueueFull as e:
             self.metrics.rejected.inc()
             raise Overloaded(str(e)) from None
@@ -128,10 +146,10 @@ class TextGenerator:
             raise RequestError(str(e), _field_of(str(e))) from None
         return handle, prompt
 
-    async def stream(self, request: GenerateRequest):
+    async def stream(self, request: GenerateRequest, encoder=None):
         """GenerateChunks as the tokens come; the last one carries finish_reason and counts. A
         consumer that stops early (a client that went away) cancels the request."""
-        handle, prompt = self.submit(request)
+        handle, prompt = self.submit(request, encoder)
         arrived = time.perf_counter()
         stops = list(request.settings.get("stop_strings") or [])
         if isinstance(request.settings.get("stop_strings"), str):
@@ -164,10 +182,10 @@ class TextGenerator:
         yield GenerateChunk(text=visible[sent:], finish_reason=completion.finish_reason, error=completion.error,
                             prompt_tokens=len(prompt), completion_tokens=len(completion.tokens))
 
-    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+    async def generate(self, request: GenerateRequest, encoder=None) -> GenerateResponse:
         """The whole generation at once."""
         text, ids, logprobs, last = [], [], [], None
-        async for chunk in self.stream(request):
+        async for chunk in self.stream(request, encoder):
             text.append(chunk.text)
             ids += chunk.token_ids
             logprobs += chunk.logprobs or []
@@ -175,6 +193,43 @@ class TextGenerator:
         return GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
                                 prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
                                 logprobs=logprobs if request.logprobs is not None else None, error=last.error)
+
+    async def transcribe(self, samples, request: "TranscriptionRequest", encode) -> "Transcription":
+        """Whisper over one clip (16 kHz samples): `generation.tasks.speech_to_text` with the
+        request's language, task, timestamps and settings, on a worker thread; `encode` runs the
+        encoder (the encoder deployment). Long clips decode window after window."""
+        from generation.tasks import speech_to_text
+
+        import generation
+
+        if not self.is_seq2seq:
+            raise RequestError(f"model: '{self.name}' does not take audio", "model")
+        settings = {**self.defaults, **request.settings}
+        if request.temperature:
+            settings.update(do_sample=True, temperature=request.temperature)
+        try:
+            ctx = generation.context(self.batcher.ctx.model, **settings)
+        except ValueError as e:
+            raise RequestError(str(e), _field_of(str(e))) from None
+        from generation.audio import HOP_LENGTH, SAMPLING_RATE
+        from generation.longform import window_frames
+
+        long_form = len(samples) > window_frames(ctx) * HOP_LENGTH  # needs timestamps, whatever the format
+        started = time.perf_counter()
+        try:
+            result = (await asyncio.to_thread(
+                speech_to_text, ctx, [samples], language=request.language, task=request.task,
+                seeds=[request.seed or 0], return_timestamps=(request.timestamps or long_form) or None,
+                encode=encode))[0]
+        except ValueError as e:
+            raise RequestError(str(e), _field_of(str(e)) or "file") from None
+        self.metrics.e2e.observe(time.perf_counter() - started)
+        self.metrics.generation_tokens.inc(len(result.tokens))
+        self.metrics.success.labels(model_name=self.name, finished_reason="stop").inc()
+        segments = None if result.segments is None else [
+            Segment(id=i, start=s.start, end=s.end, text=s.text, tokens=s.tokens) for i, s in enumerate(result.segments)]
+        return Transcription(text=result.text, tokens=result.tokens, segments=segments,
+                             duration=len(samples) / SAMPLING_RATE, language=request.language)
 
     def _logprob(self, token, top: int) -> TokenLogprob:
         alternatives = None

@@ -79,7 +79,7 @@ class FakeBatcher:
         self._thread = threading.Thread(target=self._loop, name="raymuter-fake-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None) -> Request:
+    def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None) -> Request:
         if self._waiting.qsize() >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
         for i, t in enumerate(prompt):

@@ -36,6 +36,9 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
+    def __reduce__(self):  # crosses Ray's process boundary intact (handle callers get it)
+        return type(self), (self.status, self.message, self.param, self.kind)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 

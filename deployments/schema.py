@@ -95,3 +95,43 @@ class ModelCard(BaseModel):
     slots: int
     kind: str  # "decoder" or "encoder-decoder"
     has_chat_template: bool
+
+
+class TranscriptionRequest(BaseModel):
+    """Whisper over an uploaded clip: the language (None: detected), the task, timestamps
+    (segments with start and end seconds), a sampling temperature (0: greedy), generation
+    settings and a seed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    language: str | None = None
+    task: Literal["transcribe", "translate"] = "transcribe"
+    timestamps: bool = False
+    temperature: float = Field(default=0.0, ge=0, le=2)
+    settings: dict[str, Any] = Field(default_factory=dict)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+
+
+class Segment(BaseModel):
+    id: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+
+
+class Transcription(BaseModel):
+    text: str
+    tokens: list[int]
+    duration: float
+    language: str | None = None
+    segments: list[Segment] | None = None
+
+
+class Refusal(BaseModel):
+    """A request the decoder refused before running it: 400 (bad input; `field` names it) or
+    503 (busy)."""
+
+    error: str
+    status: int
+    field: str | None = None

@@ -136,9 +136,10 @@ def load_model():
 
 
 class ServeApps:
-    """The test session's Ray Serve: a real-engine app at `real` (the tiny llama-genai model)
-    and fake-engine apps (deployments.fake, outputs known) at `fake` and `guarded` (an API key,
-    a small queue and body limit)."""
+    """The test session's Ray Serve: a real-engine app at `real` (the tiny llama-genai model),
+    fake-engine apps (deployments.fake, outputs known) at `fake` and `guarded` (an API key, a
+    small queue and body limit), and encoder-decoder apps at `translate` (tiny Marian) and
+    `speech` (tiny Whisper: 2 s windows), each with an Encoder deployment."""
 
     def __init__(self, port: int, real_model: Path):
         self.port, self.real_model = port, real_model
@@ -176,5 +177,12 @@ def serve_apps(test_models):
     serve.run(build({**ServeApps.REAL, "model": str(apps.real_model)}), name="real", route_prefix="/real")
     serve.run(build(ServeApps.FAKE), name="fake", route_prefix="/fake")
     serve.run(build(ServeApps.GUARDED), name="guarded", route_prefix="/guarded")
+    s2s = model_builders.ensure_test_models(seq2seq=True)
+    apps.s2s = s2s
+    serve.run(build(dict(model=str(s2s["marian-optimum"]), name="marian", slots=4, threads=1,
+                         settings={"max_new_tokens": 12})), name="translate", route_prefix="/translate")
+    serve.run(build(dict(model=str(s2s["whisper-optimum"]), name="whisper", slots=4, threads=1)), name="speech",
+              route_prefix="/speech")
+    apps.translate, apps.speech = apps.url + "/translate", apps.url + "/speech"
     yield apps
     ray.shutdown()

@@ -355,7 +355,12 @@ def test_killing_the_decoder_fails_held_requests_fast_and_a_new_replica_serves(s
     threads = [threading.Thread(target=held, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    deadline = time.time() + 30
+    while time.time() < deadline:  # all six held by the decoder (4 running, 2 waiting) before the kill
+        text = httpx.get(serve_apps.fake + "/metrics", timeout=10).text
+        if metric(text, "raymuter:num_requests_running") + metric(text, "raymuter:num_requests_waiting") >= 6:
+            break
+        time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
     killed = time.perf_counter()
     for t in threads:
