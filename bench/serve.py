@@ -126,6 +126,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at least 8)")
     parser.add_argument("--new", type=int, default=32, help="tokens per request in table 1")
     parser.add_argument("--mix", default="64,16,256", help="requests,short,long tokens for table 2 (1 in 4 long)")
+    parser.add_argument("--stream-interval-ms", type=float, default=10.0, help="the server's stream_interval_ms")
     args = parser.parse_args()
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -161,7 +162,8 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(dict(model=model, name="bench", slots=args.slots, threads=args.threads, max_logprobs=5)),
+    serve.run(build(dict(model=model, name="bench", slots=args.slots, threads=args.threads, max_logprobs=5,
+                         stream_interval_ms=args.stream_interval_ms)),
               name="bench", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
 
@@ -177,7 +179,8 @@ def main() -> int:
     ray.shutdown()
     generator.close()
 
-    print(f"\nmodel: {model}   slots {args.slots}   threads {args.threads}   {args.new} tokens per request\n")
+    print(f"\nmodel: {model}   slots {args.slots}   threads {args.threads}   {args.new} tokens per request   "
+          f"stream_interval_ms {args.stream_interval_ms}\n")
     print("| concurrency | system | TTFT p50 ms | TTFT p90 ms | tokens/s | HTTP/direct tokens/s | added TTFT p50 ms |")
     print("|---|---|---|---|---|---|---|")
     added_at_1 = None

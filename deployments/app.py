@@ -54,6 +54,9 @@ class AppConfig(BaseModel):
     settings: dict[str, Any] = Field(default_factory=dict)  # defaults for every request
     api_key: str | None = None  # a bearer token every route but /health requires; or RAYMUTER_API_KEY
     max_body_bytes: int = Field(default=25 * 2**20, ge=1024)
+    stream_interval_ms: float = Field(default=10.0, ge=0, le=1000)  # a stream's chunks at most this often
+    # (the first at once; the tokens made meanwhile travel together: fewer messages through Ray
+    # when a fast model streams to many clients; 0: a chunk per token)
     step_seconds: float = Field(default=0.005, gt=0)  # fake engine only
     gpu: str = Field(default="auto", pattern="^(auto|yes|no)$")  # the decoder asks for num_gpus=1
 
@@ -146,6 +149,7 @@ class Decoder:
             from .fake import fake_generator
 
             self.generator = fake_generator(cfg.slots, cfg.step_seconds, cfg.max_waiting, cfg.name or "fake")
+            self.generator.stream_interval = cfg.stream_interval_ms / 1000
         else:
             from .decoder import TextGenerator
 
@@ -157,7 +161,7 @@ class Decoder:
             self.generator = TextGenerator.from_model(
                 model, name=cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else None), slots=cfg.slots, capacity=cfg.capacity, max_waiting=cfg.max_waiting,
                 max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
-                **cfg.settings)
+                stream_interval=cfg.stream_interval_ms / 1000, **cfg.settings)
 
     async def generate(self, request: GenerateRequest, encoded=None) -> GenerateResponse:
         try:
@@ -222,6 +226,7 @@ class Ingress:
     def __init__(self, decoder: DeploymentHandle, config: dict, encoder: DeploymentHandle | None = None):
         cfg = AppConfig(**config)
         self.decoder, self.encoder = decoder, encoder
+        self._decoder_stream = decoder.options(stream=True)
         self.api_key = cfg.api_key or os.environ.get("RAYMUTER_API_KEY") or None
         self.max_body = cfg.max_body_bytes
         self.metrics = IngressMetrics()
@@ -494,7 +499,7 @@ class Ingress:
 
     async def _chunks(self, request: GenerateRequest):
         """The decoder's stream, its failures as ApiErrors."""
-        stream = self.decoder.options(stream=True).stream.remote(request, self._encoded(request))
+        stream = self._decoder_stream.stream.remote(request, self._encoded(request))
         try:
             while True:
                 try:

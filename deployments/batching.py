@@ -40,6 +40,7 @@ class Token:
     id: int
     logprob: float | None = None
     top: list | None = None
+    at: float = 0.0  # perf_counter() when the batcher made it
 
 
 @dataclass
@@ -87,23 +88,32 @@ class Request:
         """Yield each new token id as the batcher makes it; ends when the request does."""
         return (token.id for token in self.events(timeout))
 
-    async def aevents(self):
-        """`events` for asyncio: the batcher's thread wakes the event loop, no thread per wait."""
+    async def abatches(self):
+        """For asyncio: lists of the Tokens made since the last list (one token when the reader
+        keeps up; more when it falls behind, so a slow stream sends fewer, larger messages).
+        The batcher's thread wakes the event loop; no thread waits per request."""
         import asyncio
 
         loop, ready = asyncio.get_running_loop(), asyncio.Event()
         self._notify = lambda: loop.call_soon_threadsafe(ready.set)
         try:
             while True:
-                try:
-                    item = self._events.get_nowait()
-                except queue.Empty:
-                    await ready.wait()
-                    ready.clear()
+                batch = []
+                while True:
+                    try:
+                        item = self._events.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is _DONE:
+                        if batch:
+                            yield batch
+                        return
+                    batch.append(item)
+                if batch:
+                    yield batch
                     continue
-                if item is _DONE:
-                    return
-                yield item
+                await ready.wait()
+                ready.clear()
         finally:
             self._notify = None
 
@@ -133,7 +143,7 @@ class Request:
         if self._first is None:
             self._first = time.perf_counter()
         self._tokens.append(token)
-        self._put(Token(token, logprob, top))
+        self._put(Token(token, logprob, top, time.perf_counter()))
 
     def _finish(self, tokens: list[int], reason: str, error: str | None = None, started: float | None = None) -> None:
         self.finished = time.perf_counter()

@@ -52,17 +52,19 @@ class TextGenerator:
     computes that many for every row)."""
 
     def __init__(self, name: str, batcher, tokenizer, context_length: int | None, chat_template: str | None = None,
-                 special_tokens: dict | None = None, max_logprobs: int = 0, kind: str = "decoder"):
+                 special_tokens: dict | None = None, max_logprobs: int = 0, kind: str = "decoder",
+                 stream_interval: float = 0.0):
         self.name, self.batcher, self.tokenizer = name, batcher, tokenizer
         self.context_length, self.template, self.special_tokens = context_length, chat_template, special_tokens or {}
         self.max_logprobs, self.kind = max_logprobs, kind
+        self.stream_interval = stream_interval  # seconds between a stream's chunks (the first goes at once)
         self.metrics = DecoderMetrics(name, batcher)
 
     @classmethod
     def from_model(cls, source: str | Path, name: str | None = None, slots: int = 8, capacity: int | None = None,
                    max_waiting: int = 256, max_logprobs: int = 5, threads: int | None = None,
                    provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
-                   **settings) -> "TextGenerator":
+                   stream_interval: float = 0.0, **settings) -> "TextGenerator":
         """Load `source` (folder or hub id) and start its batcher. `settings`: defaults over the
         model's generation_config.json for every request (max_new_tokens, ...)."""
         import generation
@@ -77,7 +79,7 @@ class TextGenerator:
         name = name or (Path(source).name if Path(source).is_dir() else str(source))
         generator = cls(name, batcher, model_tokenizer(model), batcher.capacity, chat_template(model.folder),
                         special_tokens(model.folder), max_logprobs,
-                        "encoder-decoder" if model.is_seq2seq else "decoder")
+                        "encoder-decoder" if model.is_seq2seq else "decoder", stream_interval)
         generator.defaults = dict(settings)
         return generator
 
@@ -157,21 +159,23 @@ class TextGenerator:
         hold = max((len(s) for s in stops), default=1) - 1
         detok = Detokenizer(self.tokenizer)
         text, sent, last = "", 0, None
-        count = 0
         try:
-            async for token in handle.aevents():
-                now = time.perf_counter()
-                if last is None:
-                    self.metrics.first_token(now - arrived)
-                else:
-                    self.metrics.inter_token.observe(now - last)
-                last, count = now, count + 1
-                text += detok.add(token.id)
+            async for tokens in handle.abatches():
+                for token in tokens:
+                    if last is None:
+                        self.metrics.first_token(token.at - arrived)
+                    else:
+                        self.metrics.inter_token.observe(token.at - last)
+                    last = token.at
+                    text += detok.add(token.id)
                 visible = cut_at_stop(text, stops)
                 end = len(visible) if len(visible) < len(text) else max(sent, len(visible) - hold)
                 piece, sent = visible[sent:end], max(sent, end)
-                yield GenerateChunk(text=piece, token_ids=[token.id],
-                                    logprobs=None if request.logprobs is None else [self._logprob(token, request.logprobs)])
+                yield GenerateChunk(text=piece, token_ids=[t.id for t in tokens],
+                                    logprobs=None if request.logprobs is None else
+                                    [self._logprob(t, request.logprobs) for t in tokens])
+                if self.stream_interval > 0 and not handle.done:
+                    await asyncio.sleep(self.stream_interval)  # the tokens made meanwhile go as one chunk
             completion = handle.result(timeout=5)
         except (asyncio.CancelledError, GeneratorExit):
             handle.cancel()

@@ -39,9 +39,11 @@ def test_streamed_text_never_passes_a_stop_string(fake):
     assert chunks[-1].finish_reason == "length"  # the fake ignores stops; the engine ends the row at one
 
 
-def test_text_without_stops_streams_token_by_token(fake):
+def test_text_without_stops_streams_as_the_tokens_come(fake):
     chunks = collect(fake, prompt="abc", settings={"max_new_tokens": 5})
-    assert [c.text for c in chunks[:-1]] == ["c", "b", "a", "c", "b"]
+    assert "".join(c.text for c in chunks) == "cbacb"
+    assert all(len(c.text) == len(c.token_ids) for c in chunks)  # a chunk holds the tokens made since the last
+    assert len(chunks) > 2  # not all at the end
     assert chunks[-1].completion_tokens == 5 and chunks[-1].prompt_tokens == 3
 
 
@@ -141,5 +143,18 @@ def test_real_engine_generator_matches_generate(test_models, load_model):
         assert sum((c.token_ids for c in chunks), []) == expected
         assert "".join(c.text for c in chunks) == model_tokenizer(model).decode(expected)
         assert generator.card().id == "llama-genai" and generator.card().has_chat_template
+    finally:
+        generator.close()
+
+
+def test_a_stream_interval_sends_fewer_larger_chunks():
+    generator = fake_generator(slots=2, step_seconds=0.001)
+    try:
+        per_token = collect(generator, prompt="abcd", settings={"max_new_tokens": 60})
+        generator.stream_interval = 0.02
+        grouped = collect(generator, prompt="abcd", settings={"max_new_tokens": 60})
+        assert "".join(c.text for c in grouped) == "".join(c.text for c in per_token)
+        assert len(grouped[0].token_ids) == 1  # the first token goes at once
+        assert len(grouped) < len(per_token) / 3
     finally:
         generator.close()
