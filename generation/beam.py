@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import CACHES
+from .cache import new_cache
 from .context import Context
 from .processors import RowSettings, apply
 from .prompts import run_prompts
@@ -36,7 +36,7 @@ from .seq2seq import run_first_steps
 from .rng import uniforms
 from .selection import SamplingRows, log_softmax, top_k_candidates, warp
 from .settings import Settings
-from .state import _encoder_ids
+from .state import _encoder_ids, prompt_inputs
 
 LOST = np.float32(-1e9)  # transformers' score of a beam or hypothesis that must not be chosen
 FLOOR = np.finfo(np.float32).min  # a removed token's score, in place of -inf
@@ -103,7 +103,8 @@ def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],
 
     prompts and seeds as `generate` checks them; settings: one per prompt (default: the
     context's), all with the same num_beams; encoder: an encoder-decoder model's EncoderOutputs,
-    one row per prompt (a prompt's beams share its source, whose cross cache never moves)."""
+    one row per prompt (a prompt's beams share its source, whose cross cache never moves), or
+    a vision-language model's vision.PromptImages."""
     settings = settings or [ctx.settings] * len(prompts)
     beams = check_beam_settings(settings)
     results: list[list[Hypothesis]] = [[] for _ in prompts]
@@ -129,7 +130,7 @@ def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: 
     limit = np.minimum(length + np.array([s.new_tokens_for(len(p)) for s, p in zip(run_settings, run)]),
                        ctx.max_position)
     capacity = int(limit.max())
-    cache = CACHES[ctx.cache_mode](model.session, model.graph, rows, capacity, ctx.max_position)
+    cache = new_cache(model, ctx.cache_mode, rows, capacity, ctx.max_position)
     first = np.arange(count)  # beam 0 of each prompt
     owner = np.tile(np.arange(count), beams)  # the prompt of each row
     encoder_ids = _encoder_ids(ctx, run, encoder)
@@ -141,7 +142,7 @@ def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: 
             cache.insert(slot, prompt_rows[p], len(run[p]))
     else:
         prompt_cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, run,
-                                   ctx.settings.pad_token_id, ctx.max_position)
+                                   ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, run, encoder))
         last = prompt_cache.last_logits
         for p, slot in enumerate(first.tolist()):
             cache.insert(slot, prompt_cache.rows[p], len(run[p]))

@@ -29,14 +29,28 @@ from .graph import DecoderGraph
 
 class _Inputs:
     """The per-token inputs every mode binds once: input_ids [B, 1], position_ids, logits, and
-    use_cache_branch (always True while decoding: the past is never empty)."""
+    use_cache_branch (always True while decoding: the past is never empty).
 
-    def __init__(self, binding: Binding, graph: DecoderGraph, slots: int):
-        self.ids = np.zeros((slots, 1), graph.dtype("input_ids"))
+    A graph that takes inputs_embeds binds an embeddings buffer [B, 1, hidden] instead, which
+    the run from `runner(run)` fills from the ids through `embed` (the model's embed_tokens)
+    before each step: the steps are the same as for input_ids.
+    An M-RoPE graph (position_ids [3, B, 1]) keeps a position offset per slot: the prompt's
+    delta (largest position + 1 - length), so a new token sits at `length + delta` on all axes."""
+
+    def __init__(self, binding: Binding, graph: DecoderGraph, slots: int, embed=None):
+        self.ids = np.zeros((slots, 1), np.int64 if graph.has_inputs_embeds else graph.dtype("input_ids"))
         self.logits = np.empty((slots, 1, graph.vocab_size), graph.logits_dtype)
-        binding.input("input_ids", self.ids)
+        self.embeds, self._embed = None, embed
+        if graph.has_inputs_embeds:
+            if embed is None:
+                raise ValueError(f"{graph.path.name} takes inputs_embeds: this cache needs the model's embed function")
+            self.embeds = np.zeros((slots, 1, graph.hidden_size), graph.dtype("inputs_embeds"))
+            binding.input("inputs_embeds", self.embeds)
+        else:
+            binding.input("input_ids", self.ids)
         binding.output("logits", self.logits)
         self.positions = None
+        self.offsets = np.zeros(slots, np.int64) if graph.position_axes == 3 else None
         if graph.has_position_ids:
             shape = (slots, 1) if graph.position_axes == 1 else (3, slots, 1)
             self.positions = np.zeros(shape, graph.dtype("position_ids"))
@@ -46,9 +60,25 @@ class _Inputs:
             binding.input("use_cache_branch", self.use_cache)
 
     def set_positions(self, lengths: np.ndarray) -> None:
-        """A row's new token sits at its length (rows never outgrow the model's positions)."""
+        """A row's new token sits at its length (plus its offset; rows never outgrow the model's
+        positions)."""
         if self.positions is not None:
-            self.positions[..., 0] = lengths
+            self.positions[..., 0] = lengths if self.offsets is None else lengths + self.offsets
+
+    def runner(self, run):
+        """`run`, preceded by the embedding of the step's tokens where the graph needs it."""
+        if self.embeds is None:
+            return run
+
+        def embed_and_run():
+            self.embeds[:] = self._embed(self.ids)
+            run()
+        return embed_and_run
+
+    def place(self, slot: int, cache: dict) -> None:
+        """A prefilled row's position offset (its prompt's M-RoPE delta; 0 when it has none)."""
+        if self.offsets is not None:
+            self.offsets[slot] = int(cache.get("position_delta", 0))
 
 
 def moves_by_group(groups: list[dict], dst, src, join) -> list[tuple[dict, list[int], list[int]]]:
@@ -227,7 +257,7 @@ class AppendCache(_Cache):
 
     mode = "append"
 
-    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int):
+    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int, embed=None):
         shapes = {(e.heads, e.head_dim) for e in graph.cache}
         if len(shapes) != 1:
             raise ValueError(f"append mode needs one cache shape for all layers, found {sorted(shapes)}")
@@ -238,9 +268,10 @@ class AppendCache(_Cache):
         self.current, self.width = 0, 0
         self._used: set[int] = set()
         self.binding = Binding(session)
-        self.inputs = _Inputs(self.binding, graph, slots)
+        self.inputs = _Inputs(self.binding, graph, slots, embed)
         self.token_input = self.inputs.ids[:, 0]
         self.logits = self.inputs.logits[:, 0]
+        self._run = self.inputs.runner(self.binding.run)
         self._columns = np.arange(capacity + 1)
         self._mask = np.zeros(slots * (capacity + 1), graph.dtype("attention_mask"))
         self._mask_pointer = self._mask.ctypes.data
@@ -271,6 +302,7 @@ class AppendCache(_Cache):
         layout = self._layout(self.current, self.width)
         for i, e in enumerate(self.graph.cache):
             layout[i, slot, :, :length] = cache[e.past]
+        self.inputs.place(slot, cache)
 
     def copy_rows(self, dst, src, length: int) -> None:
         self._used.update(int(d) for d in dst)
@@ -278,6 +310,8 @@ class AppendCache(_Cache):
             self._relayout(length)
         layout = self._layout(self.current, self.width)
         layout[:, dst, :, :length] = layout[:, src, :, :length]
+        if self.inputs.offsets is not None:
+            self.inputs.offsets[dst] = self.inputs.offsets[src]
 
     def release(self, slot: int) -> None:
         """A slot's rows are hidden by its length and overwritten on insert; once every slot is
@@ -306,8 +340,8 @@ class AppendCache(_Cache):
             return
         self._mask[:] = 1
         shape = [self.slots, self.heads, 0, self.head_dim]
-        binding, dtype, positions = self.binding, self._dtype, self.inputs.positions
-        bind_input, bind_output, device, run = binding.bind_input, binding.bind_output, binding.device, binding.run
+        binding, dtype, positions, offsets = self.binding, self._dtype, self.inputs.positions, self.inputs.offsets
+        bind_input, bind_output, device, run = binding.bind_input, binding.bind_output, binding.device, self._run
         pointers = [[(past, present, flat.ctypes.data + offset) for past, present, offset in self._entries]
                     for flat in self.flat]
         mask_pointer, mask_dtype, logits = self._mask_pointer, self._mask.dtype, self.logits
@@ -319,7 +353,9 @@ class AppendCache(_Cache):
             for (name, _, past), (_, present_name, present) in zip(pointers[self.current], pointers[1 - self.current]):
                 bind_input(name, device, dtype, past_shape, past)
                 bind_output(present_name, device, dtype, shape, present)
-            if positions is not None:
+            if offsets is not None:
+                positions[..., 0] = width + offsets
+            elif positions is not None:
                 positions.fill(width)
             run()
             self.current, self.width = 1 - self.current, width + 1
@@ -337,7 +373,7 @@ class AppendCache(_Cache):
         self.binding.input_at("attention_mask", self._mask_pointer, mask.shape, mask.dtype)
         self._bind_cache(width)
         self.inputs.set_positions(lengths)
-        self.binding.run()
+        self._run()
         self.current, self.width = 1 - self.current, width + 1
         if min(lengths.tolist()) < width:  # rows shorter than the widest: move their new row to their length
             behind = np.flatnonzero(lengths < width)
@@ -410,3 +446,11 @@ class GrowCache(_Cache):
 from .seq2seq import Seq2SeqCache  # noqa: E402  (defined over _Cache above: imported last)
 
 CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache, "seq2seq": Seq2SeqCache}
+
+
+def new_cache(model, mode: str, slots: int, capacity: int, max_position: int):
+    """The cache of `mode` for `model`'s decoder; a decoder that takes inputs_embeds gets the
+    model's embedding (only the append cache takes one: the others refuse such a graph)."""
+    if model.graph.has_inputs_embeds:
+        return CACHES[mode](model.session, model.graph, slots, capacity, max_position, embed=model.embed)
+    return CACHES[mode](model.session, model.graph, slots, capacity, max_position)

@@ -15,12 +15,19 @@ from .graph import DecoderGraph
 
 
 def step_inputs(graph: DecoderGraph, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
-                past_width: int) -> dict[str, np.ndarray]:
-    """Inputs other than the cache. ids, positions: [n, S]; mask: [n, past_width + S]."""
-    feeds = {"input_ids": np.ascontiguousarray(ids, dtype=graph.dtype("input_ids")),
-             "attention_mask": np.ascontiguousarray(mask, dtype=graph.dtype("attention_mask"))}
+                past_width: int, embeds: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Inputs other than the cache. ids: [n, S]; positions: [n, S] (the same on every axis of an
+    M-RoPE graph) or [3, n, S]; mask: [n, past_width + S]. A graph that takes inputs_embeds gets
+    `embeds` [n, S, hidden] (the ids' embeddings, image features in place) instead of the ids."""
+    feeds = {"attention_mask": np.ascontiguousarray(mask, dtype=graph.dtype("attention_mask"))}
+    if graph.has_inputs_embeds:
+        feeds["inputs_embeds"] = np.ascontiguousarray(embeds, dtype=graph.dtype("inputs_embeds"))
+    else:
+        feeds["input_ids"] = np.ascontiguousarray(ids, dtype=graph.dtype("input_ids"))
     if graph.has_position_ids:
-        pos = positions if graph.position_axes == 1 else np.broadcast_to(positions, (3, *positions.shape))
+        pos = positions
+        if graph.position_axes == 3 and positions.ndim == 2:
+            pos = np.broadcast_to(positions, (3, *positions.shape))
         feeds["position_ids"] = np.ascontiguousarray(pos, dtype=graph.dtype("position_ids"))
     if graph.has_use_cache_branch:
         feeds["use_cache_branch"] = np.array([past_width > 0])

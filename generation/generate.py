@@ -81,7 +81,8 @@ def generate(ctx: Context, prompts, seeds=None,
     row (-1 where the row has none) and which rows are finished (all so far), with the
     log-probabilities when the context asks for them.
     encoder: for an encoder-decoder model, the EncoderOutputs of each prompt's source (the
-    prompts are the decoder's; `generation.tasks` builds both).
+    prompts are the decoder's; `generation.tasks` builds both); for a vision-language model,
+    the vision.PromptImages of the prompts (`generation.tasks.image_text_to_text` builds them).
     """
     prompts = check_prompts(ctx, prompts)
     seeds = check_seeds(seeds, len(prompts))

@@ -69,6 +69,10 @@ class DecoderGraph:
     has_encoder_hidden_states: bool = False
     has_encoder_attention_mask: bool = False
     seq2seq: bool = False
+    # vision-language decoders (onnx-community layout) take `inputs_embeds` [B, S, hidden_size]
+    # instead of input_ids: the model's embed_tokens.onnx makes them from the tokens
+    has_inputs_embeds: bool = False
+    hidden_size: int = 0
 
     @property
     def is_seq2seq(self) -> bool:
@@ -77,7 +81,9 @@ class DecoderGraph:
     @property
     def modes(self) -> tuple[str, ...]:
         """The cache modes this graph can run in, its native mode first."""
-        if self.native_mode in ("grow", "seq2seq"):
+        if self.native_mode in ("grow", "seq2seq") or self.has_inputs_embeds or self.position_axes == 3:
+            # grow takes every row's position from the cache length: no room for M-RoPE deltas,
+            # and only the append cache embeds its tokens
             return (self.native_mode,)
         return (self.native_mode, "grow")
 
@@ -164,6 +170,14 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         raise GraphError(f"{path.name}: cannot tell the vocabulary size (logits {logits_shape}, no vocab_size in config)")
 
     has_pos = "position_ids" in ins
+    embeds = "inputs_embeds" in ins and "input_ids" not in ins
+    hidden = 0
+    if embeds:
+        hidden = ins["inputs_embeds"].shape[-1]
+        hidden = hidden if isinstance(hidden, int) else config.get("hidden_size")
+        if not hidden:
+            raise GraphError(f"{path.name}: cannot tell the width of 'inputs_embeds' ({ins['inputs_embeds'].shape}, "
+                             "no hidden_size in config)")
     pos_axes = 3 if has_pos and len(ins["position_ids"].shape) == 3 else 1
     counting = None if seq2seq else _gqa_counting(read_nodes(path), set(ins))
     if seq2seq:
@@ -191,4 +205,6 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         has_encoder_hidden_states="encoder_hidden_states" in ins,
         seq2seq=seq2seq,
         has_encoder_attention_mask="encoder_attention_mask" in ins,
+        has_inputs_embeds=embeds,
+        hidden_size=int(hidden),
     )

@@ -10,6 +10,9 @@ Three layouts are found, in this order:
 An encoder-decoder folder (config.json `is_encoder_decoder`) has `encoder_model.onnx` and
 `decoder_model_merged.onnx` (or the unmerged `decoder_model.onnx` + `decoder_with_past_model.onnx`),
 at the top or in `onnx/`.
+A vision-language folder (onnx-community layout) has a decoder that takes `inputs_embeds`, with
+`embed_tokens.onnx` (token ids -> embeddings) and `vision_encoder.onnx` beside it (or in `onnx/`);
+its config.json keeps the text model's fields under `text_config`, read here as if at the top.
 A hub id ("org/name") that is not a local folder is downloaded with `huggingface_hub`.
 """
 
@@ -20,6 +23,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from .graph import DecoderGraph, GraphError, read_graph
 
@@ -65,6 +70,8 @@ class Model:
     extras: dict = field(default_factory=dict)
     encoder: "Encoder | None" = None  # encoder-decoder models: the encoder, run once per request
     first_step_session: object = None  # an unmerged decoder pair: decoder_model.onnx (no past), step 0
+    embed_session: object = None  # vision-language models: embed_tokens.onnx, run at every step
+    vision_session: object = None  # and vision_encoder.onnx, run once per image
 
     @property
     def is_seq2seq(self) -> bool:
@@ -73,6 +80,16 @@ class Model:
     @property
     def vocab_size(self) -> int:
         return self.graph.vocab_size
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The token whose embeddings image features replace (None: a text-only model)."""
+        value = self.config.get("image_token_id")
+        return value if isinstance(value, int) and self.vision_session is not None else None
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """ids [n, S] -> inputs_embeds [n, S, hidden] through embed_tokens.onnx."""
+        return self.embed_session.run(None, {"input_ids": np.ascontiguousarray(ids, np.int64)})[0]
 
     @property
     def max_context(self) -> int | None:
@@ -119,7 +136,8 @@ def resolve_folder(source: str | os.PathLike, variant: str | None = None) -> Pat
         raise ModelError(f"'{source}' is not a local folder and huggingface_hub is not installed") from None
     suffix = f"_{variant}" if variant else ""
     patterns = ["*.json", "*.jinja", "*.txt", "*.model", f"onnx/decoder_model_merged{suffix}.onnx*",
-                f"onnx/model{suffix}.onnx*", "model.onnx*", "decoder_model_merged.onnx*"]
+                f"onnx/model{suffix}.onnx*", "model.onnx*", "decoder_model_merged.onnx*",
+                f"onnx/embed_tokens{suffix}.onnx*", f"onnx/vision_encoder{suffix}.onnx*"]
     try:
         return Path(snapshot_download(str(source), allow_patterns=patterns))
     except Exception as e:  # network errors, missing repos, offline mode
@@ -233,7 +251,7 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
         if not decoder_path.exists():
             raise ModelError(f"{decoder_path.name}, named by genai_config.json, is missing from {folder}")
     else:
-        config = _read_json(folder / "config.json", required=True)
+        config = _text_fields(_read_json(folder / "config.json", required=True))
         decoder_path = None if config.get("is_encoder_decoder") else find_decoder(folder, variant)
     generation_config = _read_json(folder / "generation_config.json", required=False)
     threads = threads or default_threads()
@@ -243,8 +261,33 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
         return _load_seq2seq(folder, variant, provider, threads, config, generation_config, tokenizer_path)
     session, used = _session(decoder_path, provider, threads)
     graph = read_graph(decoder_path, session, _config_dims(config), present_names)
-    return Model(folder=folder, decoder_path=decoder_path, session=session, graph=graph, config=config,
-                 generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path)
+    model = Model(folder=folder, decoder_path=decoder_path, session=session, graph=graph, config=config,
+                  generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path)
+    if graph.has_inputs_embeds:
+        _load_vision_parts(model, variant, provider, threads)
+    return model
+
+
+def _text_fields(config: dict) -> dict:
+    """A vision-language config.json with its text model's fields (`text_config`) read as if at
+    the top; the top level wins where both give a field (eos, pad and bos sit at both)."""
+    text = config.get("text_config")
+    return {**text, **config} if isinstance(text, dict) else config
+
+
+def _load_vision_parts(model: Model, variant: str | None, provider: str | None, threads: int) -> None:
+    """embed_tokens.onnx (required: the decoder takes inputs_embeds) and vision_encoder.onnx
+    (optional: without it the model runs text only), beside the decoder or in `onnx/`."""
+    suffix = "" if variant in (None, "fp32") else f"_{variant}"
+    folder = model.folder
+    embed = _find(folder, "embed_tokens", suffix) or _find(model.decoder_path.parent, "embed_tokens", suffix)
+    if embed is None:
+        raise ModelError(f"{model.decoder_path.name} takes inputs_embeds, but there is no embed_tokens{suffix}.onnx "
+                         f"in {folder} (or onnx/) to make them")
+    model.embed_session, _ = _session(embed, provider, threads)
+    vision = _find(folder, "vision_encoder", suffix) or _find(model.decoder_path.parent, "vision_encoder", suffix)
+    if vision is not None:
+        model.vision_session, _ = _session(vision, provider, threads)
 
 
 def _find(folder: Path, stem: str, suffix: str) -> Path | None:

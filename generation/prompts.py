@@ -35,9 +35,12 @@ class PromptCache:
 
 
 def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: list[int], pad: int,
-              max_position: int, past: dict[str, np.ndarray] | None = None, offset: int = 0):
+              max_position: int, past: dict[str, np.ndarray] | None = None, offset: int = 0,
+              embed=None, images=None):
     """Run `prompts` from token `offset` in steps of `widths`; past holds the first `offset`
-    tokens of each row. Returns (last logits [n, V] of rows whose prompt ended here, presents)."""
+    tokens of each row. Returns (last logits [n, V] of rows whose prompt ended here, presents).
+    A graph that takes inputs_embeds embeds each piece with `embed`, the image features of
+    `images` (vision.PromptImages, one row per prompt) in place of its image tokens."""
     n = len(prompts)
     lengths = np.array([len(p) for p in prompts])
     if past is None:
@@ -52,7 +55,12 @@ def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: li
         mask = np.ones((n, offset + width), np.int64)
         mask[:, :offset] = np.arange(offset) < lengths[:, None]  # holes of rows that ended earlier
         positions = np.broadcast_to(np.minimum(offset + np.arange(width), max_position - 1), (n, width))
-        feeds = step_inputs(graph, ids, mask, positions, offset)
+        embeds = None
+        if graph.has_inputs_embeds:
+            embeds = embed(ids) if images is None else images.embeddings(embed, ids, real, prompts, offset)
+            if images is not None and graph.position_axes == 3:
+                positions = images.piece_positions(positions, real, offset)
+        feeds = step_inputs(graph, ids, mask, positions, offset, embeds)
         feeds.update(past)
         logits, *presents = session.run(names, feeds)
         ends = np.flatnonzero((lengths > offset) & (lengths <= offset + width))
@@ -64,17 +72,23 @@ def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: li
 
 
 def run_prompts(session, graph: DecoderGraph, mode: str, steps: str, prompts: list[list[int]],
-                pad: int, max_position: int) -> PromptCache:
-    """Prefill non-empty `prompts` for cache `mode` with `steps` ('whole' or 'pieces')."""
+                pad: int, max_position: int, embed=None, images=None) -> PromptCache:
+    """Prefill non-empty `prompts` for cache `mode` with `steps` ('whole' or 'pieces').
+    embed: ids -> embeddings, for a graph that takes inputs_embeds; images: their PromptImages
+    (features and positions per prompt). A row with positions of its own keeps its delta (its
+    largest position + 1 - its length) as "position_delta" beside its cache."""
     n = len(prompts)
     lengths = np.array([len(p) for p in prompts])
     last = np.zeros((n, graph.vocab_size), np.float32)
     rows: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
+    deltas = images.deltas(lengths) if images is not None else [None] * n
 
     def keep(indices, group_last, presents):
         for j, b in enumerate(indices):
             last[b] = group_last[j]
             rows[b] = {name: array[j, :, :lengths[b]] for name, array in presents.items()}
+            if deltas[b] is not None:
+                rows[b]["position_delta"] = deltas[b]
 
     if mode == "grow":  # positions come from the cache length: one run per prompt length
         groups = [np.flatnonzero(lengths == length) for length in np.unique(lengths)]
@@ -95,6 +109,8 @@ def run_prompts(session, graph: DecoderGraph, mode: str, steps: str, prompts: li
                                                        pad, max_position, row_past, first)
                     keep([b], row_last, row_presents)
         else:
-            group_last, presents = _run_rows(session, graph, group_prompts, widths, pad, max_position)
+            group_images = None if images is None else images.take(group)
+            group_last, presents = _run_rows(session, graph, group_prompts, widths, pad, max_position,
+                                             embed=embed, images=group_images)
             keep(group, group_last, presents)
     return PromptCache(rows, lengths, last)

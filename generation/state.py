@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .cache import CACHES
+from .cache import new_cache
 from .context import Context
 from .processors import RowSettings, apply
 from .prompts import PromptCache, run_prompts
@@ -26,6 +26,7 @@ from .seq2seq import run_first_steps
 from .selection import LogProbs, SamplingRows, logprobs, pick
 from .settings import Settings
 from .stops import StopMatcher
+from .vision import check_images
 
 
 @dataclass(slots=True)
@@ -133,7 +134,7 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
         raise ValueError("capacity: the model's config gives no context length; pass capacity")
     if ctx.model.max_context:  # positions (and GroupQueryAttention's rotary tables) end there
         capacity = min(capacity, ctx.model.max_context)
-    cache = CACHES[ctx.cache_mode](ctx.model.session, ctx.model.graph, slots, capacity, ctx.max_position)
+    cache = new_cache(ctx.model, ctx.cache_mode, slots, capacity, ctx.max_position)
     state = DecodeState(
         cache=cache, capacity=capacity,
         tokens=np.zeros((slots, capacity), np.int64), lengths=np.zeros(slots, np.int64),
@@ -201,6 +202,14 @@ def _encoder_ids(ctx: Context, prompts, encoder) -> list:
     return encoder.source_ids if encoder.source_ids is not None else [[] for _ in prompts]
 
 
+def prompt_inputs(model, prompts, encoder) -> tuple:
+    """(embed, images) for run_prompts: a vision-language decoder's embedding and the checked
+    PromptImages of its prompts (None, None for a model that takes input_ids)."""
+    if not model.graph.has_inputs_embeds and encoder is None:
+        return None, None
+    return model.embed if model.graph.has_inputs_embeds else None, check_images(model, prompts, encoder)
+
+
 def _stop_matchers(ctx: Context, prompts, settings: list[Settings]) -> list:
     if not any(s.stop_strings for s in settings):
         return [None] * len(prompts)
@@ -253,7 +262,8 @@ def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settin
     seeds: one per prompt. settings: one per prompt (default: the context's). max_new: the new
     tokens each row may get (default: each row's settings by the max_new_tokens rule); a row
     never outgrows the model's context. encoder: an encoder-decoder model's EncoderOutputs, one
-    row per prompt (the prompts are then the decoder's: decoder_start_token_id, ...).
+    row per prompt (the prompts are then the decoder's: decoder_start_token_id, ...), or a
+    vision-language model's vision.PromptImages (each prompt's image features and positions).
     """
     model = ctx.model
     encoder_ids = _encoder_ids(ctx, prompts, encoder)
@@ -262,7 +272,7 @@ def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settin
         cache = PromptCache(rows, np.array([len(p) for p in prompts]), last)
     else:
         cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
-                            ctx.settings.pad_token_id, ctx.max_position)
+                            ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, prompts, encoder))
     prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, cache.last_logits, encoder_ids)
     prefix.cache = cache
     return prefix

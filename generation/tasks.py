@@ -1,15 +1,17 @@
-"""Tasks over encoder-decoder models: text in or audio in, text out.
+"""Tasks over encoder-decoder and vision-language models: text, audio or images in, text out.
 
     ctx = generation.context(generation.load("marian-folder"), max_new_tokens=64)
     out = text_to_text(ctx, ["How are you?", "Good morning"])   # [TaskResult(text, tokens, ...)]
     out = speech_to_text(whisper_ctx, ["clip.wav", samples_16k], language="en")
     out = speech_to_text(whisper_ctx, ["hour.wav"], return_timestamps=True)  # out[0].segments
+    out = image_text_to_text(qwen2vl_ctx, [["Describe", image, "in a word."], ["no image"]])
 
 Each task tokenizes or featurizes its batch, runs the encoder once (`generation.seq2seq`; a
 server can run that step in its own deployment), and generates from the decoder's prompt
 (decoder_start_token_id) with every setting of the context, beam search included. Whisper with
 timestamps, or with audio longer than its window, decodes window after window
-(`generation.longform`), running the encoder once per window.
+(`generation.longform`), running the encoder once per window. Vision-language prompts run the
+vision encoder once per image (`generation.vision.encode_images`, or the caller's `encode`).
 """
 
 from __future__ import annotations
@@ -230,3 +232,66 @@ def _timestamped(ctx: Context, segments: list[Segment]) -> TaskResult:
     tokens = [t for s in segments for t in s.tokens]
     logprobs = None if not ctx.token_logprobs else [p for s in segments for p in s.logprobs]
     return TaskResult(text(tokens), tokens, logprobs, segments)
+
+
+def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[TaskResult]:
+    """Answer each prompt of a Qwen2-VL model: a list of parts, in order, each a text (tokenized
+    without special tokens), a list of token ids, or an image (a PIL image, an [H, W, 3] uint8
+    array, encoded bytes, or a pathlib.Path). An image becomes <|vision_start|>, one image token
+    per feature, <|vision_end|>, as the chat template and the processor of transformers write it;
+    its pixels are preprocessed as Qwen2VLImageProcessor does (`generation.images`). Tokens,
+    text and log-probabilities are what transformers 4.57 generate gives with every setting of
+    the context (beam search included).
+
+    encode: (pixel_values [patches, C*T*P*P], image_grid_thw [n, 3]) -> features [tokens, hidden]
+    of the batch's images in order (default: this model's vision encoder, `vision.encode_images`);
+    a server runs it in its own deployment and caches features by image content.
+    """
+    from .images import load_image, qwen2vl_pixels
+    from .vision import PromptImages, VisionTokens, encode_images, rope_positions, split_features
+
+    model = ctx.model
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts, each a list of texts, token id lists and images")
+    if encode is not None and not callable(encode):
+        raise ValueError(f"encode must be a function of (pixel_values, image_grid_thw), not {encode!r}")
+    images, layout = [], []  # layout: per prompt, its parts as ("text", ids) or ("image", index)
+    tokenizer = None
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompts[{i}] must be a list of parts (texts, token id lists, images), "
+                             f"not {type(prompt).__name__}")
+        parts = []
+        for j, part in enumerate(prompt):
+            if isinstance(part, str):
+                tokenizer = tokenizer or model_tokenizer(model)
+                parts.append(("text", tokenizer.encode(part, add_special_tokens=False).ids))
+            elif isinstance(part, (list, tuple)):
+                parts.append(("text", list(part)))
+            else:
+                if model.vision_session is None:
+                    raise ValueError(f"prompts[{i}][{j}] is an image, but {model.folder} is a text-only model "
+                                     "(no vision_encoder.onnx): it takes no images")
+                images.append(load_image(part, f"prompts[{i}][{j}]"))
+                parts.append(("image", len(images) - 1))
+        layout.append(parts)
+    if not images:
+        ids = [[t for _, part in parts for t in part] for parts in layout]
+        return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds)]
+    tokens = VisionTokens.of(model.config)
+    pixel_values, grids = qwen2vl_pixels(images, _preprocessor(ctx))
+    counts = (grids.prod(axis=1) // tokens.merge ** 2).tolist()
+    ids = [[t for kind, part in parts
+            for t in (part if kind == "text" else [tokens.vision_start] + [tokens.image] * counts[part] + [tokens.vision_end])]
+           for parts in layout]
+    given = sum(int(np.count_nonzero(np.array(p, np.int64) == tokens.image)) for p in ids)
+    if given != sum(counts):
+        raise ValueError(f"the prompts hold {given} image tokens (id {tokens.image}) for {len(images)} images of "
+                         f"{sum(counts)} features: a token id list holds image tokens of no image")
+    features = (encode or (lambda p, g: encode_images(model, p, g)))(pixel_values, grids)
+    if len(features) != sum(counts):
+        raise ValueError(f"the vision encoder gave {len(features)} features for {sum(counts)} image tokens "
+                         f"(images of grids {grids.tolist()})")
+    positions, _ = rope_positions(ids, tokens, image_grids=grids)
+    inputs = PromptImages(split_features(ids, np.asarray(features), tokens.image), positions, tokens.image)
+    return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds, encoder=inputs)]

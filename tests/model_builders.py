@@ -947,9 +947,11 @@ def _complete(folder: Path) -> bool:
 
 
 def ensure_test_models(root=None, *, progress=_stderr_progress,
-                       seq2seq=False) -> dict[str, Path]:
+                       seq2seq=False, vision=False) -> dict[str, Path]:
     """Paths of all test models (keys of :data:`MODEL_DIRS`, plus those of
     :data:`SEQ2SEQ_DIRS` with ``seq2seq=True``), building them only when missing.
+    ``vision=True`` adds the vision-language models (``vision_builders.VISION_DIRS``: their own
+    build, on demand, into the sibling ``<vision key>-vision``; see tests/vision_builders.py).
 
     Cache folder: ``$RAYMUTER_TEST_MODELS`` (else ``~/.cache/raymuter/test-models``) /
     :func:`cache_key`, the encoder-decoders in its sibling ``<cache_key>-seq2seq``; ONE build
@@ -966,6 +968,8 @@ def ensure_test_models(root=None, *, progress=_stderr_progress,
     paths = {k: final / v for k, v in MODEL_DIRS.items()}
     if seq2seq:
         paths.update({k: seq2seq_folder(final) / v for k, v in SEQ2SEQ_DIRS.items()})
+    if vision:
+        paths.update(_vision_builders().ensure_vision_models(base, progress))
     if _complete(final):
         return paths
     base.mkdir(parents=True, exist_ok=True)
@@ -1002,6 +1006,19 @@ def ensure_test_models(root=None, *, progress=_stderr_progress,
         finally:
             fcntl.flock(lockf, fcntl.LOCK_UN)
     return paths
+
+
+def _vision_builders():
+    """tests/vision_builders.py, imported whatever the import mode (it builds on demand)."""
+    import importlib.util
+
+    mod = sys.modules.get("vision_builders")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("vision_builders", Path(__file__).with_name("vision_builders.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["vision_builders"] = mod
+        spec.loader.exec_module(mod)
+    return mod
 
 
 def _worker(tmp: Path) -> int:

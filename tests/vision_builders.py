@@ -1,0 +1,288 @@
+"""Build the vision-language test models: a tiny random Qwen2-VL and its ONNX parts in the
+onnx-community layout, with transformers 4.57 (torch exports; optimum has no Qwen2-VL export).
+
+Keys of :data:`VISION_DIRS`, folders under ``<cache root>/<vision_key()>-vision`` (a sibling of
+the text models' ``<cache_key>`` folder, built on demand by
+``model_builders.ensure_test_models(vision=True)``; the key hashes this file, model_builders.py
+and the package versions):
+
+``hf/qwen2vl``
+    ``Qwen2VLForConditionalGeneration`` (``save_pretrained``): text 64 wide, 2 layers, 4 heads
+    (2 KV heads) of 16, M-RoPE sections [2, 3, 3], vocab 1000; vision 2 blocks 32 wide, 2 heads,
+    patch 2, temporal patch 2, spatial merge 2 (an image of H x W pixels after the resize gives
+    H*W/16 image tokens).  Image / video / vision_start / vision_end tokens 990 / 991 / 992 / 993
+    (:data:`QWEN2VL_IDS`).  Init 0.3 plus N(0, 0.1) noise on every parameter.  Also
+    ``preprocessor_config.json`` (``Qwen2VLImageProcessor``: patch 2, merge 2, min_pixels 64,
+    max_pixels 576: images resize to 8-24 pixels a side) and the tiny byte-level tokenizer.
+``qwen2vl-onnx``
+    ``onnx/embed_tokens.onnx``: ``input_ids [B, S]`` -> ``inputs_embeds [B, S, 64]``.
+    ``onnx/vision_encoder.onnx`` (any grid): ``pixel_values [N, 24]``, ``vision_position_ids
+    [N, 2]`` (each patch's row and column in merge-block order), ``attention_bias [N, N]`` (0
+    within a frame, -inf across) -> ``image_features [N / 4, 64]``.  The stock export bakes the
+    grid in (its rotary positions and attention splits come from ``.tolist()`` of the grid):
+    these two inputs carry them instead (``generation.vision.vision_inputs`` computes them).
+    ``onnx/decoder_model_merged.onnx``: ``inputs_embeds [B, S, 64]``, ``attention_mask
+    [B, P + S]``, ``position_ids [3, B, S]``, ``past_key_values.N.key/.value [B, 2, P, 16]``
+    (P may be 0) -> ``logits``, ``present.N.key/.value``.  Meta files at the root.
+
+Runs in a worker subprocess (``python vision_builders.py --build-into TMP``); no import-time side
+effects; torch / transformers / onnx imported lazily.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+
+VISION_DIRS = {"hf/qwen2vl": "hf/qwen2vl", "qwen2vl-onnx": "qwen2vl-onnx"}
+QWEN2VL_IDS = dict(image=990, video=991, vision_start=992, vision_end=993)
+QWEN2VL_PIXELS = dict(min_pixels=64, max_pixels=576, patch_size=2, temporal_patch_size=2, merge_size=2)
+
+
+def _model_builders():
+    mod = sys.modules.get("model_builders")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("model_builders", _HERE / "model_builders.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["model_builders"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def qwen2vl_config():
+    import transformers as tf
+
+    mb = _model_builders()
+    i = QWEN2VL_IDS
+    common = dict(bos_token_id=mb.BOS_ID, eos_token_id=mb.EOS_ID, pad_token_id=mb.PAD_ID)
+    return tf.Qwen2VLConfig(
+        text_config=dict(vocab_size=mb.TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, rope_theta=10000.0,
+                         initializer_range=mb.INIT_RANGE, tie_word_embeddings=False, **common),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           initializer_range=mb.INIT_RANGE),
+        image_token_id=i["image"], video_token_id=i["video"], vision_start_token_id=i["vision_start"],
+        vision_end_token_id=i["vision_end"], tie_word_embeddings=False, **common)
+
+
+def build_qwen2vl_hf(out) -> int:
+    """The tiny random Qwen2-VL -> ``save_pretrained(out)`` with its image processor and tokenizer."""
+    import torch
+    import transformers as tf
+
+    mb = _model_builders()
+    torch.manual_seed(mb.SEED)
+    model = tf.Qwen2VLForConditionalGeneration(qwen2vl_config()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * mb.PERTURB)
+    model.generation_config = tf.GenerationConfig(bos_token_id=mb.BOS_ID, eos_token_id=mb.EOS_ID,
+                                                  pad_token_id=mb.PAD_ID)
+    out = Path(out)
+    model.save_pretrained(out)
+    tf.Qwen2VLImageProcessor(**QWEN2VL_PIXELS).save_pretrained(out)
+    mb.build_tokenizer(mb.TINY_VOCAB).save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def export_qwen2vl(hf_dir, out) -> None:
+    """The three ONNX parts of ``hf_dir`` into ``out/onnx`` (see the module docstring), meta
+    files at ``out``: embed_tokens and the vision encoder by TorchScript, the decoder by dynamo
+    (TorchScript dies on transformers 4.57's vmap masks)."""
+    import torch
+    import torch.nn.functional as F
+    import transformers as tf
+    from transformers import DynamicCache
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    mb = _model_builders()
+    model = tf.Qwen2VLForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
+    text = model.config.text_config
+    layers, kv, head_dim = text.num_hidden_layers, text.num_key_value_heads, text.hidden_size // text.num_attention_heads
+
+    class Embed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = model.model.language_model.embed_tokens
+
+        def forward(self, input_ids):
+            return self.embed(input_ids)
+
+    class Vision(torch.nn.Module):
+        """transformers' vision forward, with the grid-dependent parts (rotary positions, the
+        per-frame attention split) as inputs."""
+
+        def __init__(self):
+            super().__init__()
+            self.v = model.model.visual
+
+        def forward(self, pixel_values, vision_position_ids, attention_bias):
+            v = self.v
+            x = v.patch_embed(pixel_values)
+            freqs = (vision_position_ids[..., None].float() * v.rotary_pos_emb.inv_freq).flatten(1)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            for blk in v.blocks:
+                a = blk.attn
+                h = blk.norm1(x)
+                n = h.shape[0]
+                qkv = a.qkv(h).reshape(n, 3, a.num_heads, -1).permute(1, 0, 2, 3)
+                q, k = apply_rotary_pos_emb_vision(qkv[0], qkv[1], cos, sin)
+                q, k, val = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, qkv[2]))
+                o = F.scaled_dot_product_attention(q, k, val, attn_mask=attention_bias, scale=a.scaling)
+                x = x + a.proj(o.squeeze(0).transpose(0, 1).reshape(n, -1))
+                x = x + blk.mlp(blk.norm2(x))
+            return v.merger(x)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm, self.head = model.model.language_model, model.lm_head
+
+        def forward(self, inputs_embeds, attention_mask, position_ids, *past):
+            cache = DynamicCache()
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            o = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                        past_key_values=cache, use_cache=True)
+            res = [self.head(o.last_hidden_state)]
+            for i in range(layers):
+                res += [o.past_key_values.layers[i].keys, o.past_key_values.layers[i].values]
+            return tuple(res)
+
+    onnx_dir = Path(out) / "onnx"
+    onnx_dir.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        torch.onnx.export(Embed(), (torch.tensor([[5, 6, 7]]),), str(onnx_dir / "embed_tokens.onnx"), dynamo=False,
+                          input_names=["input_ids"], output_names=["inputs_embeds"],
+                          dynamic_axes={"input_ids": {0: "batch_size", 1: "sequence_length"},
+                                        "inputs_embeds": {0: "batch_size", 1: "sequence_length"}})
+        vc = model.config.vision_config
+        width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        rows, cols = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+        positions = torch.stack([rows.reshape(2, 2, 2, 2).permute(0, 2, 1, 3).flatten(),
+                                 cols.reshape(2, 2, 2, 2).permute(0, 2, 1, 3).flatten()], -1)
+        torch.onnx.export(Vision(), (torch.randn(16, width, generator=g), positions, torch.zeros(16, 16)),
+                          str(onnx_dir / "vision_encoder.onnx"), dynamo=False,
+                          input_names=["pixel_values", "vision_position_ids", "attention_bias"],
+                          output_names=["image_features"],
+                          dynamic_axes={"pixel_values": {0: "num_patches"}, "vision_position_ids": {0: "num_patches"},
+                                        "attention_bias": {0: "num_patches", 1: "num_patches_k"},
+                                        "image_features": {0: "num_image_tokens"}}, opset_version=17)
+        B, S, P = 2, 5, 3
+        args = [torch.randn(B, S, text.hidden_size, generator=g), torch.ones(B, P + S, dtype=torch.long),
+                torch.arange(P, P + S).view(1, 1, S).expand(3, B, S).contiguous()]
+        in_names, out_names = ["inputs_embeds", "attention_mask", "position_ids"], ["logits"]
+        for i in range(layers):
+            for name in ("key", "value"):
+                args.append(torch.randn(B, kv, P, head_dim, generator=g))
+                in_names.append(f"past_key_values.{i}.{name}")
+                out_names.append(f"present.{i}.{name}")
+        bs = torch.export.Dim("batch_size", min=1, max=64)
+        sl = torch.export.Dim("sequence_length", min=1, max=1024)
+        pl = torch.export.Dim("past_sequence_length", min=0, max=1024)
+        tl = torch.export.Dim("total_sequence_length", min=1, max=2048)
+        shapes = ({0: bs, 1: sl}, {0: bs, 1: tl}, {1: bs, 2: sl}, tuple([{0: bs, 2: pl}] * (2 * layers)))
+        program = torch.onnx.export(Decoder(), tuple(args), None, dynamo=True, input_names=in_names,
+                                    output_names=out_names, dynamic_shapes=shapes, opset_version=18, optimize=True,
+                                    verbose=False)
+    program.save(str(onnx_dir / "decoder_model_merged.onnx"), external_data=False)
+    for f in onnx_dir.glob("*.onnx"):
+        mb.cap_ir_version(f)
+    mb.copy_hf_files(hf_dir, out)
+
+
+def build_all(root, progress=print) -> dict[str, Path]:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    torch.set_num_threads(1)
+    t0 = time.time()
+    n = build_qwen2vl_hf(root / "hf" / "qwen2vl")
+    progress(f"[test-models] hf/qwen2vl        {time.time() - t0:6.1f}s  ({n} params)")
+    t0 = time.time()
+    export_qwen2vl(root / "hf" / "qwen2vl", root / "qwen2vl-onnx")
+    progress(f"[test-models] qwen2vl-onnx     {time.time() - t0:6.1f}s")
+    return {k: root / v for k, v in VISION_DIRS.items()}
+
+
+def vision_key() -> str:
+    """Hash of this file, model_builders.py (the tokenizer, the init) and the package versions."""
+    mb = _model_builders()
+    h = hashlib.sha256()
+    h.update(Path(__file__).read_bytes())
+    h.update(mb.cache_key().encode())
+    return h.hexdigest()[:16]
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "manifest.json").is_file() and all((folder / v).is_dir() for v in VISION_DIRS.values())
+
+
+def ensure_vision_models(base: Path, progress=print) -> dict[str, Path]:
+    """Paths of the vision test models under ``base/<vision_key()>-vision``, built (in one worker
+    subprocess, into a temporary sibling renamed into place, under an ``fcntl`` lock) when missing."""
+    import fcntl
+
+    base = Path(base)
+    key = vision_key()
+    final = base / f"{key}-vision"
+    paths = {k: final / v for k, v in VISION_DIRS.items()}
+    if _complete(final):
+        return paths
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / f".{key}-vision.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if _complete(final):
+                return paths
+            for stale in base.glob(f".{key}-vision.building-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp = base / f".{key}-vision.building-{os.getpid()}"
+            tmp.mkdir()
+            t0 = time.time()
+            progress(f"[test-models] building into {final} (cache miss)")
+            log = base / f"{key}-vision.log"
+            with open(log, "wb") as out:
+                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build-into", str(tmp)],
+                                      stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                      env=_model_builders().offline_env(), timeout=900)
+            if proc.returncode != 0 or not _complete(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise RuntimeError(f"vision test model build failed (rc={proc.returncode}); log: {log}\n"
+                                   + log.read_text(errors="replace")[-3000:])
+            os.rename(tmp, final)
+            progress(f"[test-models] vision models built in {time.time() - t0:.1f}s -> {final}")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return paths
+
+
+def _worker(tmp: Path) -> int:
+    t0 = time.time()
+    paths = build_all(tmp)
+    manifest = {"models": {k: str(p.relative_to(tmp)) for k, p in paths.items()},
+                "versions": _model_builders().package_versions(), "key": vision_key(),
+                "build_seconds": round(time.time() - t0, 1),
+                "files": sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--build-into":
+        sys.exit(_worker(Path(sys.argv[2])))
+    print(json.dumps({k: str(v) for k, v in ensure_vision_models(_model_builders().cache_root()).items()}, indent=1))
