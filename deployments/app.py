@@ -148,7 +148,8 @@ class Decoder:
         if cfg.engine == "fake":
             from .fake import fake_generator
 
-            self.generator = fake_generator(cfg.slots, cfg.step_seconds, cfg.max_waiting, cfg.name or "fake")
+            self.generator = fake_generator(cfg.slots, cfg.step_seconds, cfg.max_waiting,
+                                            cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else "fake"))
             self.generator.stream_interval = cfg.stream_interval_ms / 1000
         else:
             from .decoder import TextGenerator

@@ -92,8 +92,6 @@ def serve_command(args) -> int:
         pass
     finally:
         print("[raymuter] stopping ...", file=sys.stderr)
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave replicas behind
+        ray.shutdown()  # ends the replicas with the local Ray (serve.shutdown first only adds ~5 s)
     return 0
