@@ -138,3 +138,29 @@ def test_encoder_metrics_and_the_transcribe_handle(serve_apps, whisper):
     after = httpx.get(serve_apps.speech + "/metrics").text
     assert metric(after, "raymuter:encoder_latency_seconds_count") > metric(before, "raymuter:encoder_latency_seconds_count")
     assert metric(after, "raymuter:encoder_inputs_total") - metric(before, "raymuter:encoder_inputs_total") == 1
+
+
+def test_a_repeated_source_is_encoded_once(serve_apps, marian):
+    from test_serve import metric
+
+    source = [40, 41, 42, 43, 44]
+    before = httpx.get(serve_apps.translate + "/metrics").text
+    texts = [httpx.post(serve_apps.translate + "/v1/completions", json=dict(model="marian", prompt=source),
+                        timeout=60).json()["choices"][0]["text"] for _ in range(3)]
+    after = httpx.get(serve_apps.translate + "/metrics").text
+    assert texts == [text_to_text(generation.context(marian, max_new_tokens=12), [source])[0].text] * 3
+    assert metric(after, "raymuter:encoder_cache_misses_total") - metric(before, "raymuter:encoder_cache_misses_total") == 1
+    assert metric(after, "raymuter:encoder_cache_hits_total") - metric(before, "raymuter:encoder_cache_hits_total") == 2
+
+
+def test_feature_cache_evicts_the_least_recently_used():
+    from deployments.encoder import FeatureCache
+
+    cache = FeatureCache(max_bytes=100)
+    for name in "abc":
+        cache.put(name, name.upper(), 40)  # c pushes a out (120 > 100)
+    assert cache.get("a") is None and cache.get("b") == "B" and len(cache) == 2
+    cache.put("d", "D", 40)  # b was used last: c goes
+    assert cache.get("c") is None and cache.get("b") == "B" and cache.get("d") == "D"
+    cache.put("huge", "H", 101)
+    assert cache.get("huge") is None and cache.bytes == 80
