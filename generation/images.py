@@ -1,5 +1,6 @@
-"""Images in: decoding (Pillow) and Qwen2-VL's preprocessing in numpy, equal to transformers 4.57
-`Qwen2VLImageProcessor` (the slow, PIL-resizing one) within 1e-5.
+"""Images in: decoding (Pillow) and preprocessing in numpy, equal to transformers 4.57's slow
+(PIL-resizing) image processors within 1e-5: `Qwen2VLImageProcessor` (`qwen2vl_pixels`) and
+`ViTImageProcessor` (`vit_pixels`, the encoder of a vision-encoder-decoder).
 
     pixels, grid_thw = qwen2vl_pixels([image, ...], preprocessor_config)
     # pixels [sum(t*h*w), C * temporal_patch * patch * patch], grid_thw [n, 3]
@@ -148,3 +149,28 @@ def qwen2vl_pixels(images, config: dict) -> tuple[np.ndarray, np.ndarray]:
         grids.append(grid)
     width = 3 * pixels.temporal * pixels.patch ** 2
     return (np.concatenate(out) if out else np.zeros((0, width), np.float32)), np.array(grids, np.int64).reshape(-1, 3)
+
+
+def vit_pixels(images, config: dict) -> np.ndarray:
+    """pixel_values [n, 3, height, width] float32 of `images` (anything `load_image` takes), as
+    transformers 4.57 ViTImageProcessor: resize to `size` (bilinear unless `resample` says), scale
+    to [0, 1], normalise (mean and std 0.5 by default)."""
+    from PIL import Image
+
+    size = config.get("size") or {"height": 224, "width": 224}
+    if not (isinstance(size, dict) and isinstance(size.get("height"), int) and isinstance(size.get("width"), int)):
+        raise ValueError(f"preprocessor_config.json: size must be {{'height': int, 'width': int}}, not {size!r}")
+    mean = np.array(config.get("image_mean") or (0.5, 0.5, 0.5), np.float32)
+    std = np.array(config.get("image_std") or (0.5, 0.5, 0.5), np.float32)
+    resample = config.get("resample", 2)
+    out = []
+    for i, image in enumerate(images):
+        x = load_image(image, f"images[{i}]")
+        if config.get("do_resize", True):
+            x = np.asarray(Image.fromarray(x).resize((size["width"], size["height"]), resample=resample))
+        if config.get("do_rescale", True):
+            x = (x.astype(np.float64) * config.get("rescale_factor", 1 / 255)).astype(np.float32)
+        if config.get("do_normalize", True):
+            x = (x.astype(np.float32) - mean) / std
+        out.append(x.transpose(2, 0, 1))
+    return np.stack(out).astype(np.float32)

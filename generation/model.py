@@ -53,6 +53,10 @@ class Encoder:
     def takes_audio(self) -> bool:
         return "input_features" in self.input_names
 
+    @property
+    def takes_images(self) -> bool:
+        return "pixel_values" in self.input_names
+
 
 @dataclass
 class Model:
@@ -269,9 +273,12 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
 
 
 def _text_fields(config: dict) -> dict:
-    """A vision-language config.json with its text model's fields (`text_config`) read as if at
-    the top; the top level wins where both give a field (eos, pad and bos sit at both)."""
+    """A vision-language config.json with its text model's fields (`text_config`; a
+    vision-encoder-decoder's `decoder`) read as if at the top; the top level wins where both give
+    a field (eos, pad and bos sit at both)."""
     text = config.get("text_config")
+    if config.get("model_type") == "vision-encoder-decoder":
+        text = config.get("decoder")
     return {**text, **config} if isinstance(text, dict) else config
 
 
@@ -320,7 +327,9 @@ def _load_seq2seq(folder: Path, variant: str | None, provider: str | None, threa
         graph = read_graph(decoder_path, session, _config_dims(config))
     except GraphError as e:
         raise ModelError(str(e)) from None
-    if not graph.is_seq2seq or not graph.cross_cache:
+    if not graph.is_seq2seq or not (graph.cross_cache or graph.has_encoder_hidden_states):
+        # (a GPT-2 decoder of a vision-encoder-decoder keeps no cross cache: it takes
+        # encoder_hidden_states at every step)
         raise ModelError(f"{decoder_path.name}: a decoder of an encoder-decoder model takes encoder_hidden_states "
                          "and past_key_values.N.encoder.* (export with the -with-past task)")
     outputs = [o.name for o in encoder_session.get_outputs()]

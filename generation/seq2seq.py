@@ -1,12 +1,12 @@
-"""Encoder-decoder models (Marian, T5, BART, Whisper): the encoder run, the decoder's first step,
-and the decoder's cache.
+"""Encoder-decoder models (Marian, T5, BART, Whisper, a ViT + GPT-2 vision-encoder-decoder): the
+encoder run, the decoder's first step, and the decoder's cache.
 
-The encoder runs once per request (`encode_text`, `encode_audio`: a separate callable, so a
-server can run it in its own deployment and hand the decoder only the hidden states). The
-decoder's first step runs its prompt (decoder_start_token_id, or Whisper's forced prefix) with
-no cache (`use_cache_branch` False, empty pasts) and computes the cross-attention cache
-(`present.N.encoder.*`); later steps feed it back unchanged (their encoder presents are
-dummies). The decoder takes no position_ids: positions come from the cache length, so the rows
+The encoder runs once per request (`encode_text`, `encode_audio`, `encode_pixels`: a separate
+callable, so a server can run it in its own deployment and hand the decoder only the hidden
+states). The decoder's first step runs its prompt (decoder_start_token_id, or Whisper's forced
+prefix) with no cache (`use_cache_branch` False, empty pasts) and computes the cross-attention
+cache (`present.N.encoder.*`); later steps feed it back unchanged (their encoder presents are
+dummies). A GPT-2 decoder keeps no cross cache: it takes encoder_hidden_states at every step. The decoder takes no position_ids: positions come from the cache length, so the rows
 of one group share a decoder length (they all start at the same prompt length and step
 together), and sources of different lengths batch with `encoder_attention_mask`.
 """
@@ -65,6 +65,15 @@ def encode_audio(model, features: np.ndarray) -> EncoderOutputs:
     if encoder is None or not encoder.takes_audio:
         raise ValueError(f"{model.folder} has no audio encoder (encoder inputs: {encoder and encoder.input_names})")
     hidden = encoder.session.run([encoder.output_name], {"input_features": np.asarray(features, np.float32)})[0]
+    return EncoderOutputs(list(hidden))
+
+
+def encode_pixels(model, pixel_values: np.ndarray) -> EncoderOutputs:
+    """Run an image encoder (a vision-encoder-decoder's ViT) over `pixel_values` [B, C, H, W]."""
+    encoder = model.encoder
+    if encoder is None or not encoder.takes_images:
+        raise ValueError(f"{model.folder} has no image encoder (encoder inputs: {encoder and encoder.input_names})")
+    hidden = encoder.session.run([encoder.output_name], {"pixel_values": np.asarray(pixel_values, np.float32)})[0]
     return EncoderOutputs(list(hidden))
 
 

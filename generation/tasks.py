@@ -5,6 +5,7 @@
     out = speech_to_text(whisper_ctx, ["clip.wav", samples_16k], language="en")
     out = speech_to_text(whisper_ctx, ["hour.wav"], return_timestamps=True)  # out[0].segments
     out = image_text_to_text(qwen2vl_ctx, [["Describe", image, "in a word."], ["no image"]])
+    out = image_to_text(vit_gpt2_ctx, [image, "photo.png"])              # captions
 
 Each task tokenizes or featurizes its batch, runs the encoder once (`generation.seq2seq`; a
 server can run that step in its own deployment), and generates from the decoder's prompt
@@ -23,7 +24,7 @@ import numpy as np
 from .context import Context
 from .generate import Generated, check_seeds, generate
 from .longform import Segment, decode_windows, run_encoder, window_frames
-from .seq2seq import EncoderOutputs, encode_audio, encode_text
+from .seq2seq import EncoderOutputs, encode_audio, encode_pixels, encode_text
 from .text import model_tokenizer
 
 
@@ -295,3 +296,26 @@ def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[T
     positions, _ = rope_positions(ids, tokens, image_grids=grids)
     inputs = PromptImages(split_features(ids, np.asarray(features), tokens.image), positions, tokens.image)
     return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds, encoder=inputs)]
+
+
+def image_to_text(ctx: Context, images, seeds=None, encode=None) -> list[TaskResult]:
+    """Caption each image with a vision-encoder-decoder (ViT encoder, GPT-2 decoder that
+    cross-attends): images as `load_image` takes them (str: a file path), preprocessed as
+    ViTImageProcessor; tokens and text as transformers 4.57 generate(pixel_values) gives them,
+    with every setting of the context. encode: pixel_values [n, 3, H, W] -> EncoderOutputs
+    (default: this model's encoder, `seq2seq.encode_pixels`), for a server's own deployment."""
+    from pathlib import Path
+
+    from .images import vit_pixels
+
+    if not isinstance(images, (list, tuple)) or not images:
+        raise ValueError("images must be a non-empty list of images")
+    if ctx.model.encoder is None or not ctx.model.encoder.takes_images:
+        raise ValueError(f"{ctx.model.folder} has no image encoder (a vision-encoder-decoder's encoder_model.onnx "
+                         "taking pixel_values): it takes no images")
+    if encode is not None and not callable(encode):
+        raise ValueError(f"encode must be a function of pixel_values, not {encode!r}")
+    pixels = vit_pixels([Path(i) if isinstance(i, str) else i for i in images], _preprocessor(ctx))
+    encoder = (encode or (lambda p: encode_pixels(ctx.model, p)))(pixels)
+    rows = generate(ctx, [[decoder_start(ctx)]] * len(images), seeds=seeds, encoder=encoder)
+    return [_result(ctx, row) for row in rows]

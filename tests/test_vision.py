@@ -308,3 +308,71 @@ def test_image_for_text_only_model(test_models, load_model):
     images = PromptImages([np.zeros((0, 64), np.float32)], [None], IMG)
     with pytest.raises(ValueError, match="is a text-only model .*: it takes no images"):
         generation.generate(ctx, [[1, 2, 3]], seeds=[0], encoder=images)
+
+
+# ---------------------------------------------------------------------------------------------
+# image-to-text: a ViT + GPT-2 vision-encoder-decoder through the encoder-decoder path
+# ---------------------------------------------------------------------------------------------
+CAPTION_IMAGES = _images(4, [(13, 21), (40, 33), (32, 32), (7, 50)])
+
+
+@pytest.fixture(scope="module")
+def captioner(paths):
+    import torch
+    import transformers as tf
+
+    torch.set_num_threads(2)
+    model = tf.VisionEncoderDecoderModel.from_pretrained(paths["hf/vit-gpt2"], dtype=torch.float32).eval()
+    return model, tf.ViTImageProcessor.from_pretrained(paths["hf/vit-gpt2"])
+
+
+def test_vit_pixels_equal_vit_image_processor(paths, captioner):
+    from PIL import Image
+
+    from generation.images import vit_pixels
+
+    config = json.loads((paths["vit-gpt2-optimum"] / "preprocessor_config.json").read_text())
+    # (not grayscale: ViTImageProcessor with do_convert_rgb unset keeps one channel and fails
+    # on the three-channel mean; here every image is RGB first)
+    images = CAPTION_IMAGES + [Image.fromarray(CAPTION_IMAGES[1])]
+    ref = captioner[1](images=images, return_tensors="np")["pixel_values"]
+    np.testing.assert_allclose(vit_pixels(images, config), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("settings", [{}, {"no_repeat_ngram_size": 1}, {"num_beams": 3},
+                                      {"num_beams": 3, "no_repeat_ngram_size": 1}])
+def test_image_to_text_equals_transformers(paths, captioner, load_model, settings):
+    """Captions of a batch of 4 images of different sizes equal generate(pixel_values): the
+    tiny model repeats tokens, so no_repeat_ngram_size=1 walks down its ranking (image-dependent
+    tokens all along)."""
+    import torch
+
+    import generation
+    from generation.tasks import image_to_text
+
+    model, processor = captioner
+    pixels = processor(images=CAPTION_IMAGES, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        ref = model.generate(pixel_values=pixels, do_sample=False, max_new_tokens=NEW, **settings)
+    expected = []
+    for row in ref[:, 1:].tolist():  # without decoder_start
+        row = row[:row.index(2)] if 2 in row else row
+        expected.append(row)
+    ctx = generation.context(load_model(paths["vit-gpt2-optimum"]), max_new_tokens=NEW, **settings)
+    out = image_to_text(ctx, CAPTION_IMAGES, seeds=[0, 1, 2, 3])
+    assert [r.tokens for r in out] == expected
+    if settings == {"no_repeat_ngram_size": 1}:
+        assert len({tuple(r) for r in expected}) == len(expected)
+
+
+def test_image_to_text_errors(paths, model, load_model):
+    import generation
+    from generation.tasks import image_to_text
+
+    ctx = generation.context(load_model(paths["vit-gpt2-optimum"]), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"images\[1\] is not a readable image"):
+        image_to_text(ctx, [CAPTION_IMAGES[0], b"\x89PNG broken"])
+    with pytest.raises(ValueError, match=r"images\[0\]: no such image file"):
+        image_to_text(ctx, ["/nonexistent/photo.png"])
+    with pytest.raises(ValueError, match="has no image encoder .* it takes no images"):
+        image_to_text(_context(model), [CAPTION_IMAGES[0]])

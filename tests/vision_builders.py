@@ -1,5 +1,6 @@
-"""Build the vision-language test models: a tiny random Qwen2-VL and its ONNX parts in the
-onnx-community layout, with transformers 4.57 (torch exports; optimum has no Qwen2-VL export).
+"""Build the vision-language test models with transformers 4.57: a tiny random Qwen2-VL and its
+ONNX parts in the onnx-community layout (torch exports; optimum has no Qwen2-VL export), and a
+tiny ViT + GPT-2 vision-encoder-decoder (optimum export).
 
 Keys of :data:`VISION_DIRS`, folders under ``<cache root>/<vision_key()>-vision`` (a sibling of
 the text models' ``<cache_key>`` folder, built on demand by
@@ -24,6 +25,18 @@ and the package versions):
     ``onnx/decoder_model_merged.onnx``: ``inputs_embeds [B, S, 64]``, ``attention_mask
     [B, P + S]``, ``position_ids [3, B, S]``, ``past_key_values.N.key/.value [B, 2, P, 16]``
     (P may be 0) -> ``logits``, ``present.N.key/.value``.  Meta files at the root.
+``hf/vit-gpt2``
+    ``VisionEncoderDecoderModel``: a ViT encoder (32 x 32 images, patch 8: 17 positions, 64 wide,
+    2 layers) and a GPT-2 decoder that cross-attends (64 wide, 2 layers, 4 heads, vocab 1000,
+    128 positions); decoder_start = bos 1, eos 2, pad 0.  Init 0.05 plus N(0, 0.05) noise (the
+    encoder-decoder setting of model_builders: tiny random ones collapse otherwise).
+    ``preprocessor_config.json``: ``ViTImageProcessor`` (32 x 32, bilinear, mean and std 0.5).
+``vit-gpt2-optimum``
+    ``optimum-cli export onnx --task image-to-text-with-past``: ``encoder_model.onnx``
+    (``pixel_values [B, 3, 32, 32]`` -> ``last_hidden_state [B, 17, 64]``) and
+    ``decoder_model_merged.onnx`` (``input_ids``, ``encoder_hidden_states``,
+    ``past_key_values.N.key/.value``, ``use_cache_branch``: no cross cache, GPT-2 recomputes
+    cross-attention from encoder_hidden_states every step).
 
 Runs in a worker subprocess (``python vision_builders.py --build-into TMP``); no import-time side
 effects; torch / transformers / onnx imported lazily.
@@ -42,7 +55,9 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 
-VISION_DIRS = {"hf/qwen2vl": "hf/qwen2vl", "qwen2vl-onnx": "qwen2vl-onnx"}
+VISION_DIRS = {"hf/qwen2vl": "hf/qwen2vl", "qwen2vl-onnx": "qwen2vl-onnx",
+               "hf/vit-gpt2": "hf/vit-gpt2", "vit-gpt2-optimum": "vit-gpt2-optimum"}
+VIT_GPT2_INIT = (0.05, 0.05)
 QWEN2VL_IDS = dict(image=990, video=991, vision_start=992, vision_end=993)
 QWEN2VL_PIXELS = dict(min_pixels=64, max_pixels=576, patch_size=2, temporal_patch_size=2, merge_size=2)
 
@@ -203,6 +218,47 @@ def export_qwen2vl(hf_dir, out) -> None:
     mb.copy_hf_files(hf_dir, out)
 
 
+def build_vit_gpt2_hf(out) -> int:
+    """The tiny random ViT + GPT-2 vision-encoder-decoder -> ``save_pretrained(out)`` with its
+    image processor and the tiny tokenizer."""
+    import torch
+    import transformers as tf
+
+    mb = _model_builders()
+    init, noise = VIT_GPT2_INIT
+    encoder = tf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                           image_size=32, patch_size=8, initializer_range=init)
+    decoder = tf.GPT2Config(vocab_size=mb.TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                            add_cross_attention=True, is_decoder=True, bos_token_id=mb.BOS_ID,
+                            eos_token_id=mb.EOS_ID, pad_token_id=mb.PAD_ID, initializer_range=init)
+    config = tf.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = mb.BOS_ID, mb.PAD_ID, mb.EOS_ID
+    torch.manual_seed(mb.SEED)
+    model = tf.VisionEncoderDecoderModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    out = Path(out)
+    model.save_pretrained(out)
+    tf.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(out)
+    mb.build_tokenizer(mb.TINY_VOCAB).save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def export_vit_gpt2(hf_dir, out, tmp) -> None:
+    """optimum's image-to-text-with-past export; the merged decoder and the encoder kept."""
+    from optimum.exporters.onnx import main_export
+
+    main_export(str(hf_dir), output=str(tmp), task="image-to-text-with-past", library_name="transformers",
+                local_files_only=True, do_validation=False)
+    mb = _model_builders()
+    mb.copy_hf_files(hf_dir, out)
+    for name in ("encoder_model.onnx", "decoder_model_merged.onnx"):
+        shutil.copy2(Path(tmp) / name, Path(out) / name)
+        mb.cap_ir_version(Path(out) / name)
+    shutil.rmtree(tmp)
+
+
 def build_all(root, progress=print) -> dict[str, Path]:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -215,6 +271,10 @@ def build_all(root, progress=print) -> dict[str, Path]:
     t0 = time.time()
     export_qwen2vl(root / "hf" / "qwen2vl", root / "qwen2vl-onnx")
     progress(f"[test-models] qwen2vl-onnx     {time.time() - t0:6.1f}s")
+    t0 = time.time()
+    n = build_vit_gpt2_hf(root / "hf" / "vit-gpt2")
+    export_vit_gpt2(root / "hf" / "vit-gpt2", root / "vit-gpt2-optimum", root / "tmp-vit-gpt2")
+    progress(f"[test-models] vit-gpt2         {time.time() - t0:6.1f}s  ({n} params)")
     return {k: root / v for k, v in VISION_DIRS.items()}
 
 
