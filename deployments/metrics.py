@@ -55,6 +55,9 @@ class DecoderMetrics:
                       registry=r)).set_function(lambda: batcher.waiting)
             one(Gauge("raymuter:batch_occupancy", "Share of the decoder's slots in use (0-1).", labels,
                       registry=r)).set_function(lambda: batcher.occupied / batcher.slots)
+            one(Gauge("raymuter:kv_cache_usage_perc", "Share of the KV cache in use (0-1): each slot owns its "
+                      "rows, so the share of slots held.", labels,
+                      registry=r)).set_function(lambda: batcher.occupied / batcher.slots)
             one(Gauge("raymuter:num_slots", "The decoder's batch slots.", labels,
                       registry=r)).set_function(lambda: batcher.slots)
 

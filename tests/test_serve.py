@@ -332,7 +332,8 @@ def test_metrics_count_the_requests_sent(serve_apps):
     assert metric(after, "raymuter:generation_tokens_total") - metric(before, "raymuter:generation_tokens_total") == 24
     assert metric(after, "raymuter:inter_token_latency_seconds_count") - \
         metric(before, "raymuter:inter_token_latency_seconds_count") == 18
-    for gauge in ["raymuter:num_requests_running", "raymuter:num_requests_waiting", "raymuter:batch_occupancy"]:
+    for gauge in ["raymuter:num_requests_running", "raymuter:num_requests_waiting", "raymuter:batch_occupancy",
+                  "raymuter:kv_cache_usage_perc"]:
         assert re.search(rf'^{re.escape(gauge)}{{model_name="fake"}} ', after, re.M), gauge
     assert 'raymuter:http_requests_total{route="/fake/v1/completions",status="200"}' in after \
         or 'raymuter:http_requests_total{route="/v1/completions",status="200"}' in after
