@@ -53,6 +53,7 @@ class AppConfig(BaseModel):
     variant: str | None = None
     settings: dict[str, Any] = Field(default_factory=dict)  # defaults for every request
     api_key: str | None = None  # a bearer token every route but /health requires; or RAYMUTER_API_KEY
+    allow_remote_images: bool = False  # fetch http(s) image URLs of chat messages (data URLs always work)
     max_body_bytes: int = Field(default=25 * 2**20, ge=1024)
     stream_interval_ms: float = Field(default=10.0, ge=0, le=1000)  # a stream's chunks at most this often
     # (the first at once; the tokens made meanwhile travel together: fewer messages through Ray
@@ -135,6 +136,26 @@ class Encoder:
         return self.service.metrics.text()
 
 
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
+class Vision:
+    """A vision-language model's image preprocessing and vision encoder
+    (deployments.vision.VisionService), features cached by image content. Its replies go to the
+    decoder unopened."""
+
+    def __init__(self, config: dict):
+        from .vision import VisionService
+
+        cfg = AppConfig(**config)
+        self.service = VisionService(cfg.model, cfg.name, threads=cfg.threads, provider=cfg.provider,
+                                     variant=cfg.variant)
+
+    def encode_image(self, data: bytes, name: str = "image"):
+        return self.service.encode_image(data, name)
+
+    def metrics(self) -> str:
+        return self.service.metrics.text()
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024, health_check_period_s=2,
                   health_check_timeout_s=10)
 class Decoder:
@@ -164,16 +185,16 @@ class Decoder:
                 max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
                 stream_interval=cfg.stream_interval_ms / 1000, **cfg.settings)
 
-    async def generate(self, request: GenerateRequest, encoded=None) -> GenerateResponse:
+    async def generate(self, request: GenerateRequest, encoded=None, *images) -> GenerateResponse:
         try:
-            return await self.generator.generate(request, encoded)
+            return await self.generator.generate(request, encoded, images)
         except (RequestError, Overloaded) as e:  # the client's problem: an answer, not a replica error log
             return GenerateResponse(text="", token_ids=[], finish_reason="rejected", prompt_tokens=0,
                                     completion_tokens=0, **_refusal(e))
 
-    async def stream(self, request: GenerateRequest, encoded=None):
+    async def stream(self, request: GenerateRequest, encoded=None, *images):
         try:
-            async for chunk in self.generator.stream(request, encoded):
+            async for chunk in self.generator.stream(request, encoded, images):
                 yield chunk
         except (RequestError, Overloaded) as e:
             yield GenerateChunk(finish_reason="rejected", **_refusal(e))
@@ -224,9 +245,11 @@ async def _api_error(request: Request, error: ApiError):
 class Ingress:
     """HTTP routes and the Python handle API over the decoder."""
 
-    def __init__(self, decoder: DeploymentHandle, config: dict, encoder: DeploymentHandle | None = None):
+    def __init__(self, decoder: DeploymentHandle, config: dict, encoder: DeploymentHandle | None = None,
+                 vision: DeploymentHandle | None = None):
         cfg = AppConfig(**config)
-        self.decoder, self.encoder = decoder, encoder
+        self.decoder, self.encoder, self.vision = decoder, encoder, vision
+        self.allow_remote_images = cfg.allow_remote_images
         self._decoder_stream = decoder.options(stream=True)
         self.api_key = cfg.api_key or os.environ.get("RAYMUTER_API_KEY") or None
         self.max_body = cfg.max_body_bytes
@@ -287,11 +310,12 @@ class Ingress:
             parts.append(await asyncio.wait_for(self.decoder.metrics.remote(), timeout=5))
         except Exception as e:  # noqa: BLE001 - the ingress's own metrics still come back
             parts.append(f"# decoder metrics unavailable: {type(e).__name__}\n")
-        if self.encoder is not None:
-            try:
-                parts.append(await asyncio.wait_for(self.encoder.metrics.remote(), timeout=5))
-            except Exception as e:  # noqa: BLE001
-                parts.append(f"# encoder metrics unavailable: {type(e).__name__}\n")
+        for name, handle in (("encoder", self.encoder), ("vision", self.vision)):
+            if handle is not None:
+                try:
+                    parts.append(await asyncio.wait_for(handle.metrics.remote(), timeout=5))
+                except Exception as e:  # noqa: BLE001
+                    parts.append(f"# {name} metrics unavailable: {type(e).__name__}\n")
         return PlainTextResponse("".join(parts), media_type="text/plain; version=0.0.4")
 
     @api.post("/v1/completions")
@@ -498,9 +522,61 @@ class Ingress:
                            param="messages")
         return self.encoder.encode_text.remote([request.prompt])
 
+    async def _images(self, request: GenerateRequest) -> list:
+        """The Vision deployment's replies for the images of a chat request, in order (the
+        decoder opens them). Data URLs always; http(s) URLs when allow_remote_images."""
+        if request.messages is None:
+            return []
+        replies = []
+        for i, message in enumerate(request.messages):
+            if not isinstance(message.content, list):
+                continue
+            for j, part in enumerate(message.content):
+                if part.get("type") != "image_url":
+                    continue
+                field = f"messages.{i}.content.{j}.image_url"
+                if self.vision is None:
+                    raise ApiError(400, f"{field}: this model takes no images", param=field)
+                url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) \
+                    else part.get("image_url")
+                data = await self._image_bytes(url, field)
+                replies.append(self.vision.encode_image.remote(data, field))
+        return replies
+
+    async def _image_bytes(self, url, field: str) -> bytes:
+        import base64
+        import binascii
+
+        if not isinstance(url, str) or not url:
+            raise ApiError(400, f"{field}: give the image as {{\"url\": \"data:image/png;base64,...\"}}", param=field)
+        if url.startswith("data:"):
+            head, _, payload = url.partition(",")
+            if not head.endswith(";base64"):
+                raise ApiError(400, f"{field}: a data URL must be base64 (data:image/...;base64,...)", param=field)
+            try:
+                return base64.b64decode(payload, validate=True)
+            except (binascii.Error, ValueError):
+                raise ApiError(400, f"{field}: the data URL's base64 does not decode", param=field) from None
+        if url.startswith(("http://", "https://")):
+            if not self.allow_remote_images:
+                raise ApiError(400, f"{field}: remote image URLs are off on this server (allow_remote_images); "
+                                    "send the image as a data URL", param=field)
+            import httpx
+
+            try:
+                async with httpx.AsyncClient(timeout=10, follow_redirects=True) as client:
+                    response = await client.get(url)
+                    response.raise_for_status()
+            except httpx.HTTPError as e:
+                raise ApiError(400, f"{field}: could not fetch the image: {e}", param=field) from None
+            if len(response.content) > self.max_body:
+                raise ApiError(413, f"{field}: the image has {len(response.content)} bytes; at most {self.max_body}")
+            return response.content
+        raise ApiError(400, f"{field}: an image URL is a data: URL or http(s)://, not {url[:40]!r}", param=field)
+
     async def _chunks(self, request: GenerateRequest):
         """The decoder's stream, its failures as ApiErrors."""
-        stream = self._decoder_stream.stream.remote(request, self._encoded(request))
+        stream = self._decoder_stream.stream.remote(request, self._encoded(request), *(await self._images(request)))
         try:
             while True:
                 try:
@@ -519,7 +595,8 @@ class Ingress:
             stream.cancel()
 
     async def _generate(self, request: GenerateRequest) -> GenerateResponse:
-        result = await self._call(self.decoder.generate.remote(request, self._encoded(request)))
+        result = await self._call(self.decoder.generate.remote(request, self._encoded(request),
+                                                               *(await self._images(request))))
         refused = _refused(result)
         if refused is not None:
             raise refused
@@ -542,7 +619,22 @@ def build(args: dict | None = None):
     if cfg.engine == "onnx" and _is_encoder_decoder(cfg.model):
         encoder = Encoder.bind(config)
         return Ingress.bind(decoder.bind(config, encoder), config, encoder)
+    if cfg.engine == "onnx" and _has_vision_encoder(cfg.model):
+        return Ingress.bind(decoder.bind(config), config, None, Vision.bind(config))
     return Ingress.bind(decoder.bind(config), config)
+
+
+def _has_vision_encoder(model: str | None) -> bool:
+    """A vision-language folder (onnx-community layout): onnx/vision_encoder*.onnx."""
+    from pathlib import Path
+
+    if model is None:
+        return False
+    if not Path(model).is_dir():
+        from huggingface_hub import list_repo_files
+
+        return any(Path(f).name.startswith("vision_encoder") for f in list_repo_files(model))
+    return any(Path(model).glob("onnx/vision_encoder*.onnx")) or any(Path(model).glob("vision_encoder*.onnx"))
 
 
 def _is_encoder_decoder(model: str | None) -> bool:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 import generation
+import numpy as np
 from generation.generate import check_prompts, check_seeds
 from generation.state import row_tokens
 
@@ -343,13 +344,21 @@ class ContinuousBatcher:
 
 
 def _joined(encoders: list):
-    """One EncoderOutputs of the requests' rows (None for a decoder-only model)."""
-    if encoders[0] is None:
+    """The requests' encoder outputs (EncoderOutputs) or images (PromptImages) as one batch's;
+    None when no request has any."""
+    if all(e is None for e in encoders):
         return None
     from generation.seq2seq import EncoderOutputs
+    from generation.vision import PromptImages
 
-    ids = None if encoders[0].source_ids is None else [i for e in encoders for i in e.source_ids]
-    return EncoderOutputs([h for e in encoders for h in e.hidden], ids)
+    if isinstance(encoders[0], EncoderOutputs):
+        ids = None if encoders[0].source_ids is None else [i for e in encoders for i in e.source_ids]
+        return EncoderOutputs([h for e in encoders for h in e.hidden], ids)
+    if any(e is None for e in encoders):  # text-only requests beside image ones: no features, index positions
+        token = next(e for e in encoders if e is not None).image_token_id
+        encoders = [e or PromptImages([np.zeros((0, 1), np.float32)], [None], token) for e in encoders]
+    return PromptImages([f for e in encoders for f in e.features], [p for e in encoders for p in e.positions],
+                        encoders[0].image_token_id)
 
 
 def _logprobs_of(out, row: int) -> tuple:

@@ -81,7 +81,10 @@ class TextGenerator:
                         special_tokens(model.folder), max_logprobs,
                         "encoder-decoder" if model.is_seq2seq else "decoder", stream_interval)
         generator.defaults = dict(settings)
+        generator.takes_images = model.vision_session is not None
         return generator
+
+    takes_images = False
 
     defaults: dict = {}
 
@@ -97,16 +100,23 @@ class TextGenerator:
         self.batcher.close()
 
     # -- a request ---------------------------------------------------------------------------
-    def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        """The prompt's token ids: ids as given, text tokenized, messages through the template."""
+    def prompt_ids(self, request: GenerateRequest, images=()):
+        """The prompt's token ids: ids as given, text tokenized, messages through the template.
+        With `images` (the features of the messages' image parts, in order), the ids and the
+        PromptImages that place the features."""
         if request.messages is not None:
             from generation.chat import ChatTemplateError, render_chat
 
-            messages = [_plain(m.model_dump(exclude_none=True), i) for i, m in enumerate(request.messages)]
+            messages = [_plain(m.model_dump(exclude_none=True), i, self.takes_images)
+                        for i, m in enumerate(request.messages)]
             try:
                 text = render_chat(self.template, messages, self.special_tokens)
             except ChatTemplateError as e:
                 raise RequestError(str(e), "messages") from None
+            if self.takes_images:
+                from .vision import prompt_images
+
+                return prompt_images(self.batcher.ctx.model, self.tokenizer, text, list(images))
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         if isinstance(request.prompt, str):
             if not request.prompt:
@@ -114,7 +124,7 @@ class TextGenerator:
             return self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens).ids
         return list(request.prompt)
 
-    def submit(self, request: GenerateRequest, encoder=None):
+    def submit(self, request: GenerateRequest, encoder=None, images=()):
         """Check and queue a request: (batcher request, prompt ids). Bad input raises
         RequestError naming the field; a full queue raises Overloaded. An encoder-decoder
         model's request comes with its source's encoder outputs (`encoder`); its decoder prompt
@@ -126,7 +136,9 @@ class TextGenerator:
 
             prompt = [decoder_start(self.batcher.ctx)]
         else:
-            prompt = self.prompt_ids(request)
+            prompt = self.prompt_ids(request, images)
+            if isinstance(prompt, tuple):  # a vision-language prompt: its images go where an encoder's outputs go
+                prompt, encoder = prompt
         if not prompt:
             raise RequestError("the prompt has no tokens", "prompt")
         if request.logprobs is not None and request.logprobs > self.max_logprobs:
@@ -148,10 +160,10 @@ class TextGenerator:
             raise RequestError(str(e), _field_of(str(e))) from None
         return handle, prompt
 
-    async def stream(self, request: GenerateRequest, encoder=None):
+    async def stream(self, request: GenerateRequest, encoder=None, images=()):
         """GenerateChunks as the tokens come; the last one carries finish_reason and counts. A
         consumer that stops early (a client that went away) cancels the request."""
-        handle, prompt = self.submit(request, encoder)
+        handle, prompt = self.submit(request, encoder, images)
         arrived = time.perf_counter()
         stops = list(request.settings.get("stop_strings") or [])
         if isinstance(request.settings.get("stop_strings"), str):
@@ -186,10 +198,10 @@ class TextGenerator:
         yield GenerateChunk(text=visible[sent:], finish_reason=completion.finish_reason, error=completion.error,
                             prompt_tokens=len(prompt), completion_tokens=len(completion.tokens))
 
-    async def generate(self, request: GenerateRequest, encoder=None) -> GenerateResponse:
+    async def generate(self, request: GenerateRequest, encoder=None, images=()) -> GenerateResponse:
         """The whole generation at once."""
         text, ids, logprobs, last = [], [], [], None
-        async for chunk in self.stream(request, encoder):
+        async for chunk in self.stream(request, encoder, images):
             text.append(chunk.text)
             ids += chunk.token_ids
             logprobs += chunk.logprobs or []
@@ -245,9 +257,11 @@ class TextGenerator:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
 
-def _plain(message: dict, index: int) -> dict:
-    """A message for the template: list content joins its text parts (images are the vision
-    path's; this decoder refuses them by name)."""
+def _plain(message: dict, index: int, takes_images: bool = False) -> dict:
+    """A message for the template: list content joins its text parts, and an image part
+    becomes the image mark where the model takes images (a text-only model refuses it by name)."""
+    from .vision import IMAGE_MARK
+
     content = message.get("content")
     if isinstance(content, list):
         texts = []
@@ -255,9 +269,12 @@ def _plain(message: dict, index: int) -> dict:
             kind = part.get("type")
             if kind == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
+            elif kind == "image_url" and takes_images:
+                texts.append(IMAGE_MARK)
             else:
-                raise RequestError(f"messages[{index}].content[{j}]: this model takes text parts only, not {kind!r}",
-                                   f"messages.{index}.content.{j}")
+                allowed = "text and image_url" if takes_images else "text"
+                raise RequestError(f"messages[{index}].content[{j}]: this model takes {allowed} parts only, "
+                                   f"not {kind!r}", f"messages.{index}.content.{j}")
         message = {**message, "content": "".join(texts)}
     return message
 

@@ -138,8 +138,9 @@ def load_model():
 class ServeApps:
     """The test session's Ray Serve: a real-engine app at `real` (the tiny llama-genai model),
     fake-engine apps (deployments.fake, outputs known) at `fake` and `guarded` (an API key, a
-    small queue and body limit), and encoder-decoder apps at `translate` (tiny Marian) and
-    `speech` (tiny Whisper: 2 s windows), each with an Encoder deployment."""
+    small queue and body limit), encoder-decoder apps at `translate` (tiny Marian) and
+    `speech` (tiny Whisper: 2 s windows), each with an Encoder deployment, and a
+    vision-language app at `vision` (tiny Qwen2-VL) with a Vision deployment."""
 
     def __init__(self, port: int, real_model: Path):
         self.port, self.real_model = port, real_model
@@ -184,5 +185,9 @@ def serve_apps(test_models):
     serve.run(build(dict(model=str(s2s["whisper-optimum"]), name="whisper", slots=4, threads=1)), name="speech",
               route_prefix="/speech")
     apps.translate, apps.speech = apps.url + "/translate", apps.url + "/speech"
+    apps.vl = model_builders.ensure_test_models(vision=True)
+    serve.run(build(dict(model=str(apps.vl["qwen2vl-onnx"]), name="qwen", slots=4, threads=1,
+                         settings={"max_new_tokens": 10})), name="vision", route_prefix="/vision")
+    apps.vision = apps.url + "/vision"
     yield apps
     ray.shutdown()

@@ -274,7 +274,7 @@ def test_each_bad_completion_gets_its_4xx_naming_the_field(serve_apps, body, sta
 def test_bad_chat_and_bodies(serve_apps):
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
     out = httpx.post(serve_apps.fake + "/v1/chat/completions", json=dict(model="fake", messages=[image]), timeout=30)
-    assert out.status_code == 400 and out.json()["error"]["param"] == "messages.0.content.0"
+    assert out.status_code == 400 and out.json()["error"]["param"] == "messages.0.content.0.image_url"
     out = httpx.post(serve_apps.fake + "/v1/chat/completions", json=dict(model="fake", messages=[]), timeout=30)
     assert out.status_code == 400 and out.json()["error"]["param"] == "messages"
     out = httpx.post(serve_apps.fake + "/v1/completions", content=b"{not json", timeout=30)
