@@ -237,6 +237,9 @@ class ContinuousBatcher:
                     if out.finished[slot]:
                         reason = "length" if len(request._tokens) >= request.max_new else "stop"
                         self._end(state, holder, slot, reason, started)
+                # Let the threads that forward these tokens run now: a small model's steps are
+                # mostly Python, and without this they wait for the GIL's 5 ms switch interval.
+                time.sleep(0)
             except Exception as e:  # noqa: BLE001 - every held request learns why, none hangs
                 for slot, request in list(holder.items()):
                     request._finish(request._tokens, "error", f"{type(e).__name__}: {e}", started.get(slot))
@@ -320,6 +323,8 @@ class ContinuousBatcher:
             started[slot] = now
             if first.token[j] >= 0:
                 request._emit(int(first.token[j]), *_logprobs_of(first, j))
+        time.sleep(0)  # the first tokens go out before the next step (see _loop)
+        for j, (slot, request) in enumerate(zip(slots, batch)):
             if first.finished[j]:  # ended at its first token: the slot stayed free
                 reason = "length" if len(request._tokens) >= request.max_new else "stop"
                 request._finish(request._tokens, reason, started=now)
