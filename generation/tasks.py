@@ -236,27 +236,47 @@ def _timestamped(ctx: Context, segments: list[Segment]) -> TaskResult:
 
 
 def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[TaskResult]:
-    """Answer each prompt of a Qwen2-VL model: a list of parts, in order, each a text (tokenized
-    without special tokens), a list of token ids, or an image (a PIL image, an [H, W, 3] uint8
-    array, encoded bytes, or a pathlib.Path). An image becomes <|vision_start|>, one image token
-    per feature, <|vision_end|>, as the chat template and the processor of transformers write it;
-    its pixels are preprocessed as Qwen2VLImageProcessor does (`generation.images`). Tokens,
-    text and log-probabilities are what transformers 4.57 generate gives with every setting of
-    the context (beam search included).
+    """Answer each prompt of a Qwen2-VL or Idefics3 (SmolVLM) model: a list of parts, in order,
+    each a text (tokenized without special tokens), a list of token ids, or an image (a PIL
+    image, an [H, W, 3] uint8 array, encoded bytes, or a pathlib.Path). Tokens, text and
+    log-probabilities are what transformers 4.57 generate gives with every setting of the
+    context (beam search included), the prompt being what the model's processor makes of the
+    text with an image placeholder where each image is:
 
-    encode: (pixel_values [patches, C*T*P*P], image_grid_thw [n, 3]) -> features [tokens, hidden]
-    of the batch's images in order (default: this model's vision encoder, `vision.encode_images`);
-    a server runs it in its own deployment and caches features by image content.
+    - Qwen2-VL: an image becomes <|vision_start|>, one image token per feature, <|vision_end|>;
+      pixels as Qwen2VLImageProcessor (`generation.images`), M-RoPE positions.
+      encode: (pixel_values [patches, C*T*P*P], image_grid_thw [n, 3]) -> features [tokens, hidden]
+      (default `vision.encode_images`).
+    - Idefics3: an image becomes Idefics3Processor's expansion of <image> (frames with row and
+      column tokens, then the global image), tokenized; pixels as Idefics3ImageProcessor
+      (`generation.idefics3`). encode: pixel_values [frames, 3, F, F] -> features
+      [frames * image_seq_len, hidden] (default `idefics3.encode_frames`).
+
+    encode runs the batch's images in order; a server runs it in its own deployment and caches
+    features by image content.
     """
-    from .images import load_image, qwen2vl_pixels
-    from .vision import PromptImages, VisionTokens, encode_images, rope_positions, split_features
-
     model = ctx.model
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts, each a list of texts, token id lists and images")
     if encode is not None and not callable(encode):
-        raise ValueError(f"encode must be a function of (pixel_values, image_grid_thw), not {encode!r}")
-    images, layout = [], []  # layout: per prompt, its parts as ("text", ids) or ("image", index)
+        raise ValueError(f"encode must be a function of the images' pixel values, not {encode!r}")
+    layout, images = _prompt_parts(model, prompts)
+    if not images:
+        ids = [[t for _, part in parts for t in part] for parts in layout]
+        return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds)]
+    if model.config.get("model_type") == "idefics3":
+        ids, inputs = _idefics3_inputs(ctx, layout, images, encode)
+    else:
+        ids, inputs = _qwen2vl_inputs(ctx, layout, images, encode)
+    return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds, encoder=inputs)]
+
+
+def _prompt_parts(model, prompts) -> tuple[list[list[tuple[str, object]]], list[np.ndarray]]:
+    """Per prompt its parts as ("text", ids) or ("image", index into the images), and the images
+    (RGB uint8 arrays) of all prompts in order."""
+    from .images import load_image
+
+    images, layout = [], []
     tokenizer = None
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, (list, tuple)):
@@ -276,26 +296,63 @@ def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[T
                 images.append(load_image(part, f"prompts[{i}][{j}]"))
                 parts.append(("image", len(images) - 1))
         layout.append(parts)
-    if not images:
-        ids = [[t for _, part in parts for t in part] for parts in layout]
-        return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds)]
+    return layout, images
+
+
+def _check_image_tokens(ids, token: int, expected: int, images: int) -> None:
+    given = sum(int(np.count_nonzero(np.array(p, np.int64) == token)) for p in ids)
+    if given != expected:
+        raise ValueError(f"the prompts hold {given} image tokens (id {token}) for {images} images of "
+                         f"{expected} features: a token id list holds image tokens of no image")
+
+
+def _check_features(features, expected: int, what: str) -> np.ndarray:
+    features = np.asarray(features)
+    if features.ndim != 2:
+        raise ValueError(f"the vision encoder gave features of shape {features.shape}; expected [tokens, hidden]")
+    if len(features) != expected:
+        raise ValueError(f"the vision encoder gave {len(features)} features for {expected} image tokens ({what})")
+    return features
+
+
+def _qwen2vl_inputs(ctx: Context, layout, images, encode):
+    from .images import qwen2vl_pixels
+    from .vision import PromptImages, VisionTokens, encode_images, rope_positions, split_features
+
+    model = ctx.model
     tokens = VisionTokens.of(model.config)
     pixel_values, grids = qwen2vl_pixels(images, _preprocessor(ctx))
     counts = (grids.prod(axis=1) // tokens.merge ** 2).tolist()
     ids = [[t for kind, part in parts
             for t in (part if kind == "text" else [tokens.vision_start] + [tokens.image] * counts[part] + [tokens.vision_end])]
            for parts in layout]
-    given = sum(int(np.count_nonzero(np.array(p, np.int64) == tokens.image)) for p in ids)
-    if given != sum(counts):
-        raise ValueError(f"the prompts hold {given} image tokens (id {tokens.image}) for {len(images)} images of "
-                         f"{sum(counts)} features: a token id list holds image tokens of no image")
+    _check_image_tokens(ids, tokens.image, sum(counts), len(images))
     features = (encode or (lambda p, g: encode_images(model, p, g)))(pixel_values, grids)
-    if len(features) != sum(counts):
-        raise ValueError(f"the vision encoder gave {len(features)} features for {sum(counts)} image tokens "
-                         f"(images of grids {grids.tolist()})")
+    features = _check_features(features, sum(counts), f"images of grids {grids.tolist()}")
     positions, _ = rope_positions(ids, tokens, image_grids=grids)
-    inputs = PromptImages(split_features(ids, np.asarray(features), tokens.image), positions, tokens.image)
-    return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds, encoder=inputs)]
+    return ids, PromptImages(split_features(ids, features, tokens.image), positions, tokens.image)
+
+
+def _idefics3_inputs(ctx: Context, layout, images, encode):
+    import json
+
+    from .idefics3 import encode_frames, idefics3_pixels, image_prompt, image_seq_len
+    from .vision import PromptImages, split_features
+
+    model = ctx.model
+    path = model.folder / "processor_config.json"
+    seq_len = image_seq_len(model, json.loads(path.read_text()) if path.exists() else {})
+    pixel_values, grids = idefics3_pixels(images, _preprocessor(ctx))
+    tokenizer = model_tokenizer(model)
+    expanded = [tokenizer.encode(image_prompt(rows, cols, seq_len), add_special_tokens=False).ids
+                for rows, cols in grids]
+    token = model.config["image_token_id"]
+    ids = [[t for kind, part in parts for t in (part if kind == "text" else expanded[part])] for parts in layout]
+    _check_image_tokens(ids, token, len(pixel_values) * seq_len, len(images))
+    features = (encode or (lambda p: encode_frames(model, p)))(pixel_values)
+    features = _check_features(features, len(pixel_values) * seq_len,
+                               f"{len(pixel_values)} frames of {seq_len} tokens")
+    return ids, PromptImages(split_features(ids, features, token), [None] * len(ids), token)
 
 
 def image_to_text(ctx: Context, images, seeds=None, encode=None) -> list[TaskResult]:

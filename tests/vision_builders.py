@@ -12,7 +12,8 @@ and the package versions):
     (2 KV heads) of 16, M-RoPE sections [2, 3, 3], vocab 1000; vision 2 blocks 32 wide, 2 heads,
     patch 2, temporal patch 2, spatial merge 2 (an image of H x W pixels after the resize gives
     H*W/16 image tokens).  Image / video / vision_start / vision_end tokens 990 / 991 / 992 / 993
-    (:data:`QWEN2VL_IDS`).  Init 0.3 plus N(0, 0.1) noise on every parameter.  Also
+    (:data:`QWEN2VL_IDS`; the tokenizer's ``<|image_pad|>``, ``<|video_pad|>``, ``<|vision_start|>``,
+    ``<|vision_end|>``, then ``<|im_start|>`` / ``<|im_end|>``; Qwen2-VL's chat template).  Init 0.3 plus N(0, 0.1) noise on every parameter.  Also
     ``preprocessor_config.json`` (``Qwen2VLImageProcessor``: patch 2, merge 2, min_pixels 64,
     max_pixels 576: images resize to 8-24 pixels a side) and the tiny byte-level tokenizer.
 ``qwen2vl-onnx``
@@ -31,6 +32,18 @@ and the package versions):
     128 positions); decoder_start = bos 1, eos 2, pad 0.  Init 0.05 plus N(0, 0.05) noise (the
     encoder-decoder setting of model_builders: tiny random ones collapse otherwise).
     ``preprocessor_config.json``: ``ViTImageProcessor`` (32 x 32, bilinear, mean and std 0.5).
+``hf/idefics3``
+    ``Idefics3ForConditionalGeneration`` (SmolVLM's architecture): Llama text 64 wide, 2 layers,
+    4 heads (2 KV heads), vocab 1000; vision 2 layers 32 wide, frames of 32 pixels, patch 4,
+    scale factor 2 (16 image tokens a frame).  Its processor: ``Idefics3ImageProcessor`` (longest
+    edge 64, frames of 32, splitting: up to 2 x 2 frames + the global one), image_seq_len 16,
+    SmolVLM's chat template; the tokenizer's last 41 ids are its special tokens
+    (:data:`IDEFICS3_TOKENS`: ``<image>`` = 960).  Init 0.3 plus N(0, 0.1) noise.
+``idefics3-onnx``
+    ``onnx/embed_tokens.onnx``, ``onnx/vision_encoder.onnx`` (``pixel_values [frames, 3, 32,
+    32]`` -> ``image_features [frames, 16, 64]``; transformers' bucketized patch positions as a
+    constant), ``onnx/decoder_model_merged.onnx`` (``inputs_embeds``, ``attention_mask``,
+    ``position_ids [B, S]``, pasts).  Meta files at the root.
 ``vit-gpt2-optimum``
     ``optimum-cli export onnx --task image-to-text-with-past``: ``encoder_model.onnx``
     (``pixel_values [B, 3, 32, 32]`` -> ``last_hidden_state [B, 17, 64]``) and
@@ -56,10 +69,39 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 
 VISION_DIRS = {"hf/qwen2vl": "hf/qwen2vl", "qwen2vl-onnx": "qwen2vl-onnx",
-               "hf/vit-gpt2": "hf/vit-gpt2", "vit-gpt2-optimum": "vit-gpt2-optimum"}
+               "hf/vit-gpt2": "hf/vit-gpt2", "vit-gpt2-optimum": "vit-gpt2-optimum",
+               "hf/idefics3": "hf/idefics3", "idefics3-onnx": "idefics3-onnx"}
 VIT_GPT2_INIT = (0.05, 0.05)
 QWEN2VL_IDS = dict(image=990, video=991, vision_start=992, vision_end=993)
 QWEN2VL_PIXELS = dict(min_pixels=64, max_pixels=576, patch_size=2, temporal_patch_size=2, merge_size=2)
+# Qwen2-VL's special tokens at the ids above (a BPE of 990 ids, then these), and its chat
+# template (Qwen2-VL-2B-Instruct's)
+QWEN2VL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>")
+QWEN2VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+# Idefics3 (SmolVLM): frames of 32 x 32 pixels, patch 4, scale factor 2 -> 16 image tokens a
+# frame; images resize to a longest edge of 64, so each splits into up to 2 x 2 frames + the
+# global one.  Its tokens end the vocabulary (a BPE of 1000 - len(IDEFICS3_TOKENS) ids, then these).
+IDEFICS3_FRAME, IDEFICS3_SEQ_LEN = 32, 16
+IDEFICS3_TOKENS = (("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", "<|im_start|>")
+                   + tuple(f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)))
+IDEFICS3_PIXELS = dict(size={"longest_edge": 2 * IDEFICS3_FRAME}, max_image_size={"longest_edge": IDEFICS3_FRAME},
+                       do_image_splitting=True)
+# SmolVLM-256M-Instruct's chat template
+IDEFICS3_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]['type'] == "
+    "'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}"
+    "{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 
 
 def _model_builders():
@@ -106,8 +148,24 @@ def build_qwen2vl_hf(out) -> int:
     out = Path(out)
     model.save_pretrained(out)
     tf.Qwen2VLImageProcessor(**QWEN2VL_PIXELS).save_pretrained(out)
-    mb.build_tokenizer(mb.TINY_VOCAB).save_pretrained(out)
+    tokenizer = special_tokenizer(QWEN2VL_TOKENS, QWEN2VL_IDS["image"])
+    tokenizer.chat_template = QWEN2VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
+
+
+def special_tokenizer(tokens, first: int):
+    """The tiny byte-level BPE of `first` ids, then `tokens` as special tokens (ids first, first
+    + 1, ...), then fillers up to the tiny vocabulary."""
+    mb = _model_builders()
+    tokenizer = mb.build_tokenizer(first)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    fill = mb.TINY_VOCAB - len(tokenizer)
+    if fill:
+        tokenizer.add_tokens([f"<vl_extra_{i}>" for i in range(fill)])
+    assert tokenizer.convert_tokens_to_ids(list(tokens)) == list(range(first, first + len(tokens)))
+    assert len(tokenizer) == mb.TINY_VOCAB, len(tokenizer)
+    return tokenizer
 
 
 def export_qwen2vl(hf_dir, out) -> None:
@@ -218,6 +276,140 @@ def export_qwen2vl(hf_dir, out) -> None:
     mb.copy_hf_files(hf_dir, out)
 
 
+def idefics3_ids() -> dict[str, int]:
+    first = _model_builders().TINY_VOCAB - len(IDEFICS3_TOKENS)
+    return {token: first + i for i, token in enumerate(IDEFICS3_TOKENS)}
+
+
+def build_idefics3_hf(out) -> int:
+    """The tiny random Idefics3 (SmolVLM's architecture) -> ``save_pretrained(out)`` with its
+    processor (image processor, tokenizer, image_seq_len, chat template)."""
+    import torch
+    import transformers as tf
+
+    mb = _model_builders()
+    ids = idefics3_ids()
+    common = dict(bos_token_id=mb.BOS_ID, eos_token_id=mb.EOS_ID, pad_token_id=mb.PAD_ID)
+    config = tf.Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=mb.TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, initializer_range=mb.INIT_RANGE, **common),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=IDEFICS3_FRAME, patch_size=4, initializer_range=mb.INIT_RANGE),
+        image_token_id=ids["<image>"], scale_factor=2, **common)
+    torch.manual_seed(mb.SEED)
+    model = tf.Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * mb.PERTURB)
+    model.generation_config = tf.GenerationConfig(**common)
+    out = Path(out)
+    model.save_pretrained(out)
+    tokenizer = special_tokenizer(IDEFICS3_TOKENS, min(ids.values()))
+    tokenizer.chat_template = IDEFICS3_CHAT_TEMPLATE
+    processor = tf.Idefics3Processor(tf.Idefics3ImageProcessor(**IDEFICS3_PIXELS), tokenizer,
+                                     image_seq_len=IDEFICS3_SEQ_LEN, chat_template=IDEFICS3_CHAT_TEMPLATE)
+    processor.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def export_idefics3(hf_dir, out) -> None:
+    """``embed_tokens.onnx`` (ids -> embeddings), ``vision_encoder.onnx`` (``pixel_values
+    [frames, 3, 32, 32]`` -> ``image_features [frames, 16, 64]``: whole frames only, as the image
+    processor makes them; the patch positions are transformers' bucketized ones, a constant for
+    whole frames) and ``decoder_model_merged.onnx`` (``inputs_embeds``, ``attention_mask``,
+    ``position_ids [B, S]``, ``past_key_values.N.key/.value``) into ``out/onnx``; meta files at
+    ``out``."""
+    import torch
+    import transformers as tf
+    from transformers import DynamicCache
+
+    mb = _model_builders()
+    model = tf.Idefics3ForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
+    text = model.config.text_config
+    layers, kv, head_dim = text.num_hidden_layers, text.num_key_value_heads, text.hidden_size // text.num_attention_heads
+
+    class Embed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = model.get_input_embeddings()
+
+        def forward(self, input_ids):
+            return self.embed(input_ids)
+
+    class Vision(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vm, self.connector = model.model.vision_model, model.model.connector
+            side = IDEFICS3_FRAME // model.config.vision_config.patch_size
+            # Idefics3VisionEmbeddings' positions of a whole frame (its bucketize: 0, 0, 1, ..., side - 2
+            # on each axis, not an arange), computed once here as transformers computes them
+            mask = torch.ones(1, side, side, dtype=torch.bool)
+            probe = torch.zeros(1, 3, IDEFICS3_FRAME, IDEFICS3_FRAME)
+            e = self.vm.embeddings
+            calls = []
+            hook = e.position_embedding.register_forward_hook(lambda m, i, o: calls.append(i[0].clone()))
+            e(pixel_values=probe, patch_attention_mask=mask)
+            hook.remove()
+            self.register_buffer("positions", calls[0][0])
+
+        def forward(self, pixel_values):
+            e = self.vm.embeddings
+            x = e.patch_embedding(pixel_values).flatten(2).transpose(1, 2) + e.position_embedding(self.positions)
+            h = self.vm.encoder(inputs_embeds=x, attention_mask=None).last_hidden_state
+            return self.connector(self.vm.post_layernorm(h))
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm, self.head = model.model.text_model, model.lm_head
+
+        def forward(self, inputs_embeds, attention_mask, position_ids, *past):
+            cache = DynamicCache()
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            o = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                        past_key_values=cache, use_cache=True)
+            res = [self.head(o.last_hidden_state)]
+            for i in range(layers):
+                res += [o.past_key_values.layers[i].keys, o.past_key_values.layers[i].values]
+            return tuple(res)
+
+    onnx_dir = Path(out) / "onnx"
+    onnx_dir.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        torch.onnx.export(Embed(), (torch.tensor([[5, 6, 7]]),), str(onnx_dir / "embed_tokens.onnx"), dynamo=False,
+                          input_names=["input_ids"], output_names=["inputs_embeds"],
+                          dynamic_axes={"input_ids": {0: "batch_size", 1: "sequence_length"},
+                                        "inputs_embeds": {0: "batch_size", 1: "sequence_length"}})
+        torch.onnx.export(Vision(), (torch.randn(2, 3, IDEFICS3_FRAME, IDEFICS3_FRAME, generator=g),),
+                          str(onnx_dir / "vision_encoder.onnx"), dynamo=False, input_names=["pixel_values"],
+                          output_names=["image_features"], opset_version=17,
+                          dynamic_axes={"pixel_values": {0: "num_images"}, "image_features": {0: "num_images"}})
+        B, S, P = 2, 5, 3
+        args = [torch.randn(B, S, text.hidden_size, generator=g), torch.ones(B, P + S, dtype=torch.long),
+                torch.arange(P, P + S).view(1, S).expand(B, S).contiguous()]
+        in_names, out_names = ["inputs_embeds", "attention_mask", "position_ids"], ["logits"]
+        for i in range(layers):
+            for name in ("key", "value"):
+                args.append(torch.randn(B, kv, P, head_dim, generator=g))
+                in_names.append(f"past_key_values.{i}.{name}")
+                out_names.append(f"present.{i}.{name}")
+        bs = torch.export.Dim("batch_size", min=1, max=64)
+        sl = torch.export.Dim("sequence_length", min=1, max=1024)
+        pl = torch.export.Dim("past_sequence_length", min=0, max=1024)
+        tl = torch.export.Dim("total_sequence_length", min=1, max=2048)
+        shapes = ({0: bs, 1: sl}, {0: bs, 1: tl}, {0: bs, 1: sl}, tuple([{0: bs, 2: pl}] * (2 * layers)))
+        program = torch.onnx.export(Decoder(), tuple(args), None, dynamo=True, input_names=in_names,
+                                    output_names=out_names, dynamic_shapes=shapes, opset_version=18, optimize=True,
+                                    verbose=False)
+    program.save(str(onnx_dir / "decoder_model_merged.onnx"), external_data=False)
+    for f in onnx_dir.glob("*.onnx"):
+        mb.cap_ir_version(f)
+    mb.copy_hf_files(hf_dir, out)
+
+
 def build_vit_gpt2_hf(out) -> int:
     """The tiny random ViT + GPT-2 vision-encoder-decoder -> ``save_pretrained(out)`` with its
     image processor and the tiny tokenizer."""
@@ -271,6 +463,10 @@ def build_all(root, progress=print) -> dict[str, Path]:
     t0 = time.time()
     export_qwen2vl(root / "hf" / "qwen2vl", root / "qwen2vl-onnx")
     progress(f"[test-models] qwen2vl-onnx     {time.time() - t0:6.1f}s")
+    t0 = time.time()
+    n = build_idefics3_hf(root / "hf" / "idefics3")
+    export_idefics3(root / "hf" / "idefics3", root / "idefics3-onnx")
+    progress(f"[test-models] idefics3         {time.time() - t0:6.1f}s  ({n} params)")
     t0 = time.time()
     n = build_vit_gpt2_hf(root / "hf" / "vit-gpt2")
     export_vit_gpt2(root / "hf" / "vit-gpt2", root / "vit-gpt2-optimum", root / "tmp-vit-gpt2")
