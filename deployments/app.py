@@ -437,7 +437,13 @@ class Ingress:
             raise
 
     async def _whole(self, requests, request_id, model, chat, body) -> dict:
-        results = await asyncio.gather(*(self._generate(r) for r in requests))
+        calls = [asyncio.ensure_future(self._generate(r)) for r in requests]
+        try:
+            results = await asyncio.gather(*calls)
+        except BaseException:
+            for call in calls:  # one choice failed: the others are not waited for
+                call.cancel()
+            raise
         choices = []
         for i, result in enumerate(results):
             if result.finish_reason == "error":
@@ -456,7 +462,12 @@ class Ingress:
 
     async def _sse(self, requests, request_id, model, chat, body) -> StreamingResponse:
         streams = [self._chunks(r) for r in requests]
-        firsts = await asyncio.gather(*(s.__anext__() for s in streams))  # errors before any byte: a 4xx/503
+        try:
+            firsts = await asyncio.gather(*(s.__anext__() for s in streams))  # errors before any byte: a 4xx/503
+        except BaseException:
+            for stream in streams:  # the other choices' decoder requests stop too
+                await stream.aclose()
+            raise
         created = int(time.time())
         usage = (body.stream_options or {}).get("include_usage")
 
