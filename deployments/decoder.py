@@ -211,12 +211,14 @@ class TextGenerator:
                                 logprobs=logprobs if request.logprobs is not None else None, error=last.error)
 
     async def transcribe(self, samples, request: "TranscriptionRequest", encode) -> "Transcription":
-        """Whisper over one clip (16 kHz samples): `generation.tasks.speech_to_text` with the
-        request's language, task, timestamps and settings, on a worker thread; `encode` runs the
-        encoder (the encoder deployment). Long clips decode window after window."""
-        from generation.tasks import speech_to_text
-
+        """Whisper over one clip (16 kHz samples), with the request's language, task, timestamps
+        and settings; `encode` runs the encoder (the encoder deployment). A clip within one
+        window and without timestamps joins the continuous batch like any request; timestamps
+        and long clips (decoded window after window) run `generation.tasks.speech_to_text` on
+        a worker thread."""
         import generation
+        from generation.audio import HOP_LENGTH, SAMPLING_RATE
+        from generation.longform import window_frames
 
         if not self.is_seq2seq:
             raise RequestError(f"model: '{self.name}' does not take audio", "model")
@@ -227,16 +229,14 @@ class TextGenerator:
             ctx = generation.context(self.batcher.ctx.model, **settings)
         except ValueError as e:
             raise RequestError(str(e), _field_of(str(e))) from None
-        from generation.audio import HOP_LENGTH, SAMPLING_RATE
-        from generation.longform import window_frames
-
         long_form = len(samples) > window_frames(ctx) * HOP_LENGTH  # needs timestamps, whatever the format
+        timestamps = request.timestamps or long_form or bool(ctx.model.generation_config.get("return_timestamps"))
         started = time.perf_counter()
         try:
-            result = (await asyncio.to_thread(
-                speech_to_text, ctx, [samples], language=request.language, task=request.task,
-                seeds=[request.seed or 0], return_timestamps=(request.timestamps or long_form) or None,
-                encode=encode))[0]
+            if timestamps:
+                result = await self._speech_to_text(ctx, samples, request, encode)
+            else:
+                result = await self._batched_transcription(ctx, samples, request, settings, encode)
         except ValueError as e:
             raise RequestError(str(e), _field_of(str(e)) or "file") from None
         self.metrics.e2e.observe(time.perf_counter() - started)
@@ -246,6 +246,48 @@ class TextGenerator:
             Segment(id=i, start=s.start, end=s.end, text=s.text, tokens=s.tokens) for i, s in enumerate(result.segments)]
         return Transcription(text=result.text, tokens=result.tokens, segments=segments,
                              duration=len(samples) / SAMPLING_RATE, language=request.language)
+
+    async def _speech_to_text(self, ctx, samples, request, encode):
+        from generation.tasks import speech_to_text
+
+        return (await asyncio.to_thread(speech_to_text, ctx, [samples], language=request.language, task=request.task,
+                                        seeds=[request.seed or 0], return_timestamps=True, encode=encode))[0]
+
+    async def _batched_transcription(self, ctx, samples, request, settings, encode):
+        """speech_to_text's short-form path with the decoding in the batcher: features, the
+        encoder, the prompt (language given or detected), then a batch row."""
+        from generation.audio import whisper_features
+        from generation.longform import run_encoder, window_frames
+        from generation.tasks import TaskResult, whisper_prompts
+
+        def prepare():
+            window = window_frames(ctx)
+            features = whisper_features([samples], n_mels=ctx.model.config.get("num_mel_bins", 80),
+                                        chunk_seconds=window * 160 / 16000)
+            first = run_encoder(encode, features.features[..., :window])
+            return first, whisper_prompts(ctx, first, request.language, request.task, timestamps=False)[0]
+
+        first, prompt = await asyncio.to_thread(prepare)
+        limit = ctx.model.config.get("max_target_positions")
+        new = ctx.settings.max_new_tokens
+        if isinstance(limit, int) and new is not None and new + len(prompt) > limit:
+            raise RequestError(f"max_new_tokens={new} and the {len(prompt)}-token decoder prompt exceed the "
+                               f"decoder's {limit} positions", "max_new_tokens")
+        try:
+            handle = self.batcher.submit(prompt, seed=request.seed or 0, settings=settings, encoder=first)
+        except QueueFull as e:
+            raise Overloaded(str(e)) from None
+        try:
+            async for _ in handle.abatches():
+                pass
+        except (asyncio.CancelledError, GeneratorExit):
+            handle.cancel()
+            raise
+        completion = handle.result(timeout=5)
+        self.metrics.queue.observe(completion.queued_seconds)  # only batched requests wait for a slot
+        if completion.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {completion.error}")
+        return TaskResult(self.tokenizer.decode(completion.tokens, skip_special_tokens=True), completion.tokens)
 
     def _logprob(self, token, top: int) -> TokenLogprob:
         alternatives = None

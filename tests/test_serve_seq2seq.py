@@ -73,6 +73,10 @@ def transcribe(url, data, route="transcriptions", **fields):
 
 
 def test_transcriptions_equal_speech_to_text(serve_apps, whisper):
+    from test_serve import metric
+
+    queued = "raymuter:request_queue_time_seconds_count"
+    before = metric(httpx.get(serve_apps.speech + "/metrics").text, queued)
     data, clip = wav(1.5)
     out = transcribe(serve_apps.speech, data)
     assert out.status_code == 200, out.text
@@ -81,6 +85,8 @@ def test_transcriptions_equal_speech_to_text(serve_apps, whisper):
     assert out.text == speech_to_text(generation.context(whisper), [clip], language="en")[0].text
     out = transcribe(serve_apps.speech, data, route="translations", language="en").json()
     assert out["text"] == speech_to_text(generation.context(whisper), [clip], language="en", task="translate")[0].text
+    # one window, no timestamps: all three went through the decoder's continuous batch
+    assert metric(httpx.get(serve_apps.speech + "/metrics").text, queued) - before == 3
 
 
 def test_timestamps_and_long_form_equal_speech_to_text(serve_apps, whisper):
