@@ -5,6 +5,8 @@
     out = speech_to_text(whisper_ctx, ["clip.wav", samples_16k], language="en")
     out = speech_to_text(whisper_ctx, ["hour.wav"], return_timestamps=True)  # out[0].segments
     out = image_text_to_text(qwen2vl_ctx, [["Describe", image, "in a word."], ["no image"]])
+    out = image_chat(smolvlm_ctx, [[{"role": "user", "content": [{"type": "image", "image": image},
+                                                                 {"type": "text", "text": "What is it?"}]}]])
     out = image_to_text(vit_gpt2_ctx, [image, "photo.png"])              # captions
 
 Each task tokenizes or featurizes its batch, runs the encoder once (`generation.seq2seq`; a
@@ -255,20 +257,55 @@ def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[T
     encode runs the batch's images in order; a server runs it in its own deployment and caches
     features by image content.
     """
+    from .vl_prompts import image_inputs, part_ids, preprocess
+
     model = ctx.model
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts, each a list of texts, token id lists and images")
-    if encode is not None and not callable(encode):
-        raise ValueError(f"encode must be a function of the images' pixel values, not {encode!r}")
+    _check_encode(encode)
     layout, images = _prompt_parts(model, prompts)
     if not images:
         ids = [[t for _, part in parts for t in part] for parts in layout]
         return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds)]
-    if model.config.get("model_type") == "idefics3":
-        ids, inputs = _idefics3_inputs(ctx, layout, images, encode)
-    else:
-        ids, inputs = _qwen2vl_inputs(ctx, layout, images, encode)
+    prepared = preprocess(model, images)
+    ids = part_ids(layout, prepared)
+    inputs = image_inputs(model, ids, prepared, encode)
     return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds, encoder=inputs)]
+
+
+def image_chat(ctx: Context, conversations, seeds=None, encode=None,
+               add_generation_prompt: bool = True) -> list[TaskResult]:
+    """Answer each chat conversation of a Qwen2-VL or Idefics3 model: messages
+    [{"role": ..., "content": text or [{"type": "text", "text": ...}, {"type": "image", "image":
+    <image as image_text_to_text takes it>} or {"type": "image", "path": <file>}, ...]}].
+    The prompt's ids are what transformers 4.57 `processor.apply_chat_template(conversation,
+    add_generation_prompt=..., tokenize=True)` gives with the model folder's chat template;
+    tokens as image_text_to_text. encode: as image_text_to_text's."""
+    from pathlib import Path
+
+    from .images import load_image
+    from .vl_prompts import chat_ids, chat_images, image_inputs, preprocess
+
+    model = ctx.model
+    if not isinstance(conversations, (list, tuple)) or not conversations:
+        raise ValueError("conversations must be a non-empty list of conversations (lists of messages)")
+    _check_encode(encode)
+    found = chat_images(conversations)
+    images = []
+    for image, where in (item for row in found for item in row):
+        if model.vision_session is None:
+            raise ValueError(f"{where} is an image, but {model.folder} is a text-only model (no vision_encoder.onnx): "
+                             "it takes no images")
+        images.append(load_image(Path(image) if isinstance(image, str) else image, where))
+    prepared = preprocess(model, images) if images else None
+    ids = chat_ids(model, conversations, prepared, add_generation_prompt)
+    inputs = image_inputs(model, ids, prepared, encode) if images else None
+    return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds, encoder=inputs)]
+
+
+def _check_encode(encode) -> None:
+    if encode is not None and not callable(encode):
+        raise ValueError(f"encode must be a function of the images' pixel values, not {encode!r}")
 
 
 def _prompt_parts(model, prompts) -> tuple[list[list[tuple[str, object]]], list[np.ndarray]]:
@@ -297,62 +334,6 @@ def _prompt_parts(model, prompts) -> tuple[list[list[tuple[str, object]]], list[
                 parts.append(("image", len(images) - 1))
         layout.append(parts)
     return layout, images
-
-
-def _check_image_tokens(ids, token: int, expected: int, images: int) -> None:
-    given = sum(int(np.count_nonzero(np.array(p, np.int64) == token)) for p in ids)
-    if given != expected:
-        raise ValueError(f"the prompts hold {given} image tokens (id {token}) for {images} images of "
-                         f"{expected} features: a token id list holds image tokens of no image")
-
-
-def _check_features(features, expected: int, what: str) -> np.ndarray:
-    features = np.asarray(features)
-    if features.ndim != 2:
-        raise ValueError(f"the vision encoder gave features of shape {features.shape}; expected [tokens, hidden]")
-    if len(features) != expected:
-        raise ValueError(f"the vision encoder gave {len(features)} features for {expected} image tokens ({what})")
-    return features
-
-
-def _qwen2vl_inputs(ctx: Context, layout, images, encode):
-    from .images import qwen2vl_pixels
-    from .vision import PromptImages, VisionTokens, encode_images, rope_positions, split_features
-
-    model = ctx.model
-    tokens = VisionTokens.of(model.config)
-    pixel_values, grids = qwen2vl_pixels(images, _preprocessor(ctx))
-    counts = (grids.prod(axis=1) // tokens.merge ** 2).tolist()
-    ids = [[t for kind, part in parts
-            for t in (part if kind == "text" else [tokens.vision_start] + [tokens.image] * counts[part] + [tokens.vision_end])]
-           for parts in layout]
-    _check_image_tokens(ids, tokens.image, sum(counts), len(images))
-    features = (encode or (lambda p, g: encode_images(model, p, g)))(pixel_values, grids)
-    features = _check_features(features, sum(counts), f"images of grids {grids.tolist()}")
-    positions, _ = rope_positions(ids, tokens, image_grids=grids)
-    return ids, PromptImages(split_features(ids, features, tokens.image), positions, tokens.image)
-
-
-def _idefics3_inputs(ctx: Context, layout, images, encode):
-    import json
-
-    from .idefics3 import encode_frames, idefics3_pixels, image_prompt, image_seq_len
-    from .vision import PromptImages, split_features
-
-    model = ctx.model
-    path = model.folder / "processor_config.json"
-    seq_len = image_seq_len(model, json.loads(path.read_text()) if path.exists() else {})
-    pixel_values, grids = idefics3_pixels(images, _preprocessor(ctx))
-    tokenizer = model_tokenizer(model)
-    expanded = [tokenizer.encode(image_prompt(rows, cols, seq_len), add_special_tokens=False).ids
-                for rows, cols in grids]
-    token = model.config["image_token_id"]
-    ids = [[t for kind, part in parts for t in (part if kind == "text" else expanded[part])] for parts in layout]
-    _check_image_tokens(ids, token, len(pixel_values) * seq_len, len(images))
-    features = (encode or (lambda p: encode_frames(model, p)))(pixel_values)
-    features = _check_features(features, len(pixel_values) * seq_len,
-                               f"{len(pixel_values)} frames of {seq_len} tokens")
-    return ids, PromptImages(split_features(ids, features, token), [None] * len(ids), token)
 
 
 def image_to_text(ctx: Context, images, seeds=None, encode=None) -> list[TaskResult]:
