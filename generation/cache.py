@@ -13,6 +13,13 @@ Every mode implements the same verbs over `slots` rows:
                                they were before the call): beam search's reorder
   decode_steps(lengths, count) decode as a generator over up to `count` steps, for loops that
                                make many tokens in a row (the in_place cache makes it lean)
+  verify(lengths, ids, rows, widths)
+                               run several tokens per row at once (ids [B, S], the first
+                               `widths[b]` real; rows: the slots that count) and return their
+                               logits [len(rows), S, V] (zeros past a row's width); slot b then
+                               holds cache rows up to lengths[b] + S, of which the caller keeps
+                               a prefix through `rewind` (assisted decoding's verification)
+  rewind(lengths)              every slot keeps only its first lengths[b] cache rows
 The in_place cache also has prefill(slots, prompts, steps, pad): prompts straight into free
 slots, no copy (`state.admit` uses it where a cache has it).
 The state around the cache (lengths, tokens, stops) lives in `state.py`; the cache holds only
@@ -203,6 +210,20 @@ class InPlaceCache(_Cache):
         binding.run()
         return logits
 
+    def verify(self, lengths: np.ndarray, ids: np.ndarray, rows: np.ndarray, widths: np.ndarray) -> np.ndarray:
+        """Row by row, each its own width: GroupQueryAttention refuses several tokens of more
+        than one row over a past ("batch_size must be 1 when sequence_length > 1")."""
+        out = np.zeros((len(rows), ids.shape[1], self.graph.vocab_size), np.float32)
+        for i, slot in enumerate(rows.tolist()):
+            width = int(widths[slot])
+            out[i, :width] = self._prompt_step(slot, ids[slot:slot + 1, :width], int(lengths[slot]))[0]
+        return out
+
+    def rewind(self, lengths: np.ndarray) -> None:
+        """A row's valid rows are its mask's ones: the rows past its length are overwritten later."""
+        np.less(np.arange(self.capacity), lengths[:, None], out=self.mask, casting="unsafe")
+        self.mask[lengths == 0, 0] = 1  # a free slot stays a one-token padding row
+
     def copy_rows(self, dst, src, length: int) -> None:
         """Only the rows that move, only their valid part: a beam step moves a few rows of a
         few hundred tokens, where gathering whole buffers would copy them all."""
@@ -320,10 +341,10 @@ class AppendCache(_Cache):
         if not self._used:
             self.width = 0
 
-    def _bind_cache(self, width: int) -> None:
+    def _bind_cache(self, width: int, count: int = 1) -> None:
         past, present = self.flat[self.current].ctypes.data, self.flat[1 - self.current].ctypes.data
         past_shape = (self.slots, self.heads, width, self.head_dim)
-        present_shape = (self.slots, self.heads, width + 1, self.head_dim)
+        present_shape = (self.slots, self.heads, width + count, self.head_dim)
         binding, dtype = self.binding, self._dtype
         bind_input, bind_output, device = binding.bind_input, binding.bind_output, binding.device
         for past_name, present_name, offset in self._entries:
@@ -382,6 +403,47 @@ class AppendCache(_Cache):
         return self.logits
 
 
+    def verify(self, lengths: np.ndarray, ids: np.ndarray, rows: np.ndarray, widths: np.ndarray) -> np.ndarray:
+        """All slots in one run of S = ids.shape[1] tokens, as `decode` with S new columns: the
+        new rows land at columns width .. width + S - 1 and move to lengths[b] .. + S - 1."""
+        count = ids.shape[1]
+        if self.width + count > self.capacity:
+            self._relayout(int(lengths.max()))
+            if self.width + count > self.capacity:
+                raise ValueError(f"a row needs {self.width + count} cache rows; this state holds {self.capacity}")
+        width, graph = self.width, self.graph
+        mask = (np.arange(width + count) < lengths[:, None]) | (np.arange(width + count) >= width)
+        positions = lengths[:, None] + np.arange(count)
+        if self.inputs.offsets is not None:
+            positions = positions + self.inputs.offsets[:, None]
+        embeds = self.inputs._embed(ids) if self.inputs.embeds is not None else None
+        feeds = step_inputs(graph, ids, mask, positions, width, embeds)
+        feeds.pop("use_cache_branch", None)  # bound once by _Inputs
+        logits = np.empty((self.slots, count, graph.vocab_size), graph.logits_dtype)
+        for name, array in feeds.items():
+            self.binding.input(name, array)
+        self.binding.output("logits", logits)
+        self._bind_cache(width, count)
+        try:
+            self.binding.run()
+        finally:  # decode's own inputs, bound again
+            self.binding.output("logits", self.inputs.logits)
+            for name, array in (("input_ids", self.inputs.ids), ("inputs_embeds", self.inputs.embeds),
+                                ("position_ids", self.inputs.positions)):
+                if name in feeds:
+                    self.binding.input(name, array)
+        self.current, self.width = 1 - self.current, width + count
+        behind = np.flatnonzero(lengths < width)
+        if behind.size:
+            present = self._layout(self.current, width + count)
+            into = lengths[behind, None] + np.arange(count)
+            present[:, behind[:, None], :, into, :] = present[:, behind, :, width:width + count, :].transpose(1, 3, 0, 2, 4)
+        return logits[rows].astype(np.float32, copy=False)
+
+    def rewind(self, lengths: np.ndarray) -> None:
+        """Nothing to do: the mask of the next run is a function of the lengths."""
+
+
 class GrowCache(_Cache):
     """Exact-length caches, one per group of rows of equal length: the graph takes the cache
     length as every row's position, so only rows of one length can share a run. Each group's
@@ -422,6 +484,45 @@ class GrowCache(_Cache):
             if slot in group["slots"]:
                 group["slots"][group["slots"].index(slot)] = -1
         self.groups = [g for g in self.groups if any(s >= 0 for s in g["slots"])]
+
+    def verify(self, lengths: np.ndarray, ids: np.ndarray, rows: np.ndarray, widths: np.ndarray) -> np.ndarray:
+        """One run of S tokens per group (row by row for a GroupQueryAttention graph, which
+        refuses several tokens of more than one row over a past); every group grows by S."""
+        count = ids.shape[1]
+        logits = np.zeros((len(lengths), count, self.graph.vocab_size), np.float32)
+        for group in self.groups:
+            slots = np.array(group["slots"])
+            live, length = slots >= 0, group["length"]
+            if length + count > self.capacity:
+                raise ValueError(f"a row needs {length + count} cache rows; this state holds {self.capacity}")
+            group_ids = np.where(live[:, None], ids[np.maximum(slots, 0)], 0)
+            positions = np.minimum(length + np.arange(count), self.max_position - 1)
+            parts = [np.arange(len(slots))] if not self.graph.has_group_query_attention else np.arange(len(slots))[:, None]
+            outs, presents = [], []
+            for part in parts:
+                feeds = step_inputs(self.graph, group_ids[part], np.ones((len(part), length + count), np.int64),
+                                    np.broadcast_to(positions, (len(part), count)), length)
+                feeds.update({name: array[part] for name, array in group["past"].items()})
+                out, *present = self.session.run(self._names, feeds)
+                outs.append(out)
+                presents.append(present)
+            out = np.concatenate(outs)
+            group["past"] = {e.past: np.concatenate([p[i] for p in presents]) for i, e in enumerate(self.graph.cache)}
+            group["length"] = length + count
+            logits[slots[live]] = out[live]
+        return logits[rows]
+
+    def rewind(self, lengths: np.ndarray) -> None:
+        """Rows are cropped to their lengths (at most their group's) and grouped again by length."""
+        members: dict[int, list] = {}
+        for group in self.groups:
+            for i, slot in enumerate(group["slots"]):
+                if slot >= 0:
+                    members.setdefault(min(int(lengths[slot]), group["length"]), []).append((slot, group, i))
+        self.groups = [{"slots": [slot for slot, _, _ in rows], "length": length,
+                        "past": {e.past: np.stack([g["past"][e.past][i, :, :length] for _, g, i in rows])
+                                 for e in self.graph.cache}}
+                       for length, rows in members.items()]
 
     def decode(self, lengths: np.ndarray) -> np.ndarray:
         logits = np.zeros((len(lengths), self.graph.vocab_size), np.float32)

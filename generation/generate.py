@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from .assisted import candidates_for, merged, verify
 from .beam import Hypothesis, beam_search
 from .context import Context
 from .rng import SEED_LIMIT
@@ -90,6 +91,7 @@ def generate(ctx: Context, prompts, seeds=None,
     if ctx.model.is_seq2seq and (encoder is None or len(encoder) != len(prompts)):
         raise ValueError("an encoder-decoder model needs encoder= outputs with one row per prompt "
                          "(generation.seq2seq.encode_text / encode_audio, or generation.tasks)")
+    assistant = candidates_for(ctx)  # None unless assisted decoding is on
     if settings.num_beams > 1:
         return _best_beams(ctx, prompts, seeds, on_token, encoder)
     results: list = [Generated([], [], [] if ctx.top_logprobs else None) if ctx.token_logprobs else []
@@ -135,7 +137,12 @@ def generate(ctx: Context, prompts, seeds=None,
             report(np.array(admitted), first)
         if state.live_rows.size:
             used = state.live_rows
-            if on_token is None:  # tokens are read from the state when rows end
+            if assistant is not None:
+                state, outs = verify(ctx, state, assistant)
+                for part in outs if on_token is not None else ():
+                    report(row_of[used], StepTokens(part.token[used], part.finished[used]))
+                out = merged(outs)
+            elif on_token is None:  # tokens are read from the state when rows end
                 state, out = advance(ctx, state, max_steps=state.capacity)
             else:
                 state, out = step(ctx, state)

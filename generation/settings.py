@@ -16,15 +16,15 @@ _UNSUPPORTED = {
     "num_beam_groups": 1, "diversity_penalty": 0.0, "penalty_alpha": None, "constraints": None,
     "force_words_ids": None,
 }
-_NOT_YET = {  # built by later work: assisted decoding
-    "assistant_model": None, "prompt_lookup_num_tokens": None,
+_NOT_YET = {  # built by later work: assisted decoding with a draft model
+    "assistant_model": None,
 }
 _IGNORED = {  # generation_config.json fields with no effect on the tokens
     "transformers_version", "_from_model_config", "bos_token_id", "use_cache", "output_scores",
     "output_logits", "output_attentions", "output_hidden_states", "return_dict_in_generate",
     "decoder_start_token_id", "cache_implementation",
     "max_time", "trust_remote_code", "low_memory", "token_healing",
-    "num_assistant_tokens", "num_assistant_tokens_schedule", "max_matching_ngram_size",
+    "num_assistant_tokens", "num_assistant_tokens_schedule",
     "compile_config", "cache_config", "disable_compile", "is_assistant", "dola_layers",
     "assistant_confidence_threshold", "assistant_early_exit", "assistant_lookbehind",
     "target_lookbehind", "generation_kwargs", "top_h",
@@ -70,6 +70,9 @@ class Settings:
     num_return_sequences: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # assisted decoding (assisted.py): prompt lookup proposes up to this many tokens per step
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None  # the longest n-gram it matches (None: 2)
 
     def token_ids(self) -> dict[str, tuple[int, ...]]:
         """Every token id a setting names, by setting (for the check against the vocabulary)."""
@@ -216,6 +219,10 @@ def _check(s: Settings) -> Settings:
         raise ValueError(f"early_stopping must be true, false or \"never\", not {s.early_stopping!r}")
     if s.num_beams > 1 and s.stop_strings:
         raise ValueError("stop_strings with num_beams > 1 is not supported yet; use eos_token_id or one beam")
+    for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):
+        value = getattr(s, name)
+        if value is not None and (not _integer(value) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1 (or null: off), not {value!r}")
     if s.forced_bos_token_id is not None and (not _integer(s.forced_bos_token_id) or s.forced_bos_token_id < 0):
         raise ValueError(f"forced_bos_token_id must be a token id >= 0, not {s.forced_bos_token_id!r}")
     for name in ("max_new_tokens", "max_length"):

@@ -1,0 +1,114 @@
+"""Prompt lookup decoding's candidate generator: continue the row's last n-gram as it went on
+earlier in the row (its prompt and its new tokens), with no draft model (transformers 4.57
+`PromptLookupCandidateGenerator`, over a batch).
+
+`lookup` is the algorithm, over the whole batch; `PromptLookup` holds its settings and speaks
+the candidate generator contract of `assisted.py` (`propose`, `accepted`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram: int, num_tokens: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's candidates: the tokens that followed the earliest earlier occurrence of its
+    last n tokens, for the largest n from `max_ngram` down to 1 that has an occurrence with at
+    least one token after it (as transformers: the largest n wins, then the leftmost match).
+
+    tokens [B, W]: row b's tokens are tokens[b, :counts[b]]; num_tokens [B]: the most
+    candidates each row may get (0: none). Returns candidates [B, max(num_tokens)] (-1 past a
+    row's count) and their counts [B]; a continuation stops at the row's end.
+
+    >>> ids, n = lookup(np.array([[5, 6, 7, 8, 1, 5, 6, 0], [1, 2, 3, 1, 4, 2, 1, 0]]),
+    ...                 np.array([7, 7]), 2, np.array([3, 3]))
+    >>> ids.tolist(), n.tolist()
+    ([[7, 8, 1], [2, 3, 1]], [3, 3])
+
+    Row 0 ends with the bigram (5, 6), first seen at 0 and followed by 7, 8, 1. Row 1's bigram
+    (2, 1) came nowhere before, so its last token 1 is looked up: it came at 0 and at 3, and
+    the earliest wins (2, 3, 1 followed it). The last column (0) is past both rows' counts.
+    """
+    rows, width = tokens.shape
+    k = int(num_tokens.max()) if rows else 0
+    out = np.full((rows, max(k, 1)), -1, np.int64)
+    found = np.zeros(rows, np.int64)
+    if k == 0:
+        return out[:, :k], found
+    todo = (num_tokens > 0) & (counts >= 2)
+    columns = np.arange(width)
+    for n in range(max_ngram, 0, -1):
+        if not todo.any():
+            break
+        active = np.flatnonzero(todo & (counts > n))
+        if not active.size:
+            continue
+        block, length = tokens[active], counts[active]
+        tail = np.take_along_axis(block, length[:, None] - n + np.arange(n), axis=1)  # [m, n]
+        windows = np.lib.stride_tricks.sliding_window_view(block, n, axis=1)  # [m, W - n + 1, n]
+        # a match must have a token after it: it starts before length - n
+        hit = (windows == tail[:, None, :]).all(axis=2) & (columns[:width - n + 1] < (length - n)[:, None])
+        has = hit.any(axis=1)
+        start = hit.argmax(axis=1) + n  # the first token after the earliest match
+        for i in np.flatnonzero(has):
+            b = active[i]
+            take = min(int(num_tokens[b]), int(length[i] - start[i]))
+            out[b, :take] = block[i, start[i]:start[i] + take]
+            found[b] = take
+        todo[active[has]] = False
+    return out, found
+
+
+def forbidden_cut(candidates: np.ndarray, counts: np.ndarray, allowed) -> np.ndarray:
+    """The counts cut before each row's first candidate that `allowed(j, rows)` forbids: it
+    returns, for candidate column j of `rows`, whether the processors allow that token there.
+
+    >>> forbidden_cut(np.array([[4, 5, 6]]), np.array([3]), lambda j, rows: np.array([j != 1])).tolist()
+    [1]
+    """
+    counts = counts.copy()
+    for j in range(int(counts.max(initial=0))):
+        rows = np.flatnonzero(counts > j)
+        if not rows.size:
+            break
+        ok = allowed(j, rows)
+        counts[rows[~ok]] = j
+    return counts
+
+
+@dataclass
+class PromptLookup:
+    """Prompt lookup's settings: `num_tokens` candidates at most (prompt_lookup_num_tokens) after
+    a match of up to `max_ngram` tokens (max_matching_ngram_size, 2 by default as transformers).
+    A row's candidates stop before an eos token of the row, as transformers cuts them."""
+
+    num_tokens: int
+    max_ngram: int = 2
+
+    def __post_init__(self):
+        for name, value in (("prompt_lookup_num_tokens", self.num_tokens), ("max_matching_ngram_size", self.max_ngram)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+
+    def propose(self, state, rows: np.ndarray, room: np.ndarray, allowed=None) -> tuple[np.ndarray, np.ndarray, None]:
+        """Candidates [n, K] and counts [n] of live `rows` (at most `room` each), none that the
+        processors forbid (`allowed`, see assisted.py); no probabilities."""
+        tokens = state.tokens[rows]
+        count = state.lengths[rows] + 1
+        ids, counts = lookup(tokens, count, self.max_ngram, np.minimum(room, self.num_tokens))
+        if counts.any():
+            eos = state.eos[rows]
+            is_eos = ((ids[:, :, None] == eos[:, None, :]) & (eos[:, None, :] >= 0)).any(axis=2)
+            first = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1), ids.shape[1])
+            counts = np.minimum(counts, first)
+        if allowed is not None and counts.any():
+            r, j = np.nonzero(np.arange(ids.shape[1]) < counts[:, None])
+            tokens[r, count[r] + j] = ids[r, j]  # each candidate is judged after the ones before it
+            counts = forbidden_cut(ids, counts, lambda j, sub: allowed(tokens[sub], count[sub] + j, sub, ids[sub, j]))
+        return ids, counts, None
+
+    def accepted(self, rows: np.ndarray, accepted: np.ndarray, counts: np.ndarray) -> None:
+        """Prompt lookup does not adapt."""

@@ -1,0 +1,281 @@
+"""Assisted decoding with prompt lookup.
+
+Invariants: greedy output with prompt lookup equals plain greedy for K in {1, 2, 4, 8} in every
+cache mode, on batches whose rows keep different numbers of candidates in one step; with
+processors on too, and no candidate they forbid is ever proposed; sampling rows give the plain
+sampled tokens of the same seed (each position draws its token index's number); a verify step
+whose candidates are all rejected, rewound, then continued equals an uninterrupted run; the
+largest n-gram wins, then the earliest match; the tokens equal transformers' prompt lookup.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+import generation
+from generation.assisted import accept_greedy, verify
+from generation.prompt_lookup import PromptLookup, forbidden_cut, lookup
+
+MODES = [("llama-genai", "in_place"), ("llama-optimum", "append"), ("gpt2-grow", "grow"), ("llama-genai", "grow")]
+# the shipped default model is trained: it copies spans of its prompt, as prompt lookup needs
+# (the random-weight test models never repeat themselves); both of its graphs, every mode
+DEFAULT = [("genai", "in_place"), ("genai", "grow"), ("merged", "append"), ("merged", "grow")]
+GREEDY = dict(do_sample=False, repetition_penalty=1.0)
+TEXT = ("Return a new sorted list from the items in iterable. The key argument specifies a function of one "
+        "argument that is used to extract a comparison key from each element. The reverse argument is a boolean.")
+
+
+@pytest.fixture(scope="module")
+def models(test_models, load_model):
+    return {f: load_model(test_models[f]) for f in {f for f, _ in MODES}}
+
+
+@pytest.fixture(scope="module")
+def default(load_model):
+    from generation.bundled import FOLDER
+
+    return {"genai": load_model(FOLDER / "genai"), "merged": load_model(FOLDER)}
+
+
+def grounded(model):
+    """Prompts of different lengths that the model continues by copying their earlier text, by
+    different amounts (so rows keep different counts in one step)."""
+    from generation.text import model_tokenizer
+
+    ids = model_tokenizer(model).encode(TEXT).ids
+    return [ids + ids[:12], ids[:30] + ids[:8], ids[5:] + ids[5:20], ids[:9]]
+
+
+class Spy:
+    """A candidate generator that records what the one it wraps proposed and what was kept."""
+
+    def __init__(self, inner):
+        self.inner, self.proposed, self.kept = inner, [], []
+
+    def propose(self, state, rows, room, allowed=None):
+        ids, counts, probs = self.inner.propose(state, rows, room, allowed)
+        self.proposed.append((state.tokens[rows].copy(), state.lengths[rows] + 1, ids.copy(), counts.copy()))
+        return ids, counts, probs
+
+    def accepted(self, rows, accepted, counts):
+        self.kept.append((accepted.copy(), np.minimum(counts, 1 << 30)))
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Route generate()'s candidate generator through a Spy; `spy.last` is the last one made."""
+    module = importlib.import_module("generation.generate")
+    made = []
+
+    def wrapped(ctx):
+        inner = module.__dict__["_original_candidates_for"](ctx)
+        if inner is None:
+            return None
+        made.append(Spy(inner))
+        return made[-1]
+    monkeypatch.setitem(module.__dict__, "_original_candidates_for", module.candidates_for)
+    monkeypatch.setattr(module, "candidates_for", wrapped)
+    return made
+
+
+def test_lookup_prefers_the_longest_ngram_then_the_earliest_match():
+    tokens = np.array([[7, 2, 9, 4, 1, 2, 3, 8, 1, 2],    # the bigram (1, 2) at 4 wins over the earlier unigram 2 at 1
+                       [7, 1, 9, 4, 1, 5, 3, 8, 6, 1],    # unigram 1: at 1 and at 4, the earliest wins
+                       [5, 6, 7, 8, 9, 10, 11, 12, 13, 14],  # no earlier occurrence: nothing
+                       [3, 3, 3, 3, 0, 0, 0, 0, 0, 0]])   # (3, 3) at 0, its continuation stops at the row's end
+    ids, counts = lookup(tokens, np.array([10, 10, 10, 4]), 2, np.array([4, 4, 4, 4]))
+    assert counts.tolist() == [4, 4, 0, 2]  # a continuation may run into the row's last tokens
+    assert ids[0].tolist() == [3, 8, 1, 2] and ids[1].tolist() == [9, 4, 1, 5] and ids[3, :2].tolist() == [3, 3]
+    ids, counts = lookup(tokens, np.array([10, 10, 10, 4]), 1, np.array([2, 1, 0, 4]))  # unigrams only; per-row caps
+    assert counts.tolist() == [2, 1, 0, 3] and ids[0, :2].tolist() == [9, 4] and ids[1, :1].tolist() == [9]
+
+
+def test_accept_greedy_and_forbidden_cut():
+    cand = np.array([[4, 5, 6], [4, 5, 6], [7, -1, -1], [-1, -1, -1]])
+    target = np.array([[4, 5, 6, 9], [4, 8, 6, 9], [1, 2, 3, 4], [5, 0, 0, 0]])
+    assert accept_greedy(cand, np.array([3, 3, 1, 0]), target).tolist() == [3, 1, 0, 0]
+    assert accept_greedy(cand, np.array([2, 3, 1, 0]), target).tolist() == [2, 1, 0, 0]  # the count caps it
+    cut = forbidden_cut(cand, np.array([3, 3, 1, 0]), lambda j, rows: cand[rows, j] != 5)
+    assert cut.tolist() == [1, 1, 1, 0]
+
+
+@pytest.mark.parametrize("layout,mode", DEFAULT, ids=[f"{f}-{m}" for f, m in DEFAULT])
+def test_greedy_equals_plain_for_every_k(default, layout, mode, spy):
+    model = default[layout]
+    prompts = grounded(model)
+    plain = generation.generate(generation.context(model, max_new_tokens=30, cache_mode=mode, **GREEDY), prompts,
+                                seeds=[0] * 4)
+    for k in (1, 2, 4, 8):
+        ctx = generation.context(model, max_new_tokens=30, cache_mode=mode, prompt_lookup_num_tokens=k, **GREEDY)
+        assert generation.generate(ctx, prompts, seeds=[0] * 4) == plain, k
+        kept = [a for a, _ in spy[-1].kept]
+        assert sum(int(a.sum()) for a in kept) > 0, "no candidate was ever kept: the test proves nothing"
+        assert any(len(set(a.tolist())) > 1 for a in kept), "rows never kept different counts in one step"
+
+
+@pytest.mark.parametrize("layout,mode", DEFAULT[::2], ids=[f"{f}-{m}" for f, m in DEFAULT[::2]])
+def test_processors_apply_at_every_verified_position(default, layout, mode, spy):
+    model = default[layout]
+    prompts = grounded(model)
+    flat = [t for row in prompts for t in row]
+    banned = max(set(flat), key=flat.count)  # the token the prompts repeat most
+    settings = dict(repetition_penalty=1.05, no_repeat_ngram_size=8, bad_words_ids=[[banned]], min_new_tokens=5,
+                    max_new_tokens=30, cache_mode=mode, do_sample=False)
+    plain = generation.generate(generation.context(model, **settings), prompts, seeds=[0] * 4)
+    ctx = generation.context(model, prompt_lookup_num_tokens=4, **settings)
+    assert generation.generate(ctx, prompts, seeds=[0] * 4) == plain
+    proposals = spy[-1].proposed
+    assert sum(int(a.sum()) for a, _ in spy[-1].kept) > 0
+    assert any(banned in row[:n].tolist() for tokens, count, _, _ in proposals for row, n in zip(tokens, count)), \
+        "the banned token was never in a row: the test proves nothing"
+    for _, _, ids, counts in proposals:
+        proposed = ids[np.arange(ids.shape[1]) < counts[:, None]]
+        assert banned not in proposed.tolist()
+
+
+def test_sampling_gives_the_plain_tokens_of_the_seed(default, spy):
+    model = default["merged"]
+    settings = dict(max_new_tokens=30, do_sample=True, temperature=0.5, top_k=20, repetition_penalty=1.0)
+    prompts = grounded(model)
+    seeds = [3, 4, 5, 6]
+    plain = generation.generate(generation.context(model, **settings), prompts, seeds=seeds)
+    ctx = generation.context(model, prompt_lookup_num_tokens=4, **settings)
+    assert generation.generate(ctx, prompts, seeds=seeds) == plain
+    assert sum(int(a.sum()) for a, _ in spy[-1].kept) > 0
+    other = generation.generate(ctx, prompts, seeds=[7, 4, 5, 6])
+    assert other[1:] == plain[1:] and other[0] != plain[0]  # a row's tokens are its own seed's
+
+
+class Scripted:
+    """Candidates from the plain output, wrong at chosen places: row b's candidate j is wrong
+    when (b + j + step) % 3 == 2, so rows keep 0 to K of them, differently in each step."""
+
+    def __init__(self, plain, k):
+        self.plain, self.k, self.steps, self.kept = plain, k, 0, []
+
+    def propose(self, state, rows, room, allowed=None):
+        ids = np.full((len(rows), self.k), 0, np.int64)
+        for i, b in enumerate(rows.tolist()):
+            done = int(state.lengths[b] + 1 - state.prompt_length[b])
+            ahead = self.plain[b][done:done + self.k]
+            ids[i, :len(ahead)] = ahead
+            ids[i, [j for j in range(self.k) if (b + j + self.steps) % 3 == 2]] = 1
+        self.steps += 1
+        return ids, np.minimum(room, self.k), None
+
+    def accepted(self, rows, accepted, counts):
+        self.kept.append(accepted.copy())
+
+
+@pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
+def test_rows_keep_different_counts_in_every_mode(models, folder, mode, monkeypatch):
+    ctx = generation.context(models[folder], max_new_tokens=24, cache_mode=mode)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [15, 16, 17, 18], [19, 20]]
+    plain = generation.generate(ctx, prompts, seeds=[0] * 5)
+    module = importlib.import_module("generation.generate")
+    for k in (1, 2, 4, 8):
+        scripted = Scripted(plain, k)
+        monkeypatch.setattr(module, "candidates_for", lambda ctx: scripted)
+        assert generation.generate(ctx, prompts, seeds=[0] * 5) == plain, k
+        assert any(len(set(a.tolist())) > 1 for a in scripted.kept) and max(a.max() for a in scripted.kept) >= min(k, 2)
+
+
+class Random:
+    """Candidates that are random tokens: (almost) always rejected."""
+
+    def __init__(self, k, seed=0):
+        self.k, self.rng = k, np.random.default_rng(seed)
+
+    def propose(self, state, rows, room, allowed=None):
+        return self.rng.integers(3, 1000, (len(rows), self.k)), np.minimum(room, self.k), None
+
+    def accepted(self, rows, accepted, counts):
+        pass
+
+
+@pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
+def test_rewind_then_continue_equals_an_uninterrupted_run(models, folder, mode):
+    ctx = generation.context(models[folder], max_new_tokens=24, cache_mode=mode)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [15, 16, 17, 18]]
+    plain = generation.generate(ctx, prompts, seeds=[0] * 4)
+    state = generation.new_state(ctx, slots=4, capacity=64)
+    state, first = generation.admit(ctx, state, [0, 1, 2, 3], prompts, [0] * 4)
+    got = [[t] for t in first.token.tolist()]
+    for step_no in range(23):
+        if step_no % 3 == 1:  # a verify step whose candidates are rejected and rolled back
+            state, outs = verify(ctx, state, Random(5, step_no))
+        else:
+            state, out = generation.step(ctx, state)
+            outs = [out]
+        for out in outs:
+            for b in range(4):
+                if out.token[b] >= 0:
+                    got[b].append(int(out.token[b]))
+        if not state.live.any():
+            break
+    assert [g[:len(p)] for g, p in zip(got, plain)] == plain
+
+
+def test_limits_eos_streaming_and_logprobs(default):
+    model = default["genai"]
+    prompts = grounded(model)
+    copied = generation.generate(generation.context(model, max_new_tokens=30, **GREEDY), prompts, seeds=[0] * 4)
+    for settings in (dict(max_new_tokens=7), dict(max_new_tokens=30, eos_token_id=[2, copied[3][6]]),
+                     dict(max_new_tokens=12, min_new_tokens=3, do_sample=True, top_k=10)):
+        settings = {**GREEDY, **settings}
+        plain_ctx = generation.context(model, token_logprobs=True, top_logprobs=2, **settings)
+        ctx = generation.context(model, token_logprobs=True, top_logprobs=2, prompt_lookup_num_tokens=8, **settings)
+        plain = generation.generate(plain_ctx, prompts, seeds=[0] * 4)
+        streamed = [[] for _ in prompts]
+
+        def on_token(out):
+            for i, t in enumerate(out.token.tolist()):
+                if t >= 0:
+                    streamed[i].append(t)
+        got = generation.generate(ctx, prompts, seeds=[0] * 4, on_token=on_token)
+        assert [g.tokens for g in got] == [p.tokens for p in plain] == streamed
+        for g, p in zip(got, plain):
+            np.testing.assert_allclose(g.logprobs, p.logprobs, atol=1e-5)
+            assert [[i for i, _ in top] for top in g.top_logprobs] == [[i for i, _ in top] for top in p.top_logprobs]
+
+
+def test_equals_transformers_prompt_lookup(default):
+    import torch
+    import transformers
+
+    from generation.bundled import FOLDER
+
+    model = default["merged"]
+    prompt = grounded(model)[0]
+    ours = generation.generate(generation.context(model, max_new_tokens=20, prompt_lookup_num_tokens=3, **GREEDY),
+                               [prompt], seeds=[0])[0]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(FOLDER, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, prompt_lookup_num_tokens=3,
+                                 do_sample=False, repetition_penalty=1.0)
+    theirs = out[0, len(prompt):].tolist()
+    assert ours == (theirs[:-1] if theirs[-1:] == [2] else theirs)
+
+
+@pytest.mark.parametrize("overrides,field", [(dict(prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens"),
+                                             (dict(prompt_lookup_num_tokens=2, max_matching_ngram_size=-1),
+                                              "max_matching_ngram_size"),
+                                             (dict(prompt_lookup_num_tokens="4"), "prompt_lookup_num_tokens")])
+def test_bad_settings_name_the_field(models, overrides, field):
+    with pytest.raises(ValueError, match=field):
+        generation.context(models["llama-optimum"], **overrides)
+
+
+def test_beams_refuse_prompt_lookup(models):
+    ctx = generation.context(models["llama-optimum"], num_beams=2, prompt_lookup_num_tokens=3, max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+        generation.generate(ctx, [[5, 6, 7]], seeds=[0])
+
+
+def test_prompt_lookup_class_validates():
+    with pytest.raises(ValueError, match="max_matching_ngram_size"):
+        PromptLookup(3, 0)
