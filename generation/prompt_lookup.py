@@ -32,25 +32,26 @@ def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram: int, num_tokens: n
     (2, 1) came nowhere before, so its last token 1 is looked up: it came at 0 and at 3, and
     the earliest wins (2, 3, 1 followed it). The last column (0) is past both rows' counts.
     """
-    rows, width = tokens.shape
+    rows = tokens.shape[0]
     k = int(num_tokens.max()) if rows else 0
     out = np.full((rows, max(k, 1)), -1, np.int64)
     found = np.zeros(rows, np.int64)
-    if k == 0:
-        return out[:, :k], found
     todo = (num_tokens > 0) & (counts >= 2)
-    columns = np.arange(width)
+    if k == 0 or not todo.any():
+        return out[:, :k], found
+    width = int(counts[todo].max())
+    tokens = tokens[:, :width]
     for n in range(max_ngram, 0, -1):
-        if not todo.any():
-            break
         active = np.flatnonzero(todo & (counts > n))
         if not active.size:
             continue
         block, length = tokens[active], counts[active]
+        starts = width - n + 1
         tail = np.take_along_axis(block, length[:, None] - n + np.arange(n), axis=1)  # [m, n]
-        windows = np.lib.stride_tricks.sliding_window_view(block, n, axis=1)  # [m, W - n + 1, n]
         # a match must have a token after it: it starts before length - n
-        hit = (windows == tail[:, None, :]).all(axis=2) & (columns[:width - n + 1] < (length - n)[:, None])
+        hit = np.arange(starts) < (length - n)[:, None]
+        for i in range(n):
+            hit &= block[:, i:i + starts] == tail[:, i:i + 1]
         has = hit.any(axis=1)
         start = hit.argmax(axis=1) + n  # the first token after the earliest match
         for i in np.flatnonzero(has):
@@ -59,6 +60,8 @@ def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram: int, num_tokens: n
             out[b, :take] = block[i, start[i]:start[i] + take]
             found[b] = take
         todo[active[has]] = False
+        if not todo.any():
+            break
     return out, found
 
 

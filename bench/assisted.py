@@ -1,0 +1,123 @@
+"""Assisted decoding's speed: tokens/s and target-model steps per token, with and without
+prompt lookup, on an input-grounded and an ungrounded workload, at batch 1 and 8.
+
+Model: the ~125M random-weight Llama of bench/models.py (built once into
+$RAYMUTER_BENCH_MODELS, default ~/.cache/raymuter/bench-models), in_place (genai graph) and
+append (Optimum export) cache modes, 2 intra-op threads.
+
+* grounded: each prompt is 32 random ids P followed by the first `--copied` tokens of the
+  model's own greedy output G for P; the model then continues with the rest of G, which
+  (a random-weight model falls into loops) repeats spans of the prompt.
+* ungrounded: 32 random ids, sampled at temperature 1 with top_k 0 (a random model's
+  distribution is nearly flat over 32000 ids, so nothing repeats).
+
+Every row makes `--new` tokens (eos ignored); the assisted tokens are checked equal to the plain
+ones (sampling: the same seeds give the same tokens). Times are the best of `--repeats`, systems
+interleaved. A target step is one `cache.decode` or `cache.verify` (the in_place cache runs a
+batch's verify row by row: one step, `batch` runs).
+
+    PYTHONPATH=. python bench/assisted.py                      # both modes, B=1 and 8: ~3 min
+    PYTHONPATH=. python bench/assisted.py --modes append --batch 1
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+import generation  # noqa: E402
+
+LAYOUT = {"in_place": "genai", "append": "optimum"}
+
+
+class Counting:
+    """Wraps a candidate generator, counting the assisted steps (target runs)."""
+
+    def __init__(self, inner):
+        self.inner, self.steps = inner, 0
+
+    def propose(self, state, rows, room, allowed=None):
+        self.steps += 1
+        return self.inner.propose(state, rows, room, allowed)
+
+    def accepted(self, rows, accepted, counts):
+        self.inner.accepted(rows, accepted, counts)
+
+
+def run(ctx, prompts, seeds, counting: list):
+    module = importlib.import_module("generation.generate")
+    original = module.candidates_for
+
+    def wrapped(c):
+        inner = original(c)
+        if inner is None:
+            return None
+        counting.append(Counting(inner))
+        return counting[-1]
+    module.candidates_for = wrapped
+    try:
+        t0 = time.perf_counter()
+        out = generation.generate(ctx, prompts, seeds=seeds)
+        return out, time.perf_counter() - t0
+    finally:
+        module.candidates_for = original
+
+
+def workloads(model, batch, args):
+    rng = np.random.default_rng(0)
+    bases = rng.integers(3, model.vocab_size, (batch, 32)).tolist()
+    plain = generation.context(model, max_new_tokens=args.copied + args.new, do_sample=False, eos_token_id=[])
+    continued = generation.generate(plain, bases, seeds=[0] * batch)
+    grounded = [b + g[:args.copied] for b, g in zip(bases, continued)]
+    return {"grounded": (grounded, dict(do_sample=False)),
+            "ungrounded": (bases, dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0))}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", default="in_place,append")
+    parser.add_argument("--batch", default="1,8")
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--copied", type=int, default=64)
+    parser.add_argument("--k", type=int, default=10, help="prompt_lookup_num_tokens (transformers' default 10)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    root = Path(os.environ.get("RAYMUTER_BENCH_MODELS", Path.home() / ".cache/raymuter/bench-models")) / "small"
+    print(f"| mode | workload | B | plain tok/s | lookup tok/s | ratio | target steps/token plain | lookup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode in args.modes.split(","):
+        model = generation.load(root / LAYOUT[mode], threads=args.threads)
+        for batch in [int(b) for b in args.batch.split(",")]:
+            for name, (prompts, settings) in workloads(model, batch, args).items():
+                seeds = list(range(batch))
+                common = dict(max_new_tokens=args.new, eos_token_id=[], cache_mode=mode, repetition_penalty=1.0,
+                              **settings)
+                systems = {"plain": generation.context(model, **common),
+                           "lookup": generation.context(model, prompt_lookup_num_tokens=args.k, **common)}
+                best, outs, counts = {}, {}, {}
+                for _ in range(args.repeats):
+                    for key, ctx in systems.items():
+                        counting = []
+                        out, seconds = run(ctx, prompts, seeds, counting)
+                        best[key] = min(best.get(key, seconds), seconds)
+                        outs[key] = out
+                        counts[key] = counting[-1].steps if counting else args.new - 1
+                if outs["lookup"] != outs["plain"]:
+                    raise SystemExit(f"{mode} {name} B={batch}: prompt lookup changed the tokens")
+                tokens = sum(len(o) for o in outs["plain"])
+                tps = {k: tokens / v for k, v in best.items()}
+                per_token = {k: (c + 1) / (tokens / batch) for k, c in counts.items()}  # + the prompt's run
+                print(f"| {mode} | {name} | {batch} | {tps['plain']:.0f} | {tps['lookup']:.0f} | "
+                      f"{tps['lookup'] / tps['plain']:.2f}x | {per_token['plain']:.2f} | {per_token['lookup']:.2f} |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
