@@ -176,8 +176,15 @@ def _commit(state: DecodeState, rows: np.ndarray, target: np.ndarray, kept: np.n
 
 
 def candidates_for(ctx: Context):
-    """The candidate generator the context's settings ask for (prompt_lookup_num_tokens), or None."""
+    """The candidate generator the context asks for: a draft model (context(draft=...)), else
+    prompt lookup (prompt_lookup_num_tokens), else None."""
     s = ctx.settings
+    if ctx.draft is not None:
+        if s.num_beams > 1:
+            raise ValueError(f"draft: assisted decoding needs num_beams=1, not {s.num_beams}")
+        from .draft import Draft
+
+        return Draft(ctx.draft, s.num_assistant_tokens, s.num_assistant_tokens_schedule)
     if s.prompt_lookup_num_tokens is None:
         return None
     if s.num_beams > 1:

@@ -26,6 +26,7 @@ class Context:
     top_logprobs: int = 0  # and the k most likely tokens of its step
     logprobs_of: str = "processed"  # the scores they are the log-softmax of: 'processed' or 'raw'
     processors: tuple = ()  # the user's (state, process) pairs, after transformers' processors
+    draft: object = field(default=None, compare=False)  # the draft model's Context (assisted decoding)
     # a decode state that generate() left empty, to reuse its buffers and bindings next call
     spare_states: list = field(default_factory=list, compare=False, repr=False)
 
@@ -43,7 +44,7 @@ class Context:
 
 def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = DEFAULT_PROMPT_STEPS,
             token_logprobs: bool = False, top_logprobs: int = 0, logprobs_of: str = "processed",
-            processors=(), **overrides) -> Context:
+            processors=(), draft=None, draft_cache_mode: str | None = None, **overrides) -> Context:
     """The context for `model`: generation_config.json, then `overrides` (any generation
     setting: max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, ...).
 
@@ -53,7 +54,10 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
     chosen from (transformers' compute_transition_scores with normalize_logits=True), or of the
     raw logits with logprobs_of='raw' (what vLLM reports). top_logprobs: also the k most likely
     tokens of each step, with theirs. processors: (state, process) pairs (processors.py), applied
-    after transformers' processors and before the sampling warpers.
+    after transformers' processors and before the sampling warpers. draft: a draft model (a
+    folder or a loaded Model with the same tokenizer) that proposes tokens the model verifies
+    (assisted.py; num_assistant_tokens, num_assistant_tokens_schedule), its cache in
+    `draft_cache_mode` (default its native mode).
     """
     if cache_mode is None:
         cache_mode = model.graph.native_mode
@@ -76,9 +80,29 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
             raise ValueError(f"processors[{i}] must be a (state, process) pair of functions, not {pair!r}")
     settings = make_settings(model_settings(model.config, model.generation_config), overrides)
     check_vocabulary(settings, model.vocab_size)
+    if draft is not None:
+        draft = _draft_context(model, draft, draft_cache_mode, prompt_steps)
     return Context(model=model, settings=settings, cache_mode=cache_mode, prompt_steps=prompt_steps,
                    token_logprobs=token_logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
-                   logprobs_of=logprobs_of, processors=processors)
+                   logprobs_of=logprobs_of, processors=processors, draft=draft)
+
+
+def _draft_context(model: Model, draft, cache_mode: str | None, prompt_steps: str) -> Context:
+    """The draft's context: greedy, no processors, no eos (its tokens only propose)."""
+    if not isinstance(draft, Model):
+        from .model import load
+
+        draft = load(draft, threads=1)
+    if draft.vocab_size != model.vocab_size:
+        raise ValueError(f"draft: the draft model has {draft.vocab_size} token ids, the model {model.vocab_size}; "
+                         "a draft needs the model's tokenizer")
+    if draft.is_seq2seq or model.is_seq2seq:
+        raise ValueError("draft: assisted decoding with a draft runs decoder-only models")
+    return context(draft, cache_mode=cache_mode, prompt_steps=prompt_steps, do_sample=False, eos_token_id=[],
+                   repetition_penalty=1.0, no_repeat_ngram_size=0, bad_words_ids=None, sequence_bias=None,
+                   min_length=0, min_new_tokens=None, suppress_tokens=None, begin_suppress_tokens=None,
+                   forced_bos_token_id=None, forced_eos_token_id=None, exponential_decay_length_penalty=None,
+                   encoder_repetition_penalty=1.0, encoder_no_repeat_ngram_size=0)
 
 
 def compile(ctx: Context, batch_size: int) -> Context:  # noqa: A001 - the public verb of the seed

@@ -24,7 +24,6 @@ _IGNORED = {  # generation_config.json fields with no effect on the tokens
     "output_logits", "output_attentions", "output_hidden_states", "return_dict_in_generate",
     "decoder_start_token_id", "cache_implementation",
     "max_time", "trust_remote_code", "low_memory", "token_healing",
-    "num_assistant_tokens", "num_assistant_tokens_schedule",
     "compile_config", "cache_config", "disable_compile", "is_assistant", "dola_layers",
     "assistant_confidence_threshold", "assistant_early_exit", "assistant_lookbehind",
     "target_lookbehind", "generation_kwargs", "top_h",
@@ -73,6 +72,9 @@ class Settings:
     # assisted decoding (assisted.py): prompt lookup proposes up to this many tokens per step
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int | None = None  # the longest n-gram it matches (None: 2)
+    # a draft model (context(draft=...)) proposes this many tokens per step, under this schedule
+    num_assistant_tokens: int = 20
+    num_assistant_tokens_schedule: str = "constant"
 
     def token_ids(self) -> dict[str, tuple[int, ...]]:
         """Every token id a setting names, by setting (for the check against the vocabulary)."""
@@ -219,6 +221,11 @@ def _check(s: Settings) -> Settings:
         raise ValueError(f"early_stopping must be true, false or \"never\", not {s.early_stopping!r}")
     if s.num_beams > 1 and s.stop_strings:
         raise ValueError("stop_strings with num_beams > 1 is not supported yet; use eos_token_id or one beam")
+    if not _integer(s.num_assistant_tokens) or s.num_assistant_tokens < 1:
+        raise ValueError(f"num_assistant_tokens must be an integer >= 1, not {s.num_assistant_tokens!r}")
+    if s.num_assistant_tokens_schedule not in ("constant", "heuristic"):
+        raise ValueError("num_assistant_tokens_schedule must be \"constant\" or \"heuristic\", "
+                         f"not {s.num_assistant_tokens_schedule!r}")
     for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):
         value = getattr(s, name)
         if value is not None and (not _integer(value) or value < 1):

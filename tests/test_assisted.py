@@ -279,3 +279,99 @@ def test_beams_refuse_prompt_lookup(models):
 def test_prompt_lookup_class_validates():
     with pytest.raises(ValueError, match="max_matching_ngram_size"):
         PromptLookup(3, 0)
+
+
+# --- a draft model -------------------------------------------------------------------------
+# llama-genai and llama-optimum hold the same weights (hf/llama): one is a perfect draft of the
+# other; gpt2-grow and qwen2-optimum are other random models with the same tokenizer.
+DRAFTS = [("llama-genai", "in_place"), ("llama-genai", "grow"), ("llama-optimum", "append")]
+
+
+@pytest.fixture(scope="module")
+def drafts(test_models, load_model):
+    return {f: load_model(test_models[f]) for f in ("llama-genai", "llama-optimum", "gpt2-grow", "qwen2-optimum")}
+
+
+def logged(monkeypatch, wrong=False):
+    """Route generate()'s draft through a recorder of its (accepted, counts); with `wrong`, the
+    draft's candidate j of row b is replaced by token 1 when (b + j + step) % 3 == 2, so rows
+    keep part of what the draft proposed and its cache must roll back."""
+    module = importlib.import_module("generation.generate")
+    original, made = module.candidates_for, []
+
+    def wrapped(ctx):
+        draft = original(ctx)
+        propose, accepted = draft.propose, draft.accepted
+        draft.log, draft.steps = [], 0
+
+        def spoiled(state, rows, room, allowed=None):
+            ids, counts, probs = propose(state, rows, room, allowed)
+            if wrong:
+                b, j = np.meshgrid(rows, np.arange(ids.shape[1]), indexing="ij")
+                ids = np.where((b + j + draft.steps) % 3 == 2, 1, ids)
+            draft.steps += 1
+            return ids, counts, probs
+
+        def record(rows, a, c):
+            draft.log.append((a.copy(), c.copy()))
+            run = draft._run
+            accepted(rows, a, c)
+            if run is not None:  # the draft's cache keeps exactly its tokens the target kept
+                _, lengths, width = run
+                assert (draft.state.lengths[rows] == lengths + 1 + np.minimum(a, width - 1)).all()
+        draft.propose, draft.accepted = spoiled, record
+        made.append(draft)
+        return draft
+    monkeypatch.setattr(module, "candidates_for", wrapped)
+    return made
+
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [15, 16, 17, 18], [19, 20]]
+
+
+@pytest.mark.parametrize("target_mode", ["append", "grow"])
+@pytest.mark.parametrize("folder,mode", DRAFTS, ids=[f"{f}-{m}" for f, m in DRAFTS])
+def test_a_draft_identical_to_the_target_accepts_everything(drafts, folder, mode, target_mode, monkeypatch):
+    target = drafts["llama-optimum"]
+    plain = generation.generate(generation.context(target, max_new_tokens=24, cache_mode=target_mode), PROMPTS,
+                                seeds=[0] * 5)
+    made = logged(monkeypatch)
+    for k, schedule in ((3, "constant"), (2, "heuristic")):
+        ctx = generation.context(target, max_new_tokens=24, cache_mode=target_mode, draft=drafts[folder],
+                                 draft_cache_mode=mode, num_assistant_tokens=k, num_assistant_tokens_schedule=schedule)
+        assert generation.generate(ctx, PROMPTS, seeds=[0] * 5) == plain
+        log = made[-1].log
+        assert all((a == c).all() for a, c in log) and sum(int(c.sum()) for _, c in log) > 0
+        widths = [int(c.max()) for _, c in log]
+        assert widths[:3] == ([3, 3, 3] if schedule == "constant" else [2, 4, 6])  # +2 after all were kept
+
+
+@pytest.mark.parametrize("folder,mode", DRAFTS + [("gpt2-grow", "grow")], ids=lambda v: str(v))
+def test_a_partly_wrong_draft_rolls_back_and_gives_the_plain_output(drafts, folder, mode, monkeypatch):
+    target = drafts["llama-optimum"]
+    plain = generation.generate(generation.context(target, max_new_tokens=24), PROMPTS, seeds=[0] * 5)
+    made = logged(monkeypatch, wrong=True)
+    ctx = generation.context(target, max_new_tokens=24, draft=drafts[folder], draft_cache_mode=mode,
+                             num_assistant_tokens=4, num_assistant_tokens_schedule="heuristic")
+    assert generation.generate(ctx, PROMPTS, seeds=[0] * 5) == plain
+    kept = [a for a, _ in made[-1].log]
+    if folder != "gpt2-grow":  # the right draft's rows keep different counts, the random one's none
+        assert any(len(set(a.tolist())) > 1 for a in kept) and max(int(a.max()) for a in kept) >= 2
+
+
+@pytest.mark.parametrize("folder", ["gpt2-grow", "qwen2-optimum"])
+def test_a_random_draft_still_gives_the_plain_output(drafts, folder):
+    target = drafts["llama-genai"]
+    for settings in (dict(), dict(do_sample=True, temperature=0.8, top_k=30)):
+        plain = generation.generate(generation.context(target, max_new_tokens=20, **settings), PROMPTS, seeds=[1] * 5)
+        ctx = generation.context(target, max_new_tokens=20, draft=drafts[folder], num_assistant_tokens=5, **settings)
+        assert generation.generate(ctx, PROMPTS, seeds=[1] * 5) == plain
+
+
+def test_draft_settings_are_checked(drafts, default):
+    with pytest.raises(ValueError, match="draft"):
+        generation.context(drafts["llama-optimum"], draft=default["merged"])  # 4096 ids against 1000
+    with pytest.raises(ValueError, match="num_assistant_tokens"):
+        generation.context(drafts["llama-optimum"], draft=drafts["llama-genai"], num_assistant_tokens=0)
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+        generation.context(drafts["llama-optimum"], num_assistant_tokens_schedule="sometimes")
