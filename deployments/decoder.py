@@ -109,14 +109,17 @@ class TextGenerator:
 
             messages = [_plain(m.model_dump(exclude_none=True), i, self.takes_images)
                         for i, m in enumerate(request.messages)]
+            if self.takes_images:
+                from .vision import prompt_images
+
+                try:
+                    return prompt_images(self.batcher.ctx.model, messages, list(images))
+                except ChatTemplateError as e:
+                    raise RequestError(str(e), "messages") from None
             try:
                 text = render_chat(self.template, messages, self.special_tokens)
             except ChatTemplateError as e:
                 raise RequestError(str(e), "messages") from None
-            if self.takes_images:
-                from .vision import prompt_images
-
-                return prompt_images(self.batcher.ctx.model, self.tokenizer, text, list(images))
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         if isinstance(request.prompt, str):
             if not request.prompt:
@@ -137,7 +140,7 @@ class TextGenerator:
             prompt = [decoder_start(self.batcher.ctx)]
         else:
             prompt = self.prompt_ids(request, images)
-            if isinstance(prompt, tuple):  # a vision-language prompt: its images go where an encoder's outputs go
+            if isinstance(prompt, tuple):  # a vision-language chat: its images go where an encoder's outputs go
                 prompt, encoder = prompt
         if not prompt:
             raise RequestError("the prompt has no tokens", "prompt")
@@ -300,24 +303,24 @@ class TextGenerator:
 
 
 def _plain(message: dict, index: int, takes_images: bool = False) -> dict:
-    """A message for the template: list content joins its text parts, and an image part
-    becomes the image mark where the model takes images (a text-only model refuses it by name)."""
-    from .vision import IMAGE_MARK
-
+    """A message for the template. A text-only model's list content joins its text parts (an
+    image part is refused by name); a vision-language model's keeps its parts, each image_url
+    part as {"type": "image"} (its features come from the Vision deployment), as transformers'
+    processors hand them to the template."""
     content = message.get("content")
     if isinstance(content, list):
-        texts = []
+        parts = []
         for j, part in enumerate(content):
             kind = part.get("type")
             if kind == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
             elif kind == "image_url" and takes_images:
-                texts.append(IMAGE_MARK)
+                parts.append({"type": "image"})
             else:
                 allowed = "text and image_url" if takes_images else "text"
                 raise RequestError(f"messages[{index}].content[{j}]: this model takes {allowed} parts only, "
                                    f"not {kind!r}", f"messages.{index}.content.{j}")
-        message = {**message, "content": "".join(texts)}
+        message = {**message, "content": parts if takes_images else "".join(p["text"] for p in parts)}
     return message
 
 

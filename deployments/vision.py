@@ -5,7 +5,7 @@ scaled apart from the decoder. The ingress hands it each image of a chat request
 a data URL or a fetched file) and passes the reply, unopened, to the decoder, which places the
 features in the prompt (`prompt_images`). The same image twice is encoded once.
 
-    encode_image(bytes) -> ImageFeatures(features [tokens, hidden], grid [t, h, w])
+    encode_image(bytes) -> ImageFeatures(the image's layout in a prompt, features [tokens, hidden])
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from .metrics import EncoderMetrics
 
 @dataclass
 class ImageFeatures:
-    """One image through the vision encoder: its features (one per image token) and its grid."""
+    """One image through the vision encoder: its layout in a prompt (a `vl_prompts.Images` of
+    one image, without its pixels) and its features (one row per image token)."""
 
+    images: object
     features: object  # np.ndarray [tokens, hidden]
-    grid: list[int]  # [t, h, w] patches, before the spatial merge
 
 
 class VisionService:
@@ -35,17 +36,17 @@ class VisionService:
         self.model = generation.load(source, variant=variant, provider=provider, threads=threads)
         if self.model.vision_session is None:
             raise ValueError(f"{source} has no vision encoder (onnx/vision_encoder.onnx)")
-        import json
-
-        path = self.model.folder / "preprocessor_config.json"
-        self.preprocessor = json.loads(path.read_text()) if path.exists() else {}
         self.name = name or Path(source).name
         self.metrics = EncoderMetrics(self.name, "vision")
         self.cache = FeatureCache(cache_bytes)
 
     def encode_image(self, data: bytes, name: str = "image") -> ImageFeatures:
-        from generation.images import qwen2vl_pixels
-        from generation.vision import encode_images
+        """An image file's features, preprocessed as the model's transformers processor does
+        (Qwen2-VL or Idefics3); the same bytes again come from the cache."""
+        import numpy as np
+
+        from generation.images import load_image
+        from generation.vl_prompts import preprocess
 
         started = time.perf_counter()
         self.metrics.items.inc()
@@ -56,39 +57,45 @@ class VisionService:
             self.metrics.latency.observe(time.perf_counter() - started)
             return cached
         try:
-            pixels, grids = qwen2vl_pixels([bytes(data)], self.preprocessor)
+            images = preprocess(self.model, [load_image(bytes(data), name)])
         except ValueError as e:
             raise RequestError(f"{name}: not an image this server reads: {e}", name) from None
-        out = ImageFeatures(encode_images(self.model, pixels, grids), [int(x) for x in grids[0]])
-        self.cache.put(key, out, out.features.nbytes)
+        features = images.encode(self.model)
+        images.pixel_values = np.zeros(0, np.float32)  # the decoder needs the layout, not the pixels
+        out = ImageFeatures(images, features)
+        self.cache.put(key, out, features.nbytes)
         self.metrics.cache_misses.inc()
         self.metrics.latency.observe(time.perf_counter() - started)
         return out
 
 
-IMAGE_MARK = "<|raymuter:image|>"  # stands for an image in the rendered chat text
-
-
-def prompt_images(model, tokenizer, text: str, images: list[ImageFeatures]):
-    """A chat prompt's token ids and its PromptImages (one row): the rendered `text` holds one
-    IMAGE_MARK per image, in order; each becomes <|vision_start|>, one image token per feature,
-    <|vision_end|>, as Qwen2-VL's chat template and processor write an image."""
+def prompt_images(model, messages: list[dict], images: list[ImageFeatures]):
+    """A chat prompt's token ids and its PromptImages (None without images): the model's chat
+    template rendered with `{"type": "image"}` parts, each placeholder replaced by its image's
+    expansion, as transformers' processor.apply_chat_template does (`generation.vl_prompts`)."""
     import numpy as np
 
-    from generation.vision import PromptImages, VisionTokens, rope_positions, split_features
+    from generation.vl_prompts import chat_ids, image_inputs
 
-    pieces = text.split(IMAGE_MARK)
-    if len(pieces) - 1 != len(images):
-        raise RequestError(f"messages: the chat template kept {len(pieces) - 1} of the {len(images)} images",
-                           "messages")
-    tokens = VisionTokens.of(model.config)
-    ids: list[int] = []
-    for i, piece in enumerate(pieces):
-        ids += tokenizer.encode(piece, add_special_tokens=False).ids if piece else []
-        if i < len(images):
-            ids += [tokens.vision_start] + [tokens.image] * len(images[i].features) + [tokens.vision_end]
-    grids = np.array([image.grid for image in images], np.int64).reshape(-1, 3)
-    positions, _ = rope_positions([ids], tokens, image_grids=grids)
-    features = np.concatenate([image.features for image in images]) if images else None
-    rows = split_features([ids], features, tokens.image) if images else [np.zeros((0, 1), np.float32)]
-    return ids, PromptImages(rows, positions, tokens.image)
+    joined = _joined([image.images for image in images]) if images else None
+    try:
+        ids = chat_ids(model, [messages], joined)[0]
+    except ValueError as e:
+        raise RequestError(f"messages: {e}", "messages") from None
+    if joined is None:
+        return ids, None
+    features = np.concatenate([image.features for image in images])
+    return ids, image_inputs(model, [ids], joined, encode=lambda *_: features)
+
+
+def _joined(parts: list):
+    """Several one-image `vl_prompts.Images` as one, in order."""
+    import numpy as np
+
+    from generation.vl_prompts import Images
+
+    first = parts[0]
+    grids = (np.concatenate([np.asarray(p.grids) for p in parts]) if first.family == "qwen2_vl"
+             else [g for p in parts for g in p.grids])
+    return Images(first.family, first.pixel_values, grids, [i for p in parts for i in p.ids],
+                  [t for p in parts for t in p.texts], first.token, sum(p.features for p in parts))

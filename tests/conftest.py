@@ -140,7 +140,8 @@ class ServeApps:
     fake-engine apps (deployments.fake, outputs known) at `fake` and `guarded` (an API key, a
     small queue and body limit), encoder-decoder apps at `translate` (tiny Marian) and
     `speech` (tiny Whisper: 2 s windows), each with an Encoder deployment, and a
-    vision-language app at `vision` (tiny Qwen2-VL) with a Vision deployment."""
+    vision-language apps at `vision` (tiny Qwen2-VL) and `smolvlm` (tiny Idefics3), each with
+    a Vision deployment."""
 
     def __init__(self, port: int, real_model: Path):
         self.port, self.real_model = port, real_model
@@ -188,6 +189,8 @@ def serve_apps(test_models):
     apps.vl = model_builders.ensure_test_models(vision=True)
     serve.run(build(dict(model=str(apps.vl["qwen2vl-onnx"]), name="qwen", slots=4, threads=1,
                          settings={"max_new_tokens": 10})), name="vision", route_prefix="/vision")
-    apps.vision = apps.url + "/vision"
+    serve.run(build(dict(model=str(apps.vl["idefics3-onnx"]), name="smol", slots=4, threads=1,
+                         settings={"max_new_tokens": 10})), name="smolvlm", route_prefix="/smolvlm")
+    apps.vision, apps.smolvlm = apps.url + "/vision", apps.url + "/smolvlm"
     yield apps
     ray.shutdown()

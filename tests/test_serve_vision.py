@@ -1,7 +1,8 @@
 """Vision-language chat through the server: the Vision deployment preprocesses and encodes each
-image of a chat request (cached by content), the decoder places the features in the prompt and
-batches the request with the others. Outputs equal `image_text_to_text` on the same rendered
-prompt; bad images get 400 naming the part."""
+image of a chat request (cached by content), the decoder renders the chat template with the
+images' placeholders, places the features and batches the request with the others. Outputs
+equal `generation.tasks.image_chat` (itself equal to transformers' processor + generate) for
+Qwen2-VL and Idefics3; bad images get 400 naming the part."""
 
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ import numpy as np
 import pytest
 
 import generation
-from deployments.vision import IMAGE_MARK
-from generation.chat import chat_template, render_chat, special_tokens
-from generation.tasks import image_text_to_text
+from generation.tasks import image_chat
 
 
 @pytest.fixture(scope="module")
 def qwen(serve_apps, load_model):
     return load_model(serve_apps.vl["qwen2vl-onnx"])
+
+
+@pytest.fixture(scope="module")
+def smol(serve_apps, load_model):
+    return load_model(serve_apps.vl["idefics3-onnx"])
 
 
 def png(height: int, width: int, seed: int) -> bytes:
@@ -38,19 +42,17 @@ def part(data: bytes) -> dict:
 
 
 def expected(model, messages: list[dict], images: list[bytes], seed: int = 0, **settings) -> str:
-    """image_text_to_text on the template's text, each image where its part was."""
-    flat = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else "".join(
-        p["text"] if p["type"] == "text" else IMAGE_MARK for p in m["content"])} for m in messages]
-    pieces = render_chat(chat_template(model.folder), flat, special_tokens(model.folder)).split(IMAGE_MARK)
-    prompt = [pieces[0]]
-    for image, piece in zip(images, pieces[1:]):
-        prompt += [image, piece]
+    """image_chat on the same conversation, each image_url part as an image part."""
+    images = iter(images)
+    conversation = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else [
+        p if p["type"] == "text" else {"type": "image", "image": next(images)} for p in m["content"]]}
+        for m in messages]
     ctx = generation.context(model, **{"max_new_tokens": 10, **settings})
-    return image_text_to_text(ctx, [[p for p in prompt if not isinstance(p, str) or p]], seeds=[seed])[0].text
+    return image_chat(ctx, [conversation], seeds=[seed])[0].text
 
 
-def chat(url, messages, **fields):
-    return httpx.post(url + "/v1/chat/completions", json=dict(model="qwen", messages=messages, **fields), timeout=120)
+def chat(url, messages, model="qwen", **fields):
+    return httpx.post(url + "/v1/chat/completions", json=dict(model=model, messages=messages, **fields), timeout=120)
 
 
 def test_chat_with_images_equals_image_text_to_text(serve_apps, qwen):
@@ -71,6 +73,16 @@ def test_chat_with_images_equals_image_text_to_text(serve_apps, qwen):
     for messages, imgs, out in zip(cases, images, asyncio.run(run())):  # batched together in the decoder
         assert out.status_code == 200, out.text
         assert out.json()["choices"][0]["message"]["content"] == expected(qwen, messages, imgs)
+
+
+def test_idefics3_chat_with_images_equals_image_chat(serve_apps, smol):
+    one, two = png(40, 31, 2), png(17, 52, 3)
+    messages = [{"role": "user", "content": [part(one), {"type": "text", "text": "Compare with"}, part(two)]}]
+    out = chat(serve_apps.smolvlm, messages, model="smol")
+    assert out.status_code == 200, out.text
+    assert out.json()["choices"][0]["message"]["content"] == expected(smol, messages, [one, two])
+    plain = chat(serve_apps.smolvlm, [{"role": "user", "content": "just text"}], model="smol").json()
+    assert plain["choices"][0]["message"]["content"] == expected(smol, [{"role": "user", "content": "just text"}], [])
 
 
 def test_sampled_chat_with_an_image_equals_the_engine_with_its_seed(serve_apps, qwen):
