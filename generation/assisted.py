@@ -21,7 +21,8 @@ have been there, and `accept_greedy` keeps the longest prefix of candidates equa
 target's choices, plus the target's own next token. Rows keep different counts in one step;
 the cache forgets the rest (`cache.rewind`). The output is the plain decoder's, token for token,
 for greedy rows and for sampling rows with prompt lookup: position j of a step draws the row's
-random number of that token index, as a plain step would (rng.py).
+random number of that token index, as a plain step would (rng.py). Sampling rows with a draft's
+probabilities follow `speculative_accept` instead: the target's distribution, other tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import numpy as np
 
 from .context import Context
 from .processors import NEG_INF, apply
-from .selection import LogProbs
+from .rng import derived_seeds, uniforms
+from .selection import LogProbs, SamplingRows, final_scores, softmax
 from .state import DecodeState, StepTokens, _ends, _select, step, with_logprobs
 
 
@@ -50,6 +52,47 @@ def accept_greedy(candidates: np.ndarray, counts: np.ndarray, target: np.ndarray
     return np.where(same.all(axis=1), k, (~same).argmax(axis=1)).clip(max=counts)
 
 
+def speculative_accept(candidates: np.ndarray, counts: np.ndarray, p: np.ndarray, q: np.ndarray,
+                                          u_accept: np.ndarray, u_next: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The speculative sampling rule (transformers 4.57 `_speculative_sampling`; Leviathan et
+    al. 2023), so the kept tokens have exactly the target's distribution whatever the draft's.
+
+    candidates [n, K] drawn from the draft's q [n, K, V]; p [n, K + 1, V] the target's final
+    probabilities at each position; u_accept [n, K], u_next [n, K + 1] uniforms in (0, 1) (the
+    next token at position j draws u_next[:, j]).
+    Candidate j is kept while u_accept[j] <= p_j(c_j) / q_j(c_j) (for all j before it too). At
+    the first rejected j, the next token is drawn from max(p_j - q_j, 0) normalised; when all
+    counts[b] are kept, from p at position counts[b]. Returns (accepted [n], next token [n]).
+
+    >>> p = np.array([[[0.5, 0.5], [0.0, 1.0]]]); q = np.array([[[1.0, 0.0]]])
+    >>> speculative_accept(np.array([[0]]), np.array([1]), p, q, np.array([[0.4]]), np.array([[0.5, 0.5]]))
+    (array([1]), array([1]))
+    >>> speculative_accept(np.array([[0]]), np.array([1]), p, q, np.array([[0.6]]), np.array([[0.3, 0.3]]))
+    (array([0]), array([1]))
+
+    Token 0 has p 0.5 and q 1: kept with probability 0.5. Kept (u 0.4), the next token comes
+    from p at position 1 (always 1); rejected (u 0.6), from max(p - q, 0) = [0, 0.5]: token 1.
+    """
+    n, k = candidates.shape
+    rows = np.arange(n)[:, None]
+    cols = np.arange(k)
+    safe = np.maximum(candidates, 0)
+    ratio = p[rows, cols, safe] / np.maximum(q[rows, cols, safe], 1e-30)
+    ok = (u_accept <= ratio) & (cols < counts[:, None])
+    accepted = np.where(ok.all(axis=1), k, (~ok).argmax(axis=1)).clip(max=counts)
+    at = np.arange(n)
+    dist = p[at, accepted].astype(np.float64)
+    rejected = accepted < counts
+    if rejected.any():
+        residual = np.maximum(dist[rejected] - q[at[rejected], accepted[rejected]], 0)
+        total = residual.sum(axis=1, keepdims=True)
+        dist[rejected] = np.where(total > 0, residual / np.where(total > 0, total, 1), dist[rejected])
+    cdf = np.cumsum(dist, axis=1)
+    u = u_next[at, accepted]
+    nxt = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=1), p.shape[2] - 1)
+    return accepted, nxt
+
+
 def verify(ctx: Context, state: DecodeState, gen) -> tuple[DecodeState, list[StepTokens]]:
     """One assisted step for every live slot: up to 1 + K tokens per row. Returns the state and
     one StepTokens per position of the step (the j-th new token of each row; -1 where a row got
@@ -62,8 +105,6 @@ def verify(ctx: Context, state: DecodeState, gen) -> tuple[DecodeState, list[Ste
     room = np.maximum(state.limit[rows] - lengths - 2, 0)  # the target adds one token past them
     allowed = _allowed(ctx, state, rows) if state.processes or ctx.processors else None
     ids, counts, probs = gen.propose(state, rows, room, allowed)
-    if probs is not None:
-        raise NotImplementedError("candidate probabilities (speculative sampling) are not verified yet")
     # the run is 1 + max(counts) wide for every row: it must fit past the longest row
     counts = np.clip(np.minimum(counts, room), 0, state.capacity - 1 - int(state.lengths.max()))
     if not counts.any():
@@ -73,6 +114,7 @@ def verify(ctx: Context, state: DecodeState, gen) -> tuple[DecodeState, list[Ste
     width = 1 + int(counts.max())
     columns = np.arange(width)
     ids = ids[:, :width - 1]
+    probs = None if probs is None else probs[:, :width - 1]
     feed = np.full((state.slots, width), ctx.settings.pad_token_id, np.int64)
     feed[rows, 0] = state.next_input[rows]
     real = columns[1:] <= counts[:, None]
@@ -85,11 +127,40 @@ def verify(ctx: Context, state: DecodeState, gen) -> tuple[DecodeState, list[Ste
     logits = state.cache.verify(state.lengths, feed, rows, widths)  # [n, S, V]
     target, lp = _choose(ctx, state, rows, logits, counts)
     accepted = accept_greedy(ids, counts, target)
+    sampled = np.flatnonzero(state.settings.do_sample[rows])
+    if probs is not None and sampled.size:  # rows whose candidates were drawn from the draft's probs
+        accepted[sampled] = _speculative(ctx, state, rows, sampled, logits, ids, counts, probs, target)
     outs, kept = _commit(state, rows, target, accepted + 1, lp)
     state.cache.rewind(state.lengths)
     gen.accepted(rows, accepted, counts)
     state.refresh()
     return state, outs
+
+
+def _speculative(ctx, state, rows, sampled, logits, ids, counts, probs, target) -> np.ndarray:
+    """`speculative_accept` for the sampling rows `sampled` (indices into rows); writes their
+    kept candidates and next token into `target` and returns how many they kept. The target's
+    probabilities are its final scores (processors, then warpers) at every position; the
+    acceptance draws come from a stream of the row's seed apart from its token draws."""
+    width = logits.shape[1]
+    r = np.repeat(sampled, width)
+    j = np.tile(np.arange(width), len(sampled))
+    b = rows[r]
+    settings = state.live_settings.take(r)
+    length = np.minimum(state.lengths[b] + 1 + j, state.capacity)
+    scores = logits[r, j]
+    if state.processes or ctx.processors:
+        scores = apply(scores, settings, state.tokens[b], length, ctx.processors, state.prompt_length[b], inplace=True)
+    p = softmax(final_scores(scores, SamplingRows.of(settings)).astype(np.float64)).reshape(len(sampled), width, -1)
+    k = ids.shape[1]
+    draws = state.draws[rows[sampled]][:, None] + np.arange(k + 1).astype(np.uint64)
+    seeds = np.repeat(state.seeds[rows[sampled]], k + 1).reshape(len(sampled), k + 1)
+    u_accept = uniforms(derived_seeds(seeds.reshape(-1), 1), draws.reshape(-1)).reshape(len(sampled), k + 1)[:, :k]
+    u_next = uniforms(seeds.reshape(-1), draws.reshape(-1)).reshape(len(sampled), k + 1)
+    accepted, nxt = speculative_accept(ids[sampled], counts[sampled], p[:, :k + 1], probs[sampled], u_accept, u_next)
+    target[sampled, :k] = np.where(np.arange(k) < accepted[:, None], ids[sampled], target[sampled, :k])
+    target[sampled, accepted] = nxt
+    return accepted
 
 
 def _allowed(ctx: Context, state: DecodeState, rows: np.ndarray):
@@ -184,7 +255,8 @@ def candidates_for(ctx: Context):
             raise ValueError(f"draft: assisted decoding needs num_beams=1, not {s.num_beams}")
         from .draft import Draft
 
-        return Draft(ctx.draft, s.num_assistant_tokens, s.num_assistant_tokens_schedule)
+        return Draft(ctx.draft, s.num_assistant_tokens, s.num_assistant_tokens_schedule,
+                     speculative=not ctx.token_logprobs)
     if s.prompt_lookup_num_tokens is None:
         return None
     if s.num_beams > 1:

@@ -42,16 +42,19 @@ def common_prefix(a: np.ndarray, b: np.ndarray, length: np.ndarray) -> np.ndarra
 class Draft:
     """Candidates from a draft model: `ctx` is the draft's Context (greedy, no processors, no
     eos: its tokens only propose). `num_tokens` is num_assistant_tokens, `schedule` one of
-    SCHEDULES."""
+    SCHEDULES. `speculative`: sampling rows draw their candidates and verify them by the
+    speculative sampling rule; without it (a context that reports log-probabilities, which
+    are those of the target's own draws) they propose greedily and keep a candidate only where
+    the target's own seeded draw equals it, so they equal plain sampling token for token."""
 
-    def __init__(self, ctx, num_tokens: int = 20, schedule: str = "constant"):
+    def __init__(self, ctx, num_tokens: int = 20, schedule: str = "constant", speculative: bool = True):
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
             raise ValueError(f"num_assistant_tokens must be an integer >= 1, not {num_tokens!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"num_assistant_tokens_schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}")
         if ctx.model.is_seq2seq:
             raise ValueError("draft: the draft model must be a decoder-only model")
-        self.ctx, self.num_tokens, self.schedule = ctx, num_tokens, schedule
+        self.ctx, self.num_tokens, self.schedule, self.speculative = ctx, num_tokens, schedule, speculative
         self.state = None
         self.k = None  # [slots] float: each slot's candidate count
         self._run = None  # (rows, lengths, K) of the last proposal
@@ -64,7 +67,10 @@ class Draft:
             self.k = np.full(target.slots, float(self.num_tokens))
 
     def propose(self, state, rows: np.ndarray, room: np.ndarray, allowed=None):
-        """Greedy draft tokens [n, K] of live `rows`, K = the largest of the rows' counts."""
+        """Draft tokens [n, K] of live `rows`, K = the largest of the rows' counts: greedy, or
+        for sampling rows drawn from the draft's probabilities under the row's warpers (a
+        stream of the row's seed of its own), which come back as probs [n, K, V] for the
+        speculative sampling rule (None when no row samples)."""
         from .state import admit, release
 
         self._fit(state)
@@ -77,40 +83,41 @@ class Draft:
             return np.zeros((len(rows), 0), np.int64), counts, None
         have = np.where(draft.used[rows], common_prefix(draft.tokens[rows], state.tokens[rows],
                                                         np.minimum(draft.lengths[rows], lengths)), 0)
-        fresh = rows[have < 1]
-        ids = np.zeros((len(rows), width), np.int64)
+        fresh = np.flatnonzero(have < 1)
         if fresh.size:  # new rows (or rows that share nothing with what the slot held): the draft prefills them
-            for slot in fresh.tolist():
+            slots = rows[fresh]
+            for slot in slots.tolist():
                 if draft.used[slot]:
                     release(ctx, draft, slot)
                 self.k[slot] = self.num_tokens
-            prompts = [state.tokens[b, :state.lengths[b] + 1].tolist() for b in fresh.tolist()]
-            _, first = admit(ctx, draft, fresh, prompts, [0] * len(fresh),
-                             max_new=[draft.capacity - len(p) for p in prompts])
-            ids[np.searchsorted(rows, fresh), 0] = first.token
-        known = np.flatnonzero(have >= 1)
-        if known.size:  # the missing tokens of known rows, up to their last
-            slots = rows[known]
-            missing = lengths[known] + 1 - have[known]
-            feed = np.zeros((draft.slots, int(missing.max())), np.int64)
-            for i, b in enumerate(slots.tolist()):
-                feed[b, :missing[i]] = state.tokens[b, have[known][i]:lengths[known][i] + 1]
-            widths = np.ones(draft.slots, np.int64)
-            widths[slots] = missing
-            draft.lengths[slots] = have[known]
-            logits = draft.cache.verify(draft.lengths, feed, slots, widths)
-            ids[known, 0] = logits[np.arange(len(slots)), missing - 1].argmax(axis=1)
+            prompts = [state.tokens[b, :state.lengths[b]].tolist() for b in slots.tolist()]
+            admit(ctx, draft, slots, prompts, [0] * len(slots), max_new=[draft.capacity - len(p) for p in prompts])
+            have[fresh] = lengths[fresh]
+        missing = lengths + 1 - have  # every row runs its missing tokens, up to its last
+        feed = np.zeros((draft.slots, int(missing.max())), np.int64)
+        for i, b in enumerate(rows.tolist()):
+            feed[b, :missing[i]] = state.tokens[b, have[i]:lengths[i] + 1]
+        widths = np.ones(draft.slots, np.int64)
+        widths[rows] = missing
+        draft.lengths[rows] = have
+        logits = draft.cache.verify(draft.lengths, feed, rows, widths)[np.arange(len(rows)), missing - 1]
         draft.lengths[rows] = lengths + 1
         draft.tokens[rows, :] = state.tokens[rows, :]
         draft.cache.rewind(draft.lengths)
-        for j in range(1, width):  # the row's j-th candidate follows its (j-1)-th
-            draft.cache.token_input[rows] = ids[:, j - 1]
-            logits = draft.cache.decode(draft.lengths)
-            ids[:, j] = logits[rows].argmax(axis=1)
-            draft.lengths[rows] += 1
+        pick = _picker(state, rows, self.speculative)
+        ids = np.zeros((len(rows), width), np.int64)
+        probs = [] if pick.sampling.size else None
+        for j in range(width):  # the row's j-th candidate follows its (j-1)-th
+            if j:
+                draft.cache.token_input[rows] = ids[:, j - 1]
+                logits = draft.cache.decode(draft.lengths)[rows]
+                draft.lengths[rows] += 1
+            ids[:, j], q = pick(logits, j)
+            if probs is not None:
+                probs.append(q)
         draft.tokens[rows[:, None], (lengths + 1)[:, None] + np.arange(width)] = ids
         self._run = (rows, lengths, width)
-        return ids, counts, None
+        return ids, counts, None if probs is None else np.stack(probs, axis=1)
 
     def accepted(self, rows: np.ndarray, accepted: np.ndarray, counts: np.ndarray) -> None:
         """The draft keeps the tokens the target kept (those it had in its cache); K moves."""
@@ -121,3 +128,33 @@ class Draft:
         self.state.cache.rewind(self.state.lengths)
         self.k[rows] = next_k(self.k[rows], accepted, counts, self.schedule)
         self._run = None
+
+
+class _picker:
+    """The draft's choice at candidate j of live `rows` of the target `state`: argmax for
+    greedy rows; for sampling rows a draw from softmax of the draft's logits under the row's
+    warpers, with uniforms of stream 2 of the row's seed at the candidate's token index.
+    Returns (tokens [n], probabilities [n, V] float64, zero on greedy rows; None if none samples)."""
+
+    def __init__(self, state, rows, speculative: bool = True):
+        from .selection import SamplingRows
+
+        self.sampling = np.flatnonzero(state.settings.do_sample[rows] & speculative)
+        self.rows = SamplingRows.of(state.live_settings)
+        self.seeds = state.seeds[rows[self.sampling]]
+        self.draws = state.draws[rows[self.sampling]]
+
+    def __call__(self, logits: np.ndarray, j: int):
+        from .rng import derived_seeds, uniforms
+        from .selection import final_scores, softmax
+
+        if not self.sampling.size:
+            return logits.argmax(axis=1), None
+        final = final_scores(logits.astype(np.float32), self.rows)
+        tokens = final.argmax(axis=1)
+        q = np.zeros(final.shape, np.float64)
+        q[self.sampling] = softmax(final[self.sampling].astype(np.float64))
+        u = uniforms(derived_seeds(self.seeds, 2), self.draws + np.uint64(j))
+        cdf = np.cumsum(q[self.sampling], axis=1)
+        tokens[self.sampling] = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=1), final.shape[1] - 1)
+        return tokens, q

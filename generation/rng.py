@@ -44,3 +44,10 @@ def derived_seed(seed: int, index: int) -> int:
         return int(seed)
     with np.errstate(over="ignore"):
         return int(_splitmix64(_splitmix64(np.uint64(seed)) ^ _splitmix64(np.uint64(index))))
+
+
+def derived_seeds(seeds: np.ndarray, index: int) -> np.ndarray:
+    """`derived_seed` over an array of seeds [B] uint64 (index >= 1): independent streams of
+    the same rows, e.g. speculative sampling's acceptance draws beside the rows' own."""
+    with np.errstate(over="ignore"):
+        return _splitmix64(_splitmix64(np.asarray(seeds, np.uint64)) ^ _splitmix64(np.uint64(index)))

@@ -362,10 +362,52 @@ def test_a_partly_wrong_draft_rolls_back_and_gives_the_plain_output(drafts, fold
 @pytest.mark.parametrize("folder", ["gpt2-grow", "qwen2-optimum"])
 def test_a_random_draft_still_gives_the_plain_output(drafts, folder):
     target = drafts["llama-genai"]
-    for settings in (dict(), dict(do_sample=True, temperature=0.8, top_k=30)):
-        plain = generation.generate(generation.context(target, max_new_tokens=20, **settings), PROMPTS, seeds=[1] * 5)
-        ctx = generation.context(target, max_new_tokens=20, draft=drafts[folder], num_assistant_tokens=5, **settings)
-        assert generation.generate(ctx, PROMPTS, seeds=[1] * 5) == plain
+    plain = generation.generate(generation.context(target, max_new_tokens=20), PROMPTS, seeds=[1] * 5)
+    ctx = generation.context(target, max_new_tokens=20, draft=drafts[folder], num_assistant_tokens=5)
+    assert generation.generate(ctx, PROMPTS, seeds=[1] * 5) == plain
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """Hand-built p and q: the first token out of the rule (a kept candidate, or the residual
+    draw at the first rejection) follows p exactly, whatever q (chi-square, 40000 draws)."""
+    from scipy import stats
+
+    from generation.assisted import speculative_accept
+
+    rng = np.random.default_rng(0)
+    n, vocab = 40000, 4
+    p_row = np.array([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    q_row = np.array([[0.4, 0.3, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7]])
+    p, q = np.broadcast_to(p_row, (n, 3, vocab)), np.broadcast_to(q_row, (n, 2, vocab))
+    candidates = np.stack([rng.choice(vocab, n, p=q_row[j]) for j in range(2)], axis=1)
+    accepted, nxt = speculative_accept(candidates, np.full(n, 2), p, q, rng.random((n, 2)), rng.random((n, 3)))
+    first = np.where(accepted > 0, candidates[:, 0], nxt)
+    assert stats.chisquare(np.bincount(first, minlength=vocab), n * p_row[0]).pvalue > 1e-3
+    second = np.where(accepted > 1, candidates[:, 1], nxt)[accepted >= 1]  # given the first was kept
+    assert stats.chisquare(np.bincount(second, minlength=vocab), len(second) * p_row[1]).pvalue > 1e-3
+    assert 0 < (accepted == 0).mean() < 1 and (accepted == 2).any()  # both branches ran
+    wrong = speculative_accept(candidates, np.full(n, 2), p, q, np.zeros((n, 2)), rng.random((n, 3)))[0]
+    assert (np.where(wrong > 0, candidates[:, 0], 0) == 0).mean() > 0.35  # accepting everything would distort
+
+
+def test_sampling_with_a_draft_is_seeded_and_has_the_target_distribution(drafts):
+    """Same seeds, same tokens; the first verified token (the second new one) of 600 rows of
+    one prompt with a draft identical to the target (it is kept whenever drawn) against plain
+    sampling (chi-square on the tokens' counts)."""
+    from scipy import stats
+
+    target = drafts["llama-optimum"]
+    settings = dict(do_sample=True, top_k=4, temperature=1.0, max_new_tokens=3)
+    ctx = generation.context(target, draft=drafts["llama-genai"], num_assistant_tokens=2, **settings)
+    seeds = list(range(600))
+    ours = generation.generate(ctx, [PROMPTS[1]] * 600, seeds=seeds)
+    assert generation.generate(ctx, [PROMPTS[1]] * 600, seeds=seeds) == ours
+    plain = generation.generate(generation.context(target, **settings), [PROMPTS[1]] * 600, seeds=[s + 10**6 for s in seeds])
+    a, b = [[row[:2] for row in rows] for rows in (ours, plain)]
+    keys = sorted({tuple(x) for x in a + b})
+    table = np.array([[a.count(list(k)) for k in keys], [b.count(list(k)) for k in keys]])
+    table = table[:, table.sum(axis=0) >= 10]
+    assert table.shape[1] >= 3 and stats.chi2_contingency(table).pvalue > 1e-3
 
 
 def test_draft_settings_are_checked(drafts, default):
@@ -375,3 +417,15 @@ def test_draft_settings_are_checked(drafts, default):
         generation.context(drafts["llama-optimum"], draft=drafts["llama-genai"], num_assistant_tokens=0)
     with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
         generation.context(drafts["llama-optimum"], num_assistant_tokens_schedule="sometimes")
+
+
+def test_a_draft_with_logprobs_gives_the_plain_sampled_tokens(drafts):
+    """Log-probabilities are those of the target's own draws: the draft then proposes greedily
+    and sampling rows keep what equals their plain draw."""
+    settings = dict(do_sample=True, top_k=4, max_new_tokens=12, token_logprobs=True)
+    plain = generation.generate(generation.context(drafts["llama-optimum"], **settings), PROMPTS, seeds=[5] * 5)
+    ctx = generation.context(drafts["llama-optimum"], draft=drafts["llama-genai"], num_assistant_tokens=3, **settings)
+    got = generation.generate(ctx, PROMPTS, seeds=[5] * 5)
+    assert [g.tokens for g in got] == [p.tokens for p in plain]
+    for g, p in zip(got, plain):
+        np.testing.assert_allclose(g.logprobs, p.logprobs, atol=1e-5)
