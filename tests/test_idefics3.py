@@ -37,6 +37,13 @@ def model(paths, load_model):
     return load_model(paths["idefics3-onnx"])
 
 
+@pytest.fixture(scope="module")
+def model5d(paths, load_model):
+    """The same model with onnx-community's vision encoder layout (pixel_values [B, N, 3, F, F],
+    pixel_attention_mask [B, N, F, F])."""
+    return load_model(paths["idefics3-onnx5d"])
+
+
 def _images(seed, sizes):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
@@ -145,6 +152,37 @@ def test_vision_encoder_equals_get_image_features(hf, model):
     np.testing.assert_allclose(got, ref.reshape(-1, 64).numpy(), atol=1e-4, rtol=0)
 
 
+def test_onnx_community_vision_layout(hf, model, model5d):
+    """The 5-D vision encoder (onnx-community's SmolVLM layout) is get_image_features on a padded
+    batch (padding frames dropped) and on partial pixel masks; encode_frames feeds it one row of
+    whole frames and gets the 4-D encoder's features."""
+    import torch
+
+    from generation.idefics3 import encode_frames
+
+    inputs = model5d.vision_session.get_inputs()
+    assert [(i.name, len(i.shape)) for i in inputs] == [("pixel_values", 5), ("pixel_attention_mask", 4)]
+    processor = hf[1]
+    batch = processor(text=["<image><image>", "<image>"], images=[IMAGES[:2], IMAGES[2:3]], padding=True,
+                      return_tensors="pt")
+    pixels, mask = batch["pixel_values"], batch["pixel_attention_mask"].bool()
+    assert not mask[1, 3:].any()  # the second row's 3 frames, then padding
+    partial = torch.zeros(2, 2, 32, 32, dtype=torch.bool)
+    partial[0, 0, :24, :16] = partial[0, 1, :, :20] = partial[1, 0, :8] = partial[1, 1] = True
+    for pv, pm in ((pixels, mask), (pixels[:, :2].contiguous(), partial)):
+        with torch.no_grad():
+            ref = hf[0].model.get_image_features(pv, pm).numpy()
+        got = model5d.vision_session.run(None, {"pixel_values": pv.numpy(), "pixel_attention_mask": pm.numpy()})[0]
+        assert got.shape == ref.shape
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    frames = pixels[0].numpy()
+    with torch.no_grad():
+        ref = hf[0].model.get_image_features(pixels[:1], mask[:1]).reshape(-1, 64).numpy()
+    got = encode_frames(model5d, frames)
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, encode_frames(model, frames), atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # generation against transformers
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +220,16 @@ def test_greedy_batch_equals_transformers(hf, model, steps):
     for order in ([2, 0, 1], [1, 2, 3]):
         out = image_text_to_text(_context(model, prompt_steps=steps), [PROMPTS[i] for i in order], seeds=[0, 1, 2])
         assert [r.tokens for r in out] == [ref[i] for i in order]
+
+
+def test_onnx_community_layout_greedy_equals_transformers(hf, model5d):
+    """The folder with the 5-D vision encoder: a batch of prompts with 2, 0 and 1 images."""
+    from generation.tasks import image_text_to_text
+
+    ref = _hf_generate(hf, PROMPTS)
+    order = [2, 0, 1, 3]
+    out = image_text_to_text(_context(model5d), [PROMPTS[i] for i in order], seeds=[0, 1, 2, 3])
+    assert [r.tokens for r in out] == [ref[i] for i in order]
 
 
 def test_beam_search_equals_transformers(hf, model):

@@ -44,6 +44,12 @@ and the package versions):
     32]`` -> ``image_features [frames, 16, 64]``; transformers' bucketized patch positions as a
     constant), ``onnx/decoder_model_merged.onnx`` (``inputs_embeds``, ``attention_mask``,
     ``position_ids [B, S]``, pasts).  Meta files at the root.
+``idefics3-onnx5d``
+    ``idefics3-onnx`` with onnx-community's SmolVLM vision encoder layout: ``pixel_values [B, N,
+    3, 32, 32]`` and ``pixel_attention_mask [B, N, 32, 32]`` (bool) -> ``image_features [real
+    frames, 16, 64]``, as transformers' ``get_image_features``: all-zero (padding) frames dropped,
+    the patch mask from the pixel mask, each frame's bucketized positions from its real patches,
+    attention only over them.  The other parts are ``idefics3-onnx``'s.
 ``vit-gpt2-optimum``
     ``optimum-cli export onnx --task image-to-text-with-past``: ``encoder_model.onnx``
     (``pixel_values [B, 3, 32, 32]`` -> ``last_hidden_state [B, 17, 64]``) and
@@ -70,7 +76,7 @@ _HERE = Path(__file__).resolve().parent
 
 VISION_DIRS = {"hf/qwen2vl": "hf/qwen2vl", "qwen2vl-onnx": "qwen2vl-onnx",
                "hf/vit-gpt2": "hf/vit-gpt2", "vit-gpt2-optimum": "vit-gpt2-optimum",
-               "hf/idefics3": "hf/idefics3", "idefics3-onnx": "idefics3-onnx"}
+               "hf/idefics3": "hf/idefics3", "idefics3-onnx": "idefics3-onnx", "idefics3-onnx5d": "idefics3-onnx5d"}
 VIT_GPT2_INIT = (0.05, 0.05)
 QWEN2VL_IDS = dict(image=990, video=991, vision_start=992, vision_end=993)
 QWEN2VL_PIXELS = dict(min_pixels=64, max_pixels=576, patch_size=2, temporal_patch_size=2, merge_size=2)
@@ -410,6 +416,69 @@ def export_idefics3(hf_dir, out) -> None:
     mb.copy_hf_files(hf_dir, out)
 
 
+def export_idefics3_5d(hf_dir, parts, out) -> None:
+    """``vision_encoder.onnx`` in onnx-community's layout (see the module docstring) into
+    ``out/onnx``; embed_tokens and the decoder copied from ``parts/onnx``; meta files at ``out``.
+
+    transformers' own vision forward cannot be traced for it (Idefics3VisionEmbeddings loops over
+    the frames in Python), so the wrapper writes get_image_features' steps without the loop: for a
+    top-left rectangle of real patches (what the processor's padding makes), frame f's patch
+    (i, j) has position bucket(i / rows_f) * side + bucket(j / cols_f), as the loop assigns."""
+    import torch
+    import transformers as tf
+    from transformers.modeling_attn_mask_utils import _prepare_4d_attention_mask
+
+    mb = _model_builders()
+    model = tf.Idefics3ForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
+    patch = model.config.vision_config.patch_size
+    side = IDEFICS3_FRAME // patch
+
+    class Vision(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vm, self.connector = model.model.vision_model, model.model.connector
+            self.register_buffer("boundaries", torch.arange(1 / side, 1.0, 1 / side))  # as the embeddings make them
+
+        def forward(self, pixel_values, pixel_attention_mask):
+            # pixel_values: [B, N, 3, F, F], pixel_attention_mask: [B, N, F, F]
+            pv = pixel_values.reshape(-1, 3, IDEFICS3_FRAME, IDEFICS3_FRAME)
+            mask = pixel_attention_mask.reshape(-1, IDEFICS3_FRAME, IDEFICS3_FRAME)
+            real = (pv == 0.0).sum(dim=(-1, -2, -3)) != 3 * IDEFICS3_FRAME * IDEFICS3_FRAME
+            pv, mask = pv[real], mask[real]
+            patches = mask.reshape(-1, side, patch, side, patch).to(torch.int64).sum(dim=(2, 4)) > 0  # [n, side, side]
+            index = torch.arange(side, dtype=torch.float32)
+            rows = patches[:, :, 0].sum(-1, keepdim=True).to(torch.float32)  # [n, 1]
+            cols = patches[:, 0, :].sum(-1, keepdim=True).to(torch.float32)
+            # torch.bucketize(x, boundaries, right=True) is the count of boundaries <= x
+            bucket_h = ((index / rows * (1 - 1e-6))[..., None] >= self.boundaries).sum(-1)  # [n, side]
+            bucket_w = ((index / cols * (1 - 1e-6))[..., None] >= self.boundaries).sum(-1)
+            positions = (bucket_h[:, :, None] * side + bucket_w[:, None, :]) * patches  # 0 where padded
+            e = self.vm.embeddings
+            x = e.patch_embedding(pv).flatten(2).transpose(1, 2) + e.position_embedding(positions.flatten(1))
+            bias = _prepare_4d_attention_mask(patches.flatten(1), x.dtype)
+            h = self.vm.encoder(inputs_embeds=x, attention_mask=bias).last_hidden_state
+            return self.connector(self.vm.post_layernorm(h))
+
+    onnx_dir = Path(out) / "onnx"
+    onnx_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("embed_tokens.onnx", "decoder_model_merged.onnx"):
+        shutil.copy2(Path(parts) / "onnx" / name, onnx_dir / name)
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(2, 3, 3, IDEFICS3_FRAME, IDEFICS3_FRAME, generator=g)
+    pixels[1, 2] = 0  # a padding frame
+    mask = torch.ones(2, 3, IDEFICS3_FRAME, IDEFICS3_FRAME, dtype=torch.bool)
+    mask[1, 2] = False
+    with torch.no_grad():
+        torch.onnx.export(Vision(), (pixels, mask), str(onnx_dir / "vision_encoder.onnx"), dynamo=False,
+                          input_names=["pixel_values", "pixel_attention_mask"], output_names=["image_features"],
+                          opset_version=17,
+                          dynamic_axes={"pixel_values": {0: "batch_size", 1: "num_images"},
+                                        "pixel_attention_mask": {0: "batch_size", 1: "num_images"},
+                                        "image_features": {0: "num_real_images"}})
+    mb.cap_ir_version(onnx_dir / "vision_encoder.onnx")
+    mb.copy_hf_files(hf_dir, out)
+
+
 def build_vit_gpt2_hf(out) -> int:
     """The tiny random ViT + GPT-2 vision-encoder-decoder -> ``save_pretrained(out)`` with its
     image processor and the tiny tokenizer."""
@@ -466,6 +535,7 @@ def build_all(root, progress=print) -> dict[str, Path]:
     t0 = time.time()
     n = build_idefics3_hf(root / "hf" / "idefics3")
     export_idefics3(root / "hf" / "idefics3", root / "idefics3-onnx")
+    export_idefics3_5d(root / "hf" / "idefics3", root / "idefics3-onnx", root / "idefics3-onnx5d")
     progress(f"[test-models] idefics3         {time.time() - t0:6.1f}s  ({n} params)")
     t0 = time.time()
     n = build_vit_gpt2_hf(root / "hf" / "vit-gpt2")
