@@ -18,6 +18,10 @@ batch's verify row by row: one step, `batch` runs).
 
     PYTHONPATH=. python bench/assisted.py                      # both modes, B=1 and 8: ~3 min
     PYTHONPATH=. python bench/assisted.py --modes append --batch 1
+    PYTHONPATH=. python bench/assisted.py --draft             # with the other export as a draft
+
+The ungrounded workload samples, so a draft's speculative sampling gives other (equally
+distributed) tokens there: only the grounded draft tokens are checked.
 """
 from __future__ import annotations
 
@@ -88,12 +92,19 @@ def main():
     parser.add_argument("--k", type=int, default=10, help="prompt_lookup_num_tokens (transformers' default 10)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draft", action="store_true",
+                        help="also a draft: the model's other export (the same weights: every candidate is kept, "
+                             "so this shows the steps saved and what a draft as costly as the model gives)")
+    parser.add_argument("--draft-tokens", type=int, default=5)
     args = parser.parse_args()
     root = Path(os.environ.get("RAYMUTER_BENCH_MODELS", Path.home() / ".cache/raymuter/bench-models")) / "small"
-    print(f"| mode | workload | B | plain tok/s | lookup tok/s | ratio | target steps/token plain | lookup |")
-    print("|---|---|---|---|---|---|---|---|")
+    head = "| mode | workload | B | plain tok/s | lookup tok/s | ratio | steps/token plain | lookup |"
+    print(head + (" draft tok/s | ratio | steps/token draft |" if args.draft else ""))
+    print("|---" * (8 + 3 * args.draft) + "|")
     for mode in args.modes.split(","):
         model = generation.load(root / LAYOUT[mode], threads=args.threads)
+        other = {"in_place": "append", "append": "in_place"}[mode]
+        draft = generation.load(root / LAYOUT[other], threads=args.threads) if args.draft else None
         for batch in [int(b) for b in args.batch.split(",")]:
             for name, (prompts, settings) in workloads(model, batch, args).items():
                 seeds = list(range(batch))
@@ -101,6 +112,9 @@ def main():
                               **settings)
                 systems = {"plain": generation.context(model, **common),
                            "lookup": generation.context(model, prompt_lookup_num_tokens=args.k, **common)}
+                if draft is not None:
+                    systems["draft"] = generation.context(model, draft=draft, num_assistant_tokens=args.draft_tokens,
+                                                          **common)
                 best, outs, counts = {}, {}, {}
                 for _ in range(args.repeats):
                     for key, ctx in systems.items():
@@ -109,14 +123,16 @@ def main():
                         best[key] = min(best.get(key, seconds), seconds)
                         outs[key] = out
                         counts[key] = counting[-1].steps if counting else args.new - 1
-                if outs["lookup"] != outs["plain"]:
-                    raise SystemExit(f"{mode} {name} B={batch}: prompt lookup changed the tokens")
+                if outs["lookup"] != outs["plain"] or (draft is not None and name == "grounded"
+                                                       and outs["draft"] != outs["plain"]):
+                    raise SystemExit(f"{mode} {name} B={batch}: assisted decoding changed the tokens")
                 tokens = sum(len(o) for o in outs["plain"])
                 tps = {k: tokens / v for k, v in best.items()}
                 per_token = {k: (c + 1) / (tokens / batch) for k, c in counts.items()}  # + the prompt's run
                 print(f"| {mode} | {name} | {batch} | {tps['plain']:.0f} | {tps['lookup']:.0f} | "
-                      f"{tps['lookup'] / tps['plain']:.2f}x | {per_token['plain']:.2f} | {per_token['lookup']:.2f} |",
-                      flush=True)
+                      f"{tps['lookup'] / tps['plain']:.2f}x | {per_token['plain']:.2f} | {per_token['lookup']:.2f} |"
+                      + (f" {tps['draft']:.0f} | {tps['draft'] / tps['plain']:.2f}x | {per_token['draft']:.2f} |"
+                         if draft is not None else ""), flush=True)
 
 
 if __name__ == "__main__":
