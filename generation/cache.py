@@ -212,9 +212,17 @@ class InPlaceCache(_Cache):
 
     def verify(self, lengths: np.ndarray, ids: np.ndarray, rows: np.ndarray, widths: np.ndarray) -> np.ndarray:
         """Row by row, each its own width: GroupQueryAttention refuses several tokens of more
-        than one row over a past ("batch_size must be 1 when sequence_length > 1")."""
+        than one row over a past ("batch_size must be 1 when sequence_length > 1"). Rows of
+        width 1, when there are several, take one batched decode instead (which also writes the
+        first token of the other rows, as their own runs then write it again)."""
         out = np.zeros((len(rows), ids.shape[1], self.graph.vocab_size), np.float32)
+        single = widths[rows] == 1
+        if single.sum() >= 2:
+            self.token_input[rows] = ids[rows, 0]
+            out[single, 0] = self.decode(lengths)[rows[single]]
         for i, slot in enumerate(rows.tolist()):
+            if single[i] and single.sum() >= 2:
+                continue
             width = int(widths[slot])
             out[i, :width] = self._prompt_step(slot, ids[slot:slot + 1, :width], int(lengths[slot]))[0]
         return out

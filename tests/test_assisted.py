@@ -151,7 +151,8 @@ def test_sampling_gives_the_plain_tokens_of_the_seed(default, spy):
 
 class Scripted:
     """Candidates from the plain output, wrong at chosen places: row b's candidate j is wrong
-    when (b + j + step) % 3 == 2, so rows keep 0 to K of them, differently in each step."""
+    when (b + j + step) % 3 == 2, so rows keep 0 to K of them, differently in each step; half
+    the rows have none in a step."""
 
     def __init__(self, plain, k):
         self.plain, self.k, self.steps, self.kept = plain, k, 0, []
@@ -163,8 +164,9 @@ class Scripted:
             ahead = self.plain[b][done:done + self.k]
             ids[i, :len(ahead)] = ahead
             ids[i, [j for j in range(self.k) if (b + j + self.steps) % 3 == 2]] = 1
+        counts = np.where((rows + self.steps) % 4 < 2, 0, np.minimum(room, self.k))  # some rows have none
         self.steps += 1
-        return ids, np.minimum(room, self.k), None
+        return ids, counts, None
 
     def accepted(self, rows, accepted, counts):
         self.kept.append(accepted.copy())
