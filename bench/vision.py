@@ -7,10 +7,13 @@ stage is the best of `--repeats` runs (other jobs only ever add time), both syst
 `--threads` intra-op threads, interleaved run by run:
 
     preprocessing   raymuter `images.qwen2vl_pixels` | Qwen2VLImageProcessor (PIL, numpy)
-    vision encoder  `vision.encode_images` (ONNX)     | `model.model.visual` (torch)
+    vision encoder  `vision.encode_images` (ONNX)     | `model.model.visual` (torch) as generate
+                                                        runs it (forward hooks on it)
     prefill         prompt in, first token out: `generate` up to its first on_token call
-                    (the features given) | generate's first streamed token minus the vision
-                    encoder's time (transformers runs it inside generate)
+                    (the features given) | generate's first streamed token minus that vision
+                    encoder run (a separate call of `model.model.visual` before generate is
+                    slower than the one inside, by up to 600 ms on 1 thread: subtracting
+                    its time understated transformers' prefill, even below zero)
     decode          the later tokens' mean time per token, from the same calls
 
 and the tokens of both are compared (`same tokens`).
@@ -147,16 +150,20 @@ def run_transformers(hf, processor, image, text, new):
     inputs = processor(images=[image], return_tensors="pt")
     times["preprocessing"] = time.perf_counter() - t0
     with torch.no_grad():
-        t0 = time.perf_counter()
-        hf.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-        times["vision encoder"] = time.perf_counter() - t0
         count = int(inputs["image_grid_thw"].prod()) // 4
         ids = torch.tensor([text[0] + [IDS["vision_start"]] + [IDS["image"]] * count + [IDS["vision_end"]] + text[1]])
-        timer = Timer()
-        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=inputs["pixel_values"],
-                          image_grid_thw=inputs["image_grid_thw"], do_sample=False, max_new_tokens=new,
-                          min_new_tokens=new, pad_token_id=0, streamer=timer)
+        timer, inside = Timer(), []
+        hooks = [hf.model.visual.register_forward_pre_hook(lambda *_: inside.append(time.perf_counter())),
+                 hf.model.visual.register_forward_hook(lambda *_: inside.append(time.perf_counter()))]
+        try:
+            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=inputs["pixel_values"],
+                              image_grid_thw=inputs["image_grid_thw"], do_sample=False, max_new_tokens=new,
+                              min_new_tokens=new, pad_token_id=0, streamer=timer)
+        finally:
+            for hook in hooks:
+                hook.remove()
     new_marks = timer.marks[1:]  # (the first put is the prompt)
+    times["vision encoder"] = inside[1] - inside[0]
     times["prefill"] = new_marks[0] - timer.start - times["vision encoder"]
     times["decode"] = (new_marks[-1] - new_marks[0]) / (len(new_marks) - 1)
     return times, out[0, ids.shape[1]:].tolist()
