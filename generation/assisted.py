@@ -266,7 +266,7 @@ def candidates_for(ctx: Context):
                          "this is an encoder-decoder model")
     from .prompt_lookup import PromptLookup
 
-    return PromptLookup(s.prompt_lookup_num_tokens, s.max_matching_ngram_size or 2)
+    return PromptLookup()  # each row's own prompt_lookup_num_tokens
 
 
 def merged(outs: list[StepTokens]) -> StepTokens:

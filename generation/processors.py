@@ -245,6 +245,8 @@ class RowSettings:
         self.begin_index = np.full(n, -1, i64)
         self.eos = np.full((n, 1), -1, i64)
         self.limit = np.zeros(n, i64)
+        self.lookup_tokens = np.zeros(n, i64)  # prompt_lookup_num_tokens (0: off); assisted.py
+        self.lookup_ngram = np.full(n, 2, i64)  # max_matching_ngram_size
         self.encoder_ids: list[np.ndarray] = [np.zeros(0, i64)] * n
         self.bias_rules: list[list[SequenceRule]] = [[] for _ in range(n)]
         self.bad_rules: list[list[SequenceRule]] = [[] for _ in range(n)]
@@ -295,6 +297,8 @@ class RowSettings:
         self._widen("eos", len(s.eos_token_id))[i] = -1
         self.eos[i, :len(s.eos_token_id)] = s.eos_token_id
         self.limit[i] = limit
+        self.lookup_tokens[i] = s.prompt_lookup_num_tokens or 0
+        self.lookup_ngram[i] = s.max_matching_ngram_size or 2
         self.encoder_ids[i] = np.asarray(encoder_ids if encoder_ids is not None else [], np.int64)
         self._set_sequences(i, s)
         self._set_mask("suppress_mask", i, s.suppress_tokens)

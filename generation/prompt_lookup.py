@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram: int, num_tokens: np.ndarray
+def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram, num_tokens: np.ndarray
            ) -> tuple[np.ndarray, np.ndarray]:
     """Each row's candidates: the tokens that followed the earliest earlier occurrence of its
     last n tokens, for the largest n from `max_ngram` down to 1 that has an occurrence with at
     least one token after it (as transformers: the largest n wins, then the leftmost match).
 
     tokens [B, W]: row b's tokens are tokens[b, :counts[b]]; num_tokens [B]: the most
-    candidates each row may get (0: none). Returns candidates [B, max(num_tokens)] (-1 past a
+    candidates each row may get (0: none); max_ngram: an int, or [B] per row. Returns candidates [B, max(num_tokens)] (-1 past a
     row's count) and their counts [B]; a continuation stops at the row's end.
 
     >>> ids, n = lookup(np.array([[5, 6, 7, 8, 1, 5, 6, 0], [1, 2, 3, 1, 4, 2, 1, 0]]),
@@ -41,8 +41,9 @@ def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram: int, num_tokens: n
         return out[:, :k], found
     width = int(counts[todo].max())
     tokens = tokens[:, :width]
-    for n in range(max_ngram, 0, -1):
-        active = np.flatnonzero(todo & (counts > n))
+    max_ngram = np.broadcast_to(max_ngram, counts.shape)
+    for n in range(int(max_ngram[todo].max()), 0, -1):
+        active = np.flatnonzero(todo & (counts > n) & (max_ngram >= n))
         if not active.size:
             continue
         block, length = tokens[active], counts[active]
@@ -85,15 +86,17 @@ def forbidden_cut(candidates: np.ndarray, counts: np.ndarray, allowed) -> np.nda
 @dataclass
 class PromptLookup:
     """Prompt lookup's settings: `num_tokens` candidates at most (prompt_lookup_num_tokens) after
-    a match of up to `max_ngram` tokens (max_matching_ngram_size, 2 by default as transformers).
-    A row's candidates stop before an eos token of the row, as transformers cuts them."""
+    a match of up to `max_ngram` tokens (max_matching_ngram_size, 2 by default as transformers);
+    num_tokens None reads both from each row's settings (rows without prompt_lookup_num_tokens
+    get none), so rows of one batch may differ. A row's candidates stop before an eos token of
+    the row, as transformers cuts them."""
 
-    num_tokens: int
+    num_tokens: int | None = None
     max_ngram: int = 2
 
     def __post_init__(self):
         for name, value in (("prompt_lookup_num_tokens", self.num_tokens), ("max_matching_ngram_size", self.max_ngram)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
 
     def propose(self, state, rows: np.ndarray, room: np.ndarray, allowed=None) -> tuple[np.ndarray, np.ndarray, None]:
@@ -101,7 +104,11 @@ class PromptLookup:
         processors forbid (`allowed`, see assisted.py); no probabilities."""
         tokens = state.tokens[rows]
         count = state.lengths[rows] + 1
-        ids, counts = lookup(tokens, count, self.max_ngram, np.minimum(room, self.num_tokens))
+        if self.num_tokens is None:  # `rows` are the live rows: their settings are live_settings
+            num_tokens, max_ngram = state.live_settings.lookup_tokens, state.live_settings.lookup_ngram
+        else:
+            num_tokens, max_ngram = self.num_tokens, self.max_ngram
+        ids, counts = lookup(tokens, count, max_ngram, np.minimum(room, num_tokens))
         if counts.any():
             eos = state.eos[rows]
             is_eos = ((ids[:, :, None] == eos[:, None, :]) & (eos[:, None, :] >= 0)).any(axis=2)

@@ -431,3 +431,41 @@ def test_a_draft_with_logprobs_gives_the_plain_sampled_tokens(drafts):
     assert [g.tokens for g in got] == [p.tokens for p in plain]
     for g, p in zip(got, plain):
         np.testing.assert_allclose(g.logprobs, p.logprobs, atol=1e-5)
+
+
+def test_rows_of_one_state_with_their_own_lookup_settings(default):
+    """The decode-state verbs: rows admitted with their own prompt_lookup_num_tokens and
+    max_matching_ngram_size (none for one row, which then never gets a candidate), one joining
+    a running batch, step by `verify`: each row equals its plain greedy tokens."""
+    model = default["genai"]
+    ctx = generation.context(model, max_new_tokens=30, **GREEDY)
+    prompts = grounded(model)
+    plain = generation.generate(ctx, prompts, seeds=[0] * 4)
+    settings = [ctx.with_settings(prompt_lookup_num_tokens=k, max_matching_ngram_size=n)
+                for k, n in ((4, 2), (None, None), (2, 1), (8, 3))]
+    proposed = []
+
+    class Recording(PromptLookup):
+        def propose(self, state, rows, room, allowed=None):
+            ids, counts, probs = super().propose(state, rows, room, allowed)
+            proposed.append(dict(zip(rows.tolist(), counts.tolist())))
+            return ids, counts, probs
+
+    state = generation.new_state(ctx, slots=4, capacity=96)
+    state, first = generation.admit(ctx, state, [0, 1, 2], prompts[:3], [0] * 3, settings=settings[:3])
+    got = [[t] if t >= 0 else [] for t in first.token.tolist()] + [[]]
+    for step_no in range(40):
+        if step_no == 3:
+            state, late = generation.admit(ctx, state, [3], prompts[3:], [0], settings=settings[3:])
+            got[3].append(int(late.token[0]))
+        state, outs = verify(ctx, state, Recording())
+        for out in outs:
+            for b in range(4):
+                if out.token[b] >= 0:
+                    got[b].append(int(out.token[b]))
+        if not state.live.any():
+            break
+    assert got == plain
+    assert all(counts.get(1, 0) == 0 for counts in proposed)  # the row without prompt lookup
+    assert sum(counts.get(3, 0) for counts in proposed) > 0 and sum(counts.get(2, 0) for counts in proposed) > 0
+    assert max(counts.get(2, 0) for counts in proposed) <= 2  # its own prompt_lookup_num_tokens
