@@ -151,6 +151,25 @@ def qwen2vl_pixels(images, config: dict) -> tuple[np.ndarray, np.ndarray]:
     return (np.concatenate(out) if out else np.zeros((0, width), np.float32)), np.array(grids, np.int64).reshape(-1, 3)
 
 
+def qwen2vl_video_pixels(videos, config: dict, name: str = "videos") -> tuple[np.ndarray, np.ndarray]:
+    """(pixel_values_videos [sum(t*h*w), C*T*P*P] float32, video_grid_thw [n, 3] int64) of
+    `videos`, each a [frames, H, W, 3] uint8 array, as transformers 4.57
+    Qwen2VLImageProcessor(videos=...): every frame resized to the first's smart_resize size, the
+    frames padded with copies of the last to a multiple of the temporal patch."""
+    pixels = Qwen2VLPixels(config)
+    out, grids = [], []
+    for i, video in enumerate(videos):
+        video = np.asarray(video)
+        if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != np.uint8 or not video.shape[0]:
+            raise ValueError(f"{name}[{i}] must be a [frames, height, width, 3] uint8 array with at least one frame, "
+                             f"not {video.dtype} of shape {video.shape}")
+        patches, grid = pixels.frames(list(video))
+        out.append(patches)
+        grids.append(grid)
+    width = 3 * pixels.temporal * pixels.patch ** 2
+    return (np.concatenate(out) if out else np.zeros((0, width), np.float32)), np.array(grids, np.int64).reshape(-1, 3)
+
+
 def vit_pixels(images, config: dict) -> np.ndarray:
     """pixel_values [n, 3, height, width] float32 of `images` (anything `load_image` takes), as
     transformers 4.57 ViTImageProcessor: resize to `size` (bilinear unless `resample` says), scale

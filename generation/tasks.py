@@ -246,9 +246,12 @@ def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[T
     text with an image placeholder where each image is:
 
     - Qwen2-VL: an image becomes <|vision_start|>, one image token per feature, <|vision_end|>;
-      pixels as Qwen2VLImageProcessor (`generation.images`), M-RoPE positions.
+      pixels as Qwen2VLImageProcessor (`generation.images`), M-RoPE positions. A video part (a
+      [frames, H, W, 3] uint8 array) becomes <|vision_start|>, its video tokens, <|vision_end|>,
+      pixels as Qwen2VLImageProcessor(videos=...), its features in the video tokens as
+      transformers' second masked_scatter places them.
       encode: (pixel_values [patches, C*T*P*P], image_grid_thw [n, 3]) -> features [tokens, hidden]
-      (default `vision.encode_images`).
+      (default `vision.encode_images`), run on the images, then on the videos.
     - Idefics3: an image becomes Idefics3Processor's expansion of <image> (frames with row and
       column tokens, then the global image), tokenized; pixels as Idefics3ImageProcessor
       (`generation.idefics3`). encode: pixel_values [frames, 3, F, F] -> features
@@ -263,11 +266,11 @@ def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[T
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts, each a list of texts, token id lists and images")
     _check_encode(encode)
-    layout, images = _prompt_parts(model, prompts)
-    if not images:
+    layout, images, videos = _prompt_parts(model, prompts)
+    if not images and not videos:
         ids = [[t for _, part in parts for t in part] for parts in layout]
         return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds)]
-    prepared = preprocess(model, images)
+    prepared = preprocess(model, images, videos)
     ids = part_ids(layout, prepared)
     inputs = image_inputs(model, ids, prepared, encode)
     return [_result(ctx, row) for row in generate(ctx, ids, seeds=seeds, encoder=inputs)]
@@ -308,12 +311,13 @@ def _check_encode(encode) -> None:
         raise ValueError(f"encode must be a function of the images' pixel values, not {encode!r}")
 
 
-def _prompt_parts(model, prompts) -> tuple[list[list[tuple[str, object]]], list[np.ndarray]]:
-    """Per prompt its parts as ("text", ids) or ("image", index into the images), and the images
-    (RGB uint8 arrays) of all prompts in order."""
+def _prompt_parts(model, prompts) -> tuple[list[list[tuple[str, object]]], list[np.ndarray], list[np.ndarray]]:
+    """Per prompt its parts as ("text", ids), ("image", index into the images) or ("video",
+    index into the videos), and the images (RGB uint8 arrays) and videos ([frames, H, W, 3]
+    uint8 arrays) of all prompts in order."""
     from .images import load_image
 
-    images, layout = [], []
+    images, videos, layout = [], [], []
     tokenizer = None
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, (list, tuple)):
@@ -330,10 +334,14 @@ def _prompt_parts(model, prompts) -> tuple[list[list[tuple[str, object]]], list[
                 if model.vision_session is None:
                     raise ValueError(f"prompts[{i}][{j}] is an image, but {model.folder} is a text-only model "
                                      "(no vision_encoder.onnx): it takes no images")
+                if isinstance(part, np.ndarray) and part.ndim == 4:
+                    videos.append(part)
+                    parts.append(("video", len(videos) - 1))
+                    continue
                 images.append(load_image(part, f"prompts[{i}][{j}]"))
                 parts.append(("image", len(images) - 1))
         layout.append(parts)
-    return layout, images
+    return layout, images, videos
 
 
 def image_to_text(ctx: Context, images, seeds=None, encode=None) -> list[TaskResult]:

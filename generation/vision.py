@@ -39,10 +39,22 @@ class PromptImages:
     features: list[np.ndarray]
     positions: list[np.ndarray | None]
     image_token_id: int
+    # Qwen2-VL videos: each prompt's features of its video tokens, placed after the images as
+    # transformers' second masked_scatter places them (None: no videos)
+    video_features: list[np.ndarray] | None = None
+    video_token_id: int | None = None
 
     def take(self, rows) -> "PromptImages":
         rows = list(rows)
-        return PromptImages([self.features[i] for i in rows], [self.positions[i] for i in rows], self.image_token_id)
+        videos = None if self.video_features is None else [self.video_features[i] for i in rows]
+        return PromptImages([self.features[i] for i in rows], [self.positions[i] for i in rows], self.image_token_id,
+                            videos, self.video_token_id)
+
+    def kinds(self):
+        """(token id, per-row features) of images, then of videos where there are any."""
+        yield self.image_token_id, self.features
+        if self.video_features is not None:
+            yield self.video_token_id, self.video_features
 
     def __len__(self) -> int:
         return len(self.features)
@@ -60,11 +72,12 @@ class PromptImages:
         each row (`real[b]` of its tokens are the row's, the rest padding), the features of its
         image tokens in place. A row's cursor is the image tokens of its prompt before the piece."""
         embeds = embed(ids)
-        for b, prompt in enumerate(prompts):
-            where = np.flatnonzero(ids[b, :real[b]] == self.image_token_id)
-            if where.size:
-                cursor = int(np.count_nonzero(np.asarray(prompt[:offset]) == self.image_token_id))
-                embeds[b, where] = self.features[b][cursor:cursor + where.size]
+        for token, features in self.kinds():
+            for b, prompt in enumerate(prompts):
+                where = np.flatnonzero(ids[b, :real[b]] == token)
+                if where.size:
+                    cursor = int(np.count_nonzero(np.asarray(prompt[:offset]) == token))
+                    embeds[b, where] = features[b][cursor:cursor + where.size]
         return embeds
 
     def piece_positions(self, default: np.ndarray, real: np.ndarray, offset: int) -> np.ndarray:
@@ -232,14 +245,17 @@ def check_images(model, prompts: list[list[int]], images) -> "PromptImages | Non
         raise ValueError(f"{model.folder} is a text-only model (no vision encoder): it takes no images")
     if len(images) != len(prompts):
         raise ValueError(f"image inputs have {len(images)} rows for {len(prompts)} prompts")
-    for i, (prompt, features) in enumerate(zip(prompts, images.features)):
-        count = int(np.count_nonzero(np.asarray(prompt, np.int64) == images.image_token_id))
-        if count > len(features):
-            raise ValueError(f"prompts[{i}] holds {count} image tokens (id {images.image_token_id}) but has "
-                             f"features for {len(features)}")
-        if features.ndim != 2 or (count and features.shape[1] != model.graph.hidden_size):
-            raise ValueError(f"image features of prompt {i} have shape {features.shape}; the decoder takes "
-                             f"[tokens, {model.graph.hidden_size}]")
+    if images.video_features is not None and len(images.video_features) != len(prompts):
+        raise ValueError(f"video inputs have {len(images.video_features)} rows for {len(prompts)} prompts")
+    for i, prompt in enumerate(prompts):
+        for (token, rows), what in zip(images.kinds(), ("image", "video")):
+            count, features = int(np.count_nonzero(np.asarray(prompt, np.int64) == token)), rows[i]
+            if count > len(features):
+                raise ValueError(f"prompts[{i}] holds {count} {what} tokens (id {token}) but has "
+                                 f"features for {len(features)}")
+            if features.ndim != 2 or (count and features.shape[1] != model.graph.hidden_size):
+                raise ValueError(f"{what} features of prompt {i} have shape {features.shape}; the decoder takes "
+                                 f"[tokens, {model.graph.hidden_size}]")
         positions = images.positions[i]
         if positions is not None and positions.shape != (3, len(prompt)):
             raise ValueError(f"positions of prompt {i} have shape {positions.shape}, expected (3, {len(prompt)})")

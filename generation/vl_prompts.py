@@ -20,7 +20,7 @@ image's expansion text, the whole text tokenized once as the processor's tokeniz
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,23 +39,39 @@ class Images:
     texts: list[str]
     token: int  # the image token id
     features: int  # image tokens in all
+    # Qwen2-VL videos, in order: patches, video_grid_thw, each one's ids (vision_start + video
+    # tokens + vision_end), the video token id and the video tokens in all
+    video_pixels: np.ndarray | None = None
+    video_grids: np.ndarray | None = None
+    video_ids: list[list[int]] = field(default_factory=list)
+    video_token: int = -1
+    video_features: int = 0
 
-    def encode(self, model, encode=None) -> np.ndarray:
+    def encode(self, model, encode=None, videos: bool = False) -> np.ndarray:
+        """The features of the images (of the videos: `videos`), checked against their tokens."""
         from .idefics3 import encode_frames
         from .vision import encode_images
 
+        if videos:
+            features = (encode or (lambda p, g: encode_images(model, p, g)))(self.video_pixels, self.video_grids)
+            return _checked(features, self.video_features, f"videos of grids {np.asarray(self.video_grids).tolist()}",
+                            "video")
         if self.family == "idefics3":
             features = (encode or (lambda p: encode_frames(model, p)))(self.pixel_values)
             what = f"{len(self.pixel_values)} frames"
         else:
             features = (encode or (lambda p, g: encode_images(model, p, g)))(self.pixel_values, self.grids)
             what = f"images of grids {np.asarray(self.grids).tolist()}"
-        features = np.asarray(features)
-        if features.ndim != 2:
-            raise ValueError(f"the vision encoder gave features of shape {features.shape}; expected [tokens, hidden]")
-        if len(features) != self.features:
-            raise ValueError(f"the vision encoder gave {len(features)} features for {self.features} image tokens ({what})")
-        return features
+        return _checked(features, self.features, what, "image")
+
+
+def _checked(features, count: int, what: str, kind: str) -> np.ndarray:
+    features = np.asarray(features)
+    if features.ndim != 2:
+        raise ValueError(f"the vision encoder gave features of shape {features.shape}; expected [tokens, hidden]")
+    if len(features) != count:
+        raise ValueError(f"the vision encoder gave {len(features)} features for {count} {kind} tokens ({what})")
+    return features
 
 
 def family(model) -> str:
@@ -67,10 +83,13 @@ def _json(path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def preprocess(model, images: list[np.ndarray]) -> Images:
-    """The batch's images (RGB uint8 arrays) preprocessed as the model's image processor."""
+def preprocess(model, images: list[np.ndarray], videos=()) -> Images:
+    """The batch's images (RGB uint8 arrays) and Qwen2-VL videos ([frames, H, W, 3] uint8)
+    preprocessed as the model's image processor."""
     folder = model.folder
     if family(model) == "idefics3":
+        if len(videos):
+            raise ValueError(f"{folder} is an Idefics3 model: it takes images, not videos")
         from .idefics3 import idefics3_pixels, image_prompt, image_seq_len
 
         seq_len = image_seq_len(model, _json(folder / "processor_config.json"))
@@ -88,30 +107,49 @@ def preprocess(model, images: list[np.ndarray]) -> Images:
     counts = (grids.prod(axis=1) // tokens.merge ** 2).tolist()
     pad = model_tokenizer(model).id_to_token(tokens.image) if model.tokenizer_path else ""
     ids = [[tokens.vision_start] + [tokens.image] * n + [tokens.vision_end] for n in counts]
-    return Images("qwen2_vl", pixel_values, grids, ids, [pad * n for n in counts], tokens.image, sum(counts))
+    out = Images("qwen2_vl", pixel_values, grids, ids, [pad * n for n in counts], tokens.image, sum(counts))
+    if len(videos):
+        from .images import qwen2vl_video_pixels
+
+        out.video_pixels, out.video_grids = qwen2vl_video_pixels(videos, _json(folder / "preprocessor_config.json"))
+        counts = (out.video_grids.prod(axis=1) // tokens.merge ** 2).tolist()
+        out.video_ids = [[tokens.vision_start] + [tokens.video] * n + [tokens.vision_end] for n in counts]
+        out.video_token, out.video_features = tokens.video, sum(counts)
+    return out
 
 
 def part_ids(layout, images: Images) -> list[list[int]]:
     """Each prompt's ids from its parts: ("text", ids) as they are, ("image", i) as image i's
-    expansion."""
-    return [[t for kind, part in parts for t in (part if kind == "text" else images.ids[part])] for parts in layout]
+    expansion, ("video", i) as video i's."""
+    expansions = {"image": images.ids, "video": images.video_ids}
+    return [[t for kind, part in parts for t in (part if kind == "text" else expansions[kind][part])]
+            for parts in layout]
 
 
 def image_inputs(model, ids: list[list[int]], images: Images, encode=None):
     """The vision.PromptImages of prompts `ids` holding `images`: the features of each prompt's
-    image tokens (the vision encoder, or `encode`, run once over the batch) and, for Qwen2-VL,
-    the M-RoPE positions."""
+    image tokens (the vision encoder, or `encode`, run once over the batch's images, and once
+    more over its videos) and, for Qwen2-VL, the M-RoPE positions."""
     from .vision import PromptImages, VisionTokens, rope_positions, split_features
 
-    given = sum(int(np.count_nonzero(np.array(p, np.int64) == images.token)) for p in ids)
-    if given != images.features:
-        raise ValueError(f"the prompts hold {given} image tokens (id {images.token}) for {len(images.ids)} images of "
-                         f"{images.features} features: a token id list holds image tokens of no image")
-    features = images.encode(model, encode)
+    kinds = [("image", images.token, images.ids, images.features)]
+    if images.video_ids:
+        kinds.append(("video", images.video_token, images.video_ids, images.video_features))
+    for kind, token, expansions, count in kinds:
+        given = sum(int(np.count_nonzero(np.array(p, np.int64) == token)) for p in ids)
+        if given != count:
+            raise ValueError(f"the prompts hold {given} {kind} tokens (id {token}) for {len(expansions)} {kind}s of "
+                             f"{count} features: a token id list holds {kind} tokens of no {kind}")
+    features = images.encode(model, encode) if images.ids else np.zeros((0, model.graph.hidden_size), np.float32)
+    videos = None
+    if images.video_ids:
+        videos = split_features(ids, images.encode(model, encode, videos=True), images.video_token)
     positions = [None] * len(ids)
     if images.family == "qwen2_vl":
-        positions, _ = rope_positions(ids, VisionTokens.of(model.config), image_grids=images.grids)
-    return PromptImages(split_features(ids, features, images.token), positions, images.token)
+        positions, _ = rope_positions(ids, VisionTokens.of(model.config), image_grids=images.grids,
+                                      video_grids=images.video_grids if images.video_ids else ())
+    return PromptImages(split_features(ids, features, images.token), positions, images.token, videos,
+                        images.video_token if videos is not None else None)
 
 
 def chat_images(conversations) -> list[list]:
