@@ -469,3 +469,18 @@ def test_rows_of_one_state_with_their_own_lookup_settings(default):
     assert all(counts.get(1, 0) == 0 for counts in proposed)  # the row without prompt lookup
     assert sum(counts.get(3, 0) for counts in proposed) > 0 and sum(counts.get(2, 0) for counts in proposed) > 0
     assert max(counts.get(2, 0) for counts in proposed) <= 2  # its own prompt_lookup_num_tokens
+
+
+def test_more_prompts_than_slots(drafts, default):
+    """Rows that end free their slots for later prompts: a draft's slot then holds another row
+    (it notices by the tokens), and every prompt still gets its plain tokens."""
+    target = drafts["llama-optimum"]
+    plain = generation.generate(generation.context(target, max_new_tokens=20), PROMPTS * 2, seeds=[0] * 10)
+    for draft in (drafts["llama-genai"], drafts["gpt2-grow"]):
+        ctx = generation.compile(generation.context(target, max_new_tokens=20, draft=draft, num_assistant_tokens=3), 3)
+        assert generation.generate(ctx, PROMPTS * 2, seeds=[0] * 10) == plain
+    prompts = grounded(default["genai"]) * 2
+    plain = generation.generate(generation.context(default["genai"], max_new_tokens=30, **GREEDY), prompts, seeds=[0] * 8)
+    ctx = generation.compile(generation.context(default["genai"], max_new_tokens=30, prompt_lookup_num_tokens=5,
+                                                **GREEDY), 3)
+    assert generation.generate(ctx, prompts, seeds=[0] * 8) == plain
