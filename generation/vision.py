@@ -229,18 +229,21 @@ def encode_images(model, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.n
 def check_images(model, prompts: list[list[int]], images) -> "PromptImages | None":
     """The PromptImages a decoder-only batch runs with (None: text only), or ValueError: images
     for a model without a vision encoder, a row count that is not the prompts', features short of
-    a prompt's image tokens, image tokens with no features."""
-    token = model.config.get("image_token_id")
-    if images is None:
-        if model.graph.has_inputs_embeds and isinstance(token, int):
-            for i, prompt in enumerate(prompts):
-                count = int(np.count_nonzero(np.asarray(prompt, np.int64) == token))
-                if count:
-                    raise ValueError(f"prompts[{i}] holds {count} image tokens (id {token}) but no image features "
-                                     "were given (encoder=PromptImages)")
-        return None
-    if not isinstance(images, PromptImages):
+    a prompt's image tokens, image or video tokens with no features."""
+    if images is not None and not isinstance(images, PromptImages):
         raise ValueError(f"encoder= of a decoder-only model must be vision.PromptImages, not {type(images).__name__}")
+    kinds = [("image", model.config.get("image_token_id")), ("video", model.config.get("video_token_id"))]
+    if images is not None:  # (only videos may lack features then)
+        kinds = [] if images.video_features is not None else kinds[1:]
+    for kind, token in kinds if model.graph.has_inputs_embeds else ():
+        for i, prompt in enumerate(prompts):
+            count = int(np.count_nonzero(np.asarray(prompt, np.int64) == token)) if isinstance(token, int) else 0
+            if count:
+                where = "encoder=PromptImages" if images is None else "PromptImages.video_features"
+                raise ValueError(f"prompts[{i}] holds {count} {kind} tokens (id {token}) but no {kind} features "
+                                 f"were given ({where})")
+    if images is None:
+        return None
     if not model.graph.has_inputs_embeds or model.vision_session is None:
         raise ValueError(f"{model.folder} is a text-only model (no vision encoder): it takes no images")
     if len(images) != len(prompts):

@@ -161,3 +161,9 @@ def test_bad_videos(model):
         image_text_to_text(_context(model), [[VIDEOS[0]]], encode=lambda p, g: np.zeros((3, 64), np.float32))
     with pytest.raises(ValueError, match=r"prompts hold 49 video tokens \(id 991\) for 1 videos of 48"):
         image_text_to_text(_context(model), [[[VID], VIDEOS[0]]])
+    with pytest.raises(ValueError, match=r"prompts\[0\] holds 1 video tokens \(id 991\) but no video features were "
+                                         r"given \(encoder=PromptImages\)"):
+        image_text_to_text(_context(model), [[[VSTART, VID, VEND]]])
+    with pytest.raises(ValueError, match=r"prompts\[1\] holds 2 video tokens \(id 991\) but no video features were "
+                                         r"given \(PromptImages.video_features\)"):
+        image_text_to_text(_context(model), [[IMAGE], [IMAGE, [VID, VID]]])
