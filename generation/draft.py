@@ -100,6 +100,7 @@ class Draft:
         widths = np.ones(draft.slots, np.int64)
         widths[rows] = missing
         draft.lengths[rows] = have
+        draft.cache.rewind(draft.lengths)  # a slot may hold more than the prefix it shares (grow crops it)
         logits = draft.cache.verify(draft.lengths, feed, rows, widths)[np.arange(len(rows)), missing - 1]
         draft.lengths[rows] = lengths + 1
         draft.tokens[rows, :] = state.tokens[rows, :]

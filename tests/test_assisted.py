@@ -484,3 +484,31 @@ def test_more_prompts_than_slots(drafts, default):
     ctx = generation.compile(generation.context(default["genai"], max_new_tokens=30, prompt_lookup_num_tokens=5,
                                                 **GREEDY), 3)
     assert generation.generate(ctx, prompts, seeds=[0] * 8) == plain
+
+
+@pytest.mark.parametrize("folder,mode", DRAFTS, ids=[f"{f}-{m}" for f, m in DRAFTS])
+def test_a_draft_slot_reused_by_a_row_sharing_a_prefix(drafts, folder, mode):
+    """A later row whose prompt begins as an earlier row of its slot did: the draft keeps the
+    shared prefix of its cache, runs the rest, and (identical to the target) still has every
+    candidate kept."""
+    target = drafts["llama-optimum"]
+    prompts = [[5, 6, 7, 8], [5, 6, 30, 31, 32, 33, 34]]
+    plain = generation.generate(generation.context(target, max_new_tokens=12), prompts, seeds=[0, 0])
+    ctx = generation.compile(generation.context(target, max_new_tokens=12, draft=drafts[folder], draft_cache_mode=mode,
+                                                num_assistant_tokens=3), 1)
+    module = importlib.import_module("generation.generate")
+    made = []
+    original = module.candidates_for
+
+    def wrapped(c):
+        made.append(original(c))
+        accepted = made[-1].accepted
+        made[-1].log = []
+        made[-1].accepted = lambda rows, a, n: (made[-1].log.append((a.copy(), n.copy())), accepted(rows, a, n))
+        return made[-1]
+    module.candidates_for = wrapped
+    try:
+        assert generation.generate(ctx, prompts, seeds=[0, 0]) == plain
+    finally:
+        module.candidates_for = original
+    assert all((a == n).all() for a, n in made[-1].log) and len(made[-1].log) >= 4
