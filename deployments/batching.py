@@ -12,7 +12,10 @@ settings, seed and stops; its tokens are those `generation.generate` gives it al
     batcher.close()
 
 A beam search request (num_beams > 1) holds num_beams slots while it runs; transformers'
-`_beam_search` gives its tokens at the end, so they come all at once.
+`_beam_search` gives its tokens at the end, so they come all at once. A request with
+`prompt_lookup_num_tokens` is decoded with prompt lookup (generation.assisted): while one runs,
+each step verifies the live rows' candidates and may give a row several tokens, which stream in
+order; the tokens are those of plain decoding.
 
 Serving code never touches arrays: requests carry token id lists, results carry lists.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 
 import generation
 import numpy as np
+from generation import assisted
 from generation.generate import check_prompts, check_seeds
 from generation.state import row_tokens
 
@@ -176,6 +180,9 @@ class ContinuousBatcher:
         self._beams_held = 0  # slots reserved by beam searches running beside the loop
         self._held_lock = threading.Lock()
         self._next: Request | None = None  # a beam request waiting for enough free slots
+        from generation.prompt_lookup import PromptLookup
+
+        self._lookup = PromptLookup()  # rows with prompt_lookup_num_tokens verify their candidates
         self._thread.start()
 
     # -- public -----------------------------------------------------------------------------
@@ -195,6 +202,9 @@ class ContinuousBatcher:
         resolved = self.ctx.with_settings(**(settings or {}))
         if not prompt:
             raise ValueError("prompt is empty")
+        if resolved.prompt_lookup_num_tokens and (resolved.num_beams > 1 or self.ctx.model.is_seq2seq
+                                                  or getattr(self.ctx.model, "vision_session", None) is not None):
+            raise ValueError("prompt_lookup_num_tokens: prompt lookup runs decoder-only text models with num_beams=1")
         if resolved.num_beams > self.slots:
             raise ValueError(f"num_beams: {resolved.num_beams} beams need as many slots; this decoder has {self.slots}")
         max_new = min(resolved.new_tokens_for(len(prompt)), self.capacity - len(prompt))
@@ -228,15 +238,20 @@ class ContinuousBatcher:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue
-                state, out = generation.step(ctx, state)
+                if any(r.settings.prompt_lookup_num_tokens for r in holder.values()):
+                    state, outs = assisted.verify(ctx, state, self._lookup)  # up to 1 + K tokens a row
+                else:
+                    state, out = generation.step(ctx, state)
+                    outs = [out]
                 self.steps += 1
-                for slot, request in list(holder.items()):
-                    token = int(out.token[slot])
-                    if token >= 0 and not request._cancelled:
-                        request._emit(token, *_logprobs_of(out, slot))
-                    if out.finished[slot]:
-                        reason = "length" if len(request._tokens) >= request.max_new else "stop"
-                        self._end(state, holder, slot, reason, started)
+                for out in outs:  # each position of the step in order, as plain steps give them
+                    for slot, request in list(holder.items()):
+                        token = int(out.token[slot])
+                        if token >= 0 and not request._cancelled:
+                            request._emit(token, *_logprobs_of(out, slot))
+                        if out.finished[slot]:
+                            reason = "length" if len(request._tokens) >= request.max_new else "stop"
+                            self._end(state, holder, slot, reason, started)
                 # Let the threads that forward these tokens run now: a small model's steps are
                 # mostly Python, and without this they wait for the GIL's 5 ms switch interval.
                 time.sleep(0)

@@ -25,7 +25,7 @@ EXTRA_SETTINGS = (
     "min_new_tokens", "min_length", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
     "num_beams", "length_penalty", "early_stopping", "renormalize_logits", "exponential_decay_length_penalty",
     "forced_eos_token_id", "forced_bos_token_id", "remove_invalid_values", "encoder_repetition_penalty",
-    "encoder_no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "prompt_lookup_num_tokens", "max_matching_ngram_size",
 )
 
 
@@ -85,6 +85,8 @@ class _Request(BaseModel):
     remove_invalid_values: bool | None = None
     encoder_repetition_penalty: float | None = None
     encoder_no_repeat_ngram_size: int | None = None
+    prompt_lookup_num_tokens: int | None = None  # prompt lookup decoding: same tokens, fewer model steps
+    max_matching_ngram_size: int | None = None
     ignore_eos: bool = False  # vLLM's: generate to max_tokens whatever the eos token
 
     @field_validator("presence_penalty", "frequency_penalty")

@@ -177,3 +177,30 @@ def test_encoder_decoder_requests_join_the_running_batch(test_models, load_model
             batcher.submit(start)
     finally:
         batcher.close()
+
+
+def test_prompt_lookup_requests_equal_plain_decoding_in_fewer_steps():
+    """On the default model (trained text: it continues these prompts by copying their earlier
+    text), rows with prompt_lookup_num_tokens get several tokens in a step, stream them in
+    order, and equal plain greedy decoding; a row without it beside them is unchanged."""
+    from generation.bundled import default_model_path
+    from test_assisted import GREEDY, grounded
+
+    model = generation.load(default_model_path(), threads=1)
+    ctx = generation.context(model, max_new_tokens=30, **GREEDY)
+    prompts = grounded(model)
+    plain = generation.generate(ctx, prompts, seeds=[0] * 4)
+    batcher = ContinuousBatcher(ctx, slots=4, capacity=512)
+    try:
+        requests = [batcher.submit(p, settings=dict(prompt_lookup_num_tokens=4) if i < 3 else None)
+                    for i, p in enumerate(prompts)]
+        assert [r.result(timeout=120).tokens for r in requests] == plain
+        assert [list(r.stream(timeout=1)) for r in requests] == plain
+        before = batcher.steps
+        alone = [batcher.submit(p, settings=dict(prompt_lookup_num_tokens=4)) for p in prompts[:3]]
+        assert [r.result(timeout=120).tokens for r in alone] == plain[:3]
+        assert batcher.steps - before < max(len(t) for t in plain[:3]) - 1  # candidates were kept
+        with pytest.raises(ValueError, match="prompt_lookup_num_tokens: prompt lookup runs decoder-only text models"):
+            batcher.submit(prompts[0], settings=dict(prompt_lookup_num_tokens=4, num_beams=2))
+    finally:
+        batcher.close()

@@ -68,3 +68,12 @@ def test_response_shapes():
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     chat = completion_response("chat-1", "m", "hi", "stop", 2, 1, chat=True)
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+
+
+def test_raymuter_fields_for_prompt_lookup_ignore_eos_and_logit_bias():
+    request = parse(CompletionRequest, dict(model="m", prompt="a", prompt_lookup_num_tokens=4, max_matching_ngram_size=3,
+                                            ignore_eos=True, logit_bias={"7": -5.0}))
+    assert settings_of(request) == dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3, eos_token_id=[],
+                                        sequence_bias=[[[7], -5.0]])
+    with pytest.raises(ApiError, match="logit_bias: keys must be token ids"):
+        settings_of(parse(CompletionRequest, dict(model="m", prompt="a", logit_bias={"x": 1.0})))
