@@ -174,6 +174,69 @@ def special_tokenizer(tokens, first: int):
     return tokenizer
 
 
+def _export_text_parts(embed, lm, head, text, onnx_dir: Path, mrope: bool, generator) -> None:
+    """``embed_tokens.onnx`` (TorchScript) and ``decoder_model_merged.onnx`` (dynamo: TorchScript
+    dies on transformers 4.57's vmap masks) of a vision-language model's text side: `embed` its
+    token embedding, `lm` its language model, `head` its LM head, `text` its text config;
+    ``position_ids`` is [3, B, S] for M-RoPE (`mrope`), else [B, S]."""
+    import torch
+    from transformers import DynamicCache
+
+    layers, kv, head_dim = text.num_hidden_layers, text.num_key_value_heads, text.hidden_size // text.num_attention_heads
+
+    class Embed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = embed
+
+        def forward(self, input_ids):
+            return self.embed(input_ids)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm, self.head = lm, head
+
+        def forward(self, inputs_embeds, attention_mask, position_ids, *past):
+            cache = DynamicCache()
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            o = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                        past_key_values=cache, use_cache=True)
+            res = [self.head(o.last_hidden_state)]
+            for i in range(layers):
+                res += [o.past_key_values.layers[i].keys, o.past_key_values.layers[i].values]
+            return tuple(res)
+
+    with torch.no_grad():
+        torch.onnx.export(Embed(), (torch.tensor([[5, 6, 7]]),), str(onnx_dir / "embed_tokens.onnx"), dynamo=False,
+                          input_names=["input_ids"], output_names=["inputs_embeds"],
+                          dynamic_axes={"input_ids": {0: "batch_size", 1: "sequence_length"},
+                                        "inputs_embeds": {0: "batch_size", 1: "sequence_length"}})
+        B, S, P = 2, 5, 3
+        positions = torch.arange(P, P + S).view(1, S).expand(B, S)
+        if mrope:
+            positions = positions.view(1, B, S).expand(3, B, S)
+        args = [torch.randn(B, S, text.hidden_size, generator=generator), torch.ones(B, P + S, dtype=torch.long),
+                positions.contiguous()]
+        in_names, out_names = ["inputs_embeds", "attention_mask", "position_ids"], ["logits"]
+        for i in range(layers):
+            for name in ("key", "value"):
+                args.append(torch.randn(B, kv, P, head_dim, generator=generator))
+                in_names.append(f"past_key_values.{i}.{name}")
+                out_names.append(f"present.{i}.{name}")
+        bs = torch.export.Dim("batch_size", min=1, max=64)
+        sl = torch.export.Dim("sequence_length", min=1, max=1024)
+        pl = torch.export.Dim("past_sequence_length", min=0, max=1024)
+        tl = torch.export.Dim("total_sequence_length", min=1, max=2048)
+        shapes = ({0: bs, 1: sl}, {0: bs, 1: tl}, {1: bs, 2: sl} if mrope else {0: bs, 1: sl},
+                  tuple([{0: bs, 2: pl}] * (2 * layers)))
+        program = torch.onnx.export(Decoder(), tuple(args), None, dynamo=True, input_names=in_names,
+                                    output_names=out_names, dynamic_shapes=shapes, opset_version=18, optimize=True,
+                                    verbose=False)
+    program.save(str(onnx_dir / "decoder_model_merged.onnx"), external_data=False)
+
+
 def export_qwen2vl(hf_dir, out) -> None:
     """The three ONNX parts of ``hf_dir`` into ``out/onnx`` (see the module docstring), meta
     files at ``out``: embed_tokens and the vision encoder by TorchScript, the decoder by dynamo
@@ -181,21 +244,11 @@ def export_qwen2vl(hf_dir, out) -> None:
     import torch
     import torch.nn.functional as F
     import transformers as tf
-    from transformers import DynamicCache
     from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
 
     mb = _model_builders()
     model = tf.Qwen2VLForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
     text = model.config.text_config
-    layers, kv, head_dim = text.num_hidden_layers, text.num_key_value_heads, text.hidden_size // text.num_attention_heads
-
-    class Embed(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = model.model.language_model.embed_tokens
-
-        def forward(self, input_ids):
-            return self.embed(input_ids)
 
     class Vision(torch.nn.Module):
         """transformers' vision forward, with the grid-dependent parts (rotary positions, the
@@ -223,30 +276,10 @@ def export_qwen2vl(hf_dir, out) -> None:
                 x = x + blk.mlp(blk.norm2(x))
             return v.merger(x)
 
-    class Decoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm, self.head = model.model.language_model, model.lm_head
-
-        def forward(self, inputs_embeds, attention_mask, position_ids, *past):
-            cache = DynamicCache()
-            for i in range(layers):
-                cache.update(past[2 * i], past[2 * i + 1], i)
-            o = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                        past_key_values=cache, use_cache=True)
-            res = [self.head(o.last_hidden_state)]
-            for i in range(layers):
-                res += [o.past_key_values.layers[i].keys, o.past_key_values.layers[i].values]
-            return tuple(res)
-
     onnx_dir = Path(out) / "onnx"
     onnx_dir.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        torch.onnx.export(Embed(), (torch.tensor([[5, 6, 7]]),), str(onnx_dir / "embed_tokens.onnx"), dynamo=False,
-                          input_names=["input_ids"], output_names=["inputs_embeds"],
-                          dynamic_axes={"input_ids": {0: "batch_size", 1: "sequence_length"},
-                                        "inputs_embeds": {0: "batch_size", 1: "sequence_length"}})
         vc = model.config.vision_config
         width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
         rows, cols = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
@@ -259,24 +292,8 @@ def export_qwen2vl(hf_dir, out) -> None:
                           dynamic_axes={"pixel_values": {0: "num_patches"}, "vision_position_ids": {0: "num_patches"},
                                         "attention_bias": {0: "num_patches", 1: "num_patches_k"},
                                         "image_features": {0: "num_image_tokens"}}, opset_version=17)
-        B, S, P = 2, 5, 3
-        args = [torch.randn(B, S, text.hidden_size, generator=g), torch.ones(B, P + S, dtype=torch.long),
-                torch.arange(P, P + S).view(1, 1, S).expand(3, B, S).contiguous()]
-        in_names, out_names = ["inputs_embeds", "attention_mask", "position_ids"], ["logits"]
-        for i in range(layers):
-            for name in ("key", "value"):
-                args.append(torch.randn(B, kv, P, head_dim, generator=g))
-                in_names.append(f"past_key_values.{i}.{name}")
-                out_names.append(f"present.{i}.{name}")
-        bs = torch.export.Dim("batch_size", min=1, max=64)
-        sl = torch.export.Dim("sequence_length", min=1, max=1024)
-        pl = torch.export.Dim("past_sequence_length", min=0, max=1024)
-        tl = torch.export.Dim("total_sequence_length", min=1, max=2048)
-        shapes = ({0: bs, 1: sl}, {0: bs, 1: tl}, {1: bs, 2: sl}, tuple([{0: bs, 2: pl}] * (2 * layers)))
-        program = torch.onnx.export(Decoder(), tuple(args), None, dynamo=True, input_names=in_names,
-                                    output_names=out_names, dynamic_shapes=shapes, opset_version=18, optimize=True,
-                                    verbose=False)
-    program.save(str(onnx_dir / "decoder_model_merged.onnx"), external_data=False)
+    _export_text_parts(model.model.language_model.embed_tokens, model.model.language_model, model.lm_head, text,
+                       onnx_dir, mrope=True, generator=g)
     for f in onnx_dir.glob("*.onnx"):
         mb.cap_ir_version(f)
     mb.copy_hf_files(hf_dir, out)
@@ -328,20 +345,10 @@ def export_idefics3(hf_dir, out) -> None:
     ``out``."""
     import torch
     import transformers as tf
-    from transformers import DynamicCache
 
     mb = _model_builders()
     model = tf.Idefics3ForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
     text = model.config.text_config
-    layers, kv, head_dim = text.num_hidden_layers, text.num_key_value_heads, text.hidden_size // text.num_attention_heads
-
-    class Embed(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = model.get_input_embeddings()
-
-        def forward(self, input_ids):
-            return self.embed(input_ids)
 
     class Vision(torch.nn.Module):
         def __init__(self):
@@ -365,52 +372,16 @@ def export_idefics3(hf_dir, out) -> None:
             h = self.vm.encoder(inputs_embeds=x, attention_mask=None).last_hidden_state
             return self.connector(self.vm.post_layernorm(h))
 
-    class Decoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm, self.head = model.model.text_model, model.lm_head
-
-        def forward(self, inputs_embeds, attention_mask, position_ids, *past):
-            cache = DynamicCache()
-            for i in range(layers):
-                cache.update(past[2 * i], past[2 * i + 1], i)
-            o = self.lm(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                        past_key_values=cache, use_cache=True)
-            res = [self.head(o.last_hidden_state)]
-            for i in range(layers):
-                res += [o.past_key_values.layers[i].keys, o.past_key_values.layers[i].values]
-            return tuple(res)
-
     onnx_dir = Path(out) / "onnx"
     onnx_dir.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        torch.onnx.export(Embed(), (torch.tensor([[5, 6, 7]]),), str(onnx_dir / "embed_tokens.onnx"), dynamo=False,
-                          input_names=["input_ids"], output_names=["inputs_embeds"],
-                          dynamic_axes={"input_ids": {0: "batch_size", 1: "sequence_length"},
-                                        "inputs_embeds": {0: "batch_size", 1: "sequence_length"}})
         torch.onnx.export(Vision(), (torch.randn(2, 3, IDEFICS3_FRAME, IDEFICS3_FRAME, generator=g),),
                           str(onnx_dir / "vision_encoder.onnx"), dynamo=False, input_names=["pixel_values"],
                           output_names=["image_features"], opset_version=17,
                           dynamic_axes={"pixel_values": {0: "num_images"}, "image_features": {0: "num_images"}})
-        B, S, P = 2, 5, 3
-        args = [torch.randn(B, S, text.hidden_size, generator=g), torch.ones(B, P + S, dtype=torch.long),
-                torch.arange(P, P + S).view(1, S).expand(B, S).contiguous()]
-        in_names, out_names = ["inputs_embeds", "attention_mask", "position_ids"], ["logits"]
-        for i in range(layers):
-            for name in ("key", "value"):
-                args.append(torch.randn(B, kv, P, head_dim, generator=g))
-                in_names.append(f"past_key_values.{i}.{name}")
-                out_names.append(f"present.{i}.{name}")
-        bs = torch.export.Dim("batch_size", min=1, max=64)
-        sl = torch.export.Dim("sequence_length", min=1, max=1024)
-        pl = torch.export.Dim("past_sequence_length", min=0, max=1024)
-        tl = torch.export.Dim("total_sequence_length", min=1, max=2048)
-        shapes = ({0: bs, 1: sl}, {0: bs, 1: tl}, {0: bs, 1: sl}, tuple([{0: bs, 2: pl}] * (2 * layers)))
-        program = torch.onnx.export(Decoder(), tuple(args), None, dynamo=True, input_names=in_names,
-                                    output_names=out_names, dynamic_shapes=shapes, opset_version=18, optimize=True,
-                                    verbose=False)
-    program.save(str(onnx_dir / "decoder_model_merged.onnx"), external_data=False)
+    _export_text_parts(model.get_input_embeddings(), model.model.text_model, model.lm_head, text, onnx_dir,
+                       mrope=False, generator=g)
     for f in onnx_dir.glob("*.onnx"):
         mb.cap_ir_version(f)
     mb.copy_hf_files(hf_dir, out)
