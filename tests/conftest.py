@@ -122,6 +122,33 @@ def oracle(test_models) -> Oracle:
 
 
 @pytest.fixture(scope="session")
+def vision_paths() -> dict[str, Path]:
+    """The vision-language fixtures (built on demand: ``ensure_test_models(vision=True)``)."""
+    return model_builders.ensure_test_models(vision=True)
+
+
+def _hf_vision(path, model_class: str, processor_class: str):
+    import torch
+    import transformers as tf
+
+    torch.set_num_threads(2)
+    model = getattr(tf, model_class).from_pretrained(path, dtype=torch.float32).eval()
+    return model, getattr(tf, processor_class).from_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def qwen2vl_hf(vision_paths):
+    """(transformers Qwen2-VL model, its image processor) of the tiny fixture, once per session."""
+    return _hf_vision(vision_paths["hf/qwen2vl"], "Qwen2VLForConditionalGeneration", "Qwen2VLImageProcessor")
+
+
+@pytest.fixture(scope="session")
+def idefics3_hf(vision_paths):
+    """(transformers Idefics3 model, its processor) of the tiny fixture, once per session."""
+    return _hf_vision(vision_paths["hf/idefics3"], "Idefics3ForConditionalGeneration", "AutoProcessor")
+
+
+@pytest.fixture(scope="session")
 def load_model():
     import generation
 

@@ -12,24 +12,17 @@ import json
 import numpy as np
 import pytest
 
-import model_builders
-
 NEW = 10
 
 
 @pytest.fixture(scope="module")
-def paths():
-    return model_builders.ensure_test_models(vision=True)
+def paths(vision_paths):
+    return vision_paths
 
 
 @pytest.fixture(scope="module")
-def hf(paths):
-    import torch
-    import transformers as tf
-
-    torch.set_num_threads(2)
-    model = tf.Idefics3ForConditionalGeneration.from_pretrained(paths["hf/idefics3"], dtype=torch.float32).eval()
-    return model, tf.AutoProcessor.from_pretrained(paths["hf/idefics3"])
+def hf(idefics3_hf):
+    return idefics3_hf
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import model_builders
-
 NEW = 8
 IMAGES = [np.random.default_rng(7).integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(20, 30), (41, 17), (9, 9)]]
 
@@ -32,8 +30,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def paths():
-    return model_builders.ensure_test_models(vision=True)
+def paths(vision_paths):
+    return vision_paths
 
 
 def _qwen2vl_processor(folder):

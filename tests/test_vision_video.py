@@ -10,25 +10,18 @@ import json
 import numpy as np
 import pytest
 
-import model_builders
-
 IMG, VID, VSTART, VEND = 990, 991, 992, 993
 NEW = 10
 
 
 @pytest.fixture(scope="module")
-def paths():
-    return model_builders.ensure_test_models(vision=True)
+def paths(vision_paths):
+    return vision_paths
 
 
 @pytest.fixture(scope="module")
-def hf(paths):
-    import torch
-    import transformers as tf
-
-    torch.set_num_threads(2)
-    model = tf.Qwen2VLForConditionalGeneration.from_pretrained(paths["hf/qwen2vl"], dtype=torch.float32).eval()
-    return model, tf.Qwen2VLImageProcessor.from_pretrained(paths["hf/qwen2vl"])
+def hf(qwen2vl_hf):
+    return qwen2vl_hf
 
 
 @pytest.fixture(scope="module")
