@@ -36,22 +36,30 @@ def _images(seed, sizes):
 
 
 def _hf_generate(hf, prompts, **kwargs) -> list[list[int]]:
-    """transformers generate for each prompt alone ([ids and images] parts), its own
-    preprocessing: the new tokens without a final eos."""
+    """transformers generate for each prompt alone (parts: id lists, images [H, W, 3], videos
+    [T, H, W, 3]), the processor's pixels for both: the new tokens without a final eos."""
     import torch
 
     model, processor = hf
     out = []
     for parts in prompts:
-        images = [p for p in parts if isinstance(p, np.ndarray)]
-        inputs = {}
-        ids = []
+        images = [p for p in parts if isinstance(p, np.ndarray) and p.ndim == 3]
+        videos = [p for p in parts if isinstance(p, np.ndarray) and p.ndim == 4]
+        inputs, counts = {}, {}
         if images:
             pixels = processor(images=images, return_tensors="pt")
-            inputs = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
-            counts = iter((pixels["image_grid_thw"].prod(-1) // 4).tolist())
+            inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+            counts[3] = iter((pixels["image_grid_thw"].prod(-1) // 4).tolist())
+        if videos:
+            pixels = processor(images=None, videos=videos, return_tensors="pt")
+            inputs.update(pixel_values_videos=pixels["pixel_values_videos"], video_grid_thw=pixels["video_grid_thw"])
+            counts[4] = iter((pixels["video_grid_thw"].prod(-1) // 4).tolist())
+        ids = []
         for part in parts:
-            ids += [VSTART] + [IMG] * next(counts) + [VEND] if isinstance(part, np.ndarray) else list(part)
+            if isinstance(part, np.ndarray):
+                ids += [VSTART] + [IMG if part.ndim == 3 else VID] * next(counts[part.ndim]) + [VEND]
+            else:
+                ids += list(part)
         x = torch.tensor([ids])
         with torch.no_grad():
             new = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW,

@@ -10,8 +10,7 @@ import json
 import numpy as np
 import pytest
 
-IMG, VID, VSTART, VEND = 990, 991, 992, 993
-NEW = 10
+from test_vision import IMG, NEW, VEND, VID, VSTART, _hf_generate  # noqa: F401  (the shared transformers reference)
 
 
 @pytest.fixture(scope="module")
@@ -31,39 +30,6 @@ def model(paths, load_model):
 
 def _video(seed, frames, height, width):
     return np.random.default_rng(seed).integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
-
-
-def _hf_generate(hf, prompts, **kwargs) -> list[list[int]]:
-    """transformers generate for each prompt alone (parts: id lists, images [H, W, 3], videos
-    [T, H, W, 3]), the processor's pixels for both: the new tokens without a final eos."""
-    import torch
-
-    model, processor = hf
-    out = []
-    for parts in prompts:
-        images = [p for p in parts if isinstance(p, np.ndarray) and p.ndim == 3]
-        videos = [p for p in parts if isinstance(p, np.ndarray) and p.ndim == 4]
-        inputs, counts = {}, {}
-        if images:
-            pixels = processor(images=images, return_tensors="pt")
-            inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
-            counts[3] = iter((pixels["image_grid_thw"].prod(-1) // 4).tolist())
-        if videos:
-            pixels = processor(images=None, videos=videos, return_tensors="pt")
-            inputs.update(pixel_values_videos=pixels["pixel_values_videos"], video_grid_thw=pixels["video_grid_thw"])
-            counts[4] = iter((pixels["video_grid_thw"].prod(-1) // 4).tolist())
-        ids = []
-        for part in parts:
-            if isinstance(part, np.ndarray):
-                ids += [VSTART] + [IMG if part.ndim == 3 else VID] * next(counts[part.ndim]) + [VEND]
-            else:
-                ids += list(part)
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            new = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW,
-                                 pad_token_id=0, **inputs, **kwargs)[0, len(ids):].tolist()
-        out.append(new[:-1] if new and new[-1] == 2 else new)
-    return out
 
 
 def test_video_pixels_equal_qwen2vl_image_processor(paths, hf):
