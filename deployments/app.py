@@ -338,9 +338,7 @@ class Ingress:
         route = request.url.path
         try:
             self._authorize(request)
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > self.max_body:
-                raise ApiError(413, f"the body has {length} bytes; this server takes at most {self.max_body}")
+            self._check_length(request)
             try:
                 form = await request.form()
             except Exception as e:  # noqa: BLE001 - not multipart, or a broken one
@@ -393,10 +391,14 @@ class Ingress:
         if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error")
 
-    async def _body(self, request: Request) -> dict:
+    def _check_length(self, request: Request) -> None:
+        """413 before reading a body whose declared length is over the limit."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise ApiError(413, f"the body has {length} bytes; this server takes at most {self.max_body}")
+
+    async def _body(self, request: Request) -> dict:
+        self._check_length(request)
         raw = await request.body()
         if len(raw) > self.max_body:
             raise ApiError(413, f"the body has {len(raw)} bytes; this server takes at most {self.max_body}")

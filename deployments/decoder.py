@@ -259,23 +259,22 @@ class TextGenerator:
     async def _batched_transcription(self, ctx, samples, request, settings, encode):
         """speech_to_text's short-form path with the decoding in the batcher: features, the
         encoder, the prompt (language given or detected), then a batch row."""
-        from generation.audio import whisper_features
+        from generation.audio import HOP_LENGTH, SAMPLING_RATE, whisper_features
         from generation.longform import run_encoder, window_frames
-        from generation.tasks import TaskResult, whisper_prompts
+        from generation.tasks import TaskResult, check_decoder_length, whisper_prompts
 
         def prepare():
             window = window_frames(ctx)
             features = whisper_features([samples], n_mels=ctx.model.config.get("num_mel_bins", 80),
-                                        chunk_seconds=window * 160 / 16000)
+                                        chunk_seconds=window * HOP_LENGTH / SAMPLING_RATE)
             first = run_encoder(encode, features.features[..., :window])
             return first, whisper_prompts(ctx, first, request.language, request.task, timestamps=False)[0]
 
         first, prompt = await asyncio.to_thread(prepare)
-        limit = ctx.model.config.get("max_target_positions")
-        new = ctx.settings.max_new_tokens
-        if isinstance(limit, int) and new is not None and new + len(prompt) > limit:
-            raise RequestError(f"max_new_tokens={new} and the {len(prompt)}-token decoder prompt exceed the "
-                               f"decoder's {limit} positions", "max_new_tokens")
+        try:
+            check_decoder_length(ctx, len(prompt))
+        except ValueError as e:
+            raise RequestError(str(e), "max_new_tokens") from None
         try:
             handle = self.batcher.submit(prompt, seed=request.seed or 0, settings=settings, encoder=first)
         except QueueFull as e:

@@ -187,7 +187,7 @@ def speech_to_text(ctx: Context, audios, sampling_rate: int = 16000, language=No
     features = audio.whisper_features(clips, n_mels=n_mels, long_form=long_form, chunk_seconds=window)
     first = run_encoder(encode, features.features[..., :frames])
     prompts = whisper_prompts(ctx, first, language, task, timestamps=timestamps)
-    _check_decoder_length(ctx, max(len(p) for p in prompts))
+    check_decoder_length(ctx, max(len(p) for p in prompts))
     if not timestamps:
         rows = generate(ctx, prompts, seeds=seeds, encoder=first)
         return [_result(ctx, row) for row in rows]
@@ -215,7 +215,7 @@ def _timestamps_on(ctx: Context, clips, window: float, asked: bool | None) -> bo
     return timestamps
 
 
-def _check_decoder_length(ctx: Context, prompt: int) -> None:
+def check_decoder_length(ctx: Context, prompt: int) -> None:
     """As transformers' Whisper generate: the prompt and max_new_tokens within the decoder's positions."""
     limit, new = ctx.model.config.get("max_target_positions"), ctx.settings.max_new_tokens
     if isinstance(limit, int) and new is not None and new + prompt > limit:
