@@ -122,6 +122,12 @@ def oracle(test_models) -> Oracle:
 
 
 @pytest.fixture(scope="session")
+def s2s(test_models) -> dict[str, Path]:
+    """The encoder-decoder fixtures beside the decoder-only ones (``ensure_test_models(seq2seq=True)``)."""
+    return model_builders.ensure_test_models(seq2seq=True)
+
+
+@pytest.fixture(scope="session")
 def vision_paths() -> dict[str, Path]:
     """The vision-language fixtures (built on demand: ``ensure_test_models(vision=True)``)."""
     return model_builders.ensure_test_models(vision=True)

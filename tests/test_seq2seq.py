@@ -22,13 +22,6 @@ LAYOUTS = [("marian-optimum", "marian"), ("marian-js", "marian"), ("marian-unmer
 
 
 @pytest.fixture(scope="module")
-def s2s(test_models):
-    from conftest import model_builders
-
-    return model_builders.ensure_test_models(seq2seq=True)
-
-
-@pytest.fixture(scope="module")
 def models(s2s, load_model):
     return lambda key: load_model(s2s[key])
 

@@ -18,13 +18,6 @@ from generation import tasks
 
 
 @pytest.fixture(scope="module")
-def s2s(test_models):
-    from conftest import model_builders
-
-    return model_builders.ensure_test_models(seq2seq=True)
-
-
-@pytest.fixture(scope="module")
 def model(s2s, load_model):
     return load_model(s2s["whisper-optimum"])
 
