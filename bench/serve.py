@@ -1,12 +1,13 @@
 """Serving overhead and continuous batching, measured side by side in one run.
 
 Table 1: time to first token (median, p90) and throughput at each concurrency, over HTTP (the
-Ray Serve application: proxy -> Ingress -> Decoder, streamed server-sent events) beside the
-engine called directly in this process (the same TextGenerator and batching loop, no Ray), with
-the same requests; "added" is the HTTP median TTFT minus the direct one. Table 2: continuous
-batching (requests join free slots at step boundaries) against static batching (the same loop
-admitting a new wave only when the whole previous wave has finished) on a mix of short and long
-requests, all sent at once; tokens/s and the ratio.
+Ray Serve application: HAProxy -> Ingress -> Decoder over gRPC, streamed server-sent events; with
+--proxy ray, Serve's Python proxy and actor calls) beside the engine called directly in this
+process (the same TextGenerator and batching loop, no Ray), with the same requests, in
+alternating rounds so both see the same machine; "added" is the HTTP median TTFT minus the
+direct one. Table 2: continuous batching (requests join free slots at step boundaries) against
+static batching (the same loop admitting a new wave only when the whole previous wave has
+finished) on a mix of short and long requests, all sent at once; tokens/s and the ratio.
 
     PYTHONPATH=. python bench/serve.py                    # the default model, ~2 min on 2 cores
     PYTHONPATH=. python bench/serve.py --model DIR --slots 8 --requests 32
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import socket
@@ -42,8 +44,9 @@ def percentile(values, q):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-# -- the engine called directly ----------------------------------------------------------------
+# -- the engine called directly and over HTTP, alternating -----------------------------------
 async def direct_run(generator, requests: list[dict], concurrency: int):
+    """TTFTs, tokens and seconds of the requests through the TextGenerator in this process."""
     from deployments.schema import GenerateRequest
 
     ttft, tokens = [], 0
@@ -65,36 +68,52 @@ async def direct_run(generator, requests: list[dict], concurrency: int):
 
     start = time.perf_counter()
     await asyncio.gather(*(one(r) for r in requests))
-    return ttft, tokens / (time.perf_counter() - start)
+    return ttft, tokens, time.perf_counter() - start
 
 
-# -- over HTTP ---------------------------------------------------------------------------------
-async def http_run(url: str, model: str, requests: list[dict], concurrency: int):
-    import httpx
-
+async def http_run(client, url: str, model: str, requests: list[dict], concurrency: int):
+    """The same over HTTP: streamed /v1/completions, TTFT at the first chunk with text."""
     ttft, tokens = [], 0
     gate = asyncio.Semaphore(concurrency)
+
+    async def one(r):
+        nonlocal tokens
+        async with gate:
+            body = dict(model=model, prompt=r["prompt"], max_tokens=r["max_tokens"], seed=r["seed"],
+                        ignore_eos=True, stream=True, stream_options={"include_usage": True})
+            start = time.perf_counter()
+            first = None
+            async with client.stream("POST", url + "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if first is None and line.startswith("data: {") and '"text": ""' not in line:
+                        first = time.perf_counter() - start
+                    if '"usage"' in line and line.startswith("data: {") and '"choices": []' in line:
+                        tokens += json.loads(line[6:])["usage"]["completion_tokens"]
+            ttft.append(first)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(r) for r in requests))
+    return ttft, tokens, time.perf_counter() - start
+
+
+async def level_run(generator, url: str, model: str, requests: list[dict], concurrency: int):
+    """Direct and HTTP in alternating rounds of at least 8 requests (and at least `concurrency`),
+    so both systems see the same state of a noisy machine; one warm-up round of each first."""
+    import httpx
+
+    size = max(8, concurrency)
+    rounds = [requests[i:i + size] for i in range(0, len(requests), size)]
+    out = {"direct": ([], 0, 0.0), "http": ([], 0, 0.0)}
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        async def one(r):
-            nonlocal tokens
-            async with gate:
-                body = dict(model=model, prompt=r["prompt"], max_tokens=r["max_tokens"], seed=r["seed"],
-                            ignore_eos=True, stream=True, stream_options={"include_usage": True})
-                start = time.perf_counter()
-                first = None
-                async with client.stream("POST", url + "/v1/completions", json=body) as response:
-                    async for line in response.aiter_lines():
-                        if first is None and line.startswith("data: {") and '"text": ""' not in line:
-                            first = time.perf_counter() - start
-                        if '"usage"' in line and line.startswith("data: {") and '"choices": []' in line:
-                            import json
-
-                            tokens += json.loads(line[6:])["usage"]["completion_tokens"]
-                ttft.append(first)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(one(r) for r in requests))
-    return ttft, tokens / (time.perf_counter() - start)
+        await direct_run(generator, rounds[0][:2], 2)
+        await http_run(client, url, model, rounds[0][:2], 2)
+        for work in rounds:
+            for kind in ("direct", "http"):
+                got = await (direct_run(generator, work, concurrency) if kind == "direct" else
+                             http_run(client, url, model, work, concurrency))
+                ttft, tokens, seconds = out[kind]
+                out[kind] = (ttft + got[0], tokens + got[1], seconds + got[2])
+    return {kind: (ttft, tokens / seconds) for kind, (ttft, tokens, seconds) in out.items()}
 
 
 # -- continuous vs static ----------------------------------------------------------------------
@@ -127,10 +146,15 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=32, help="tokens per request in table 1")
     parser.add_argument("--mix", default="64,16,256", help="requests,short,long tokens for table 2 (1 in 4 long)")
     parser.add_argument("--stream-interval-ms", type=float, default=10.0, help="the server's stream_interval_ms")
+    parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
+                        help="the request path, as `raymuter serve --proxy` (deployments.cli.serving_environment)")
     args = parser.parse_args()
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from deployments.cli import use_serving_environment
+
+    use_serving_environment(args.proxy)
     from generation.bundled import default_model_path
     from generation.text import model_tokenizer
 
@@ -170,17 +194,14 @@ def main() -> int:
     rows = []
     for level in levels:
         work = requests_for(max(args.requests, level), args.new, seed=level)
-        asyncio.run(direct_run(generator, work[:2], 2))  # warm-ups
-        asyncio.run(http_run(url, "bench", work[:2], 2))
-        d_ttft, d_rate = asyncio.run(direct_run(generator, work, level))
-        h_ttft, h_rate = asyncio.run(http_run(url, "bench", work, level))
-        rows.append((level, d_ttft, d_rate, h_ttft, h_rate))
+        got = asyncio.run(level_run(generator, url, "bench", work, level))
+        rows.append((level, *got["direct"], *got["http"]))
     serve.shutdown()
     ray.shutdown()
     generator.close()
 
     print(f"\nmodel: {model}   slots {args.slots}   threads {args.threads}   {args.new} tokens per request   "
-          f"stream_interval_ms {args.stream_interval_ms}\n")
+          f"stream_interval_ms {args.stream_interval_ms}   proxy {args.proxy}\n")
     print("| concurrency | system | TTFT p50 ms | TTFT p90 ms | tokens/s | HTTP/direct tokens/s | added TTFT p50 ms |")
     print("|---|---|---|---|---|---|---|")
     added_at_1 = None

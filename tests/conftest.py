@@ -195,6 +195,9 @@ def serve_apps(test_models):
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from deployments.cli import use_serving_environment
+
+    use_serving_environment(os.environ.get("RAYMUTER_TEST_PROXY", "haproxy"))  # what `raymuter serve` runs
     import ray
     from ray import serve
 

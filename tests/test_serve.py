@@ -66,6 +66,23 @@ def test_health_and_models(serve_apps):
     assert models["data"][0]["slots"] == 4
 
 
+def test_http_goes_through_haproxy_and_streams_through_it(serve_apps):
+    """The session runs what `raymuter serve` runs: HAProxy in front (its stats page answers on
+    the port serving_environment chose) and Serve's Python proxy out of the request path."""
+    stats = os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT")
+    if os.environ.get("RAYMUTER_TEST_PROXY", "haproxy") == "ray":
+        pytest.skip("RAYMUTER_TEST_PROXY=ray runs the session through Serve's Python proxy")
+    assert os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" and stats
+    page = httpx.get(f"http://127.0.0.1:{stats}/stats", timeout=10)
+    assert page.status_code == 200 and "HAProxy" in page.text and "real" in page.text  # the app's backend
+    lines = []
+    with httpx.stream("POST", serve_apps.fake + "/v1/completions", timeout=30,
+                      json=dict(model="fake", prompt="abcd", max_tokens=4, stream=True)) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and "".join(json.loads(l[6:])["choices"][0]["text"] for l in lines[:-1]) == "dcba"
+
+
 def test_completion_equals_the_engine_alone(serve_apps, engine):
     body = dict(model="tiny", prompt="The list", max_tokens=12, seed=3, temperature=0.8, top_k=20)
     out = httpx.post(serve_apps.real + "/v1/completions", json=body, timeout=60).json()

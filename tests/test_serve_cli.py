@@ -21,7 +21,8 @@ def test_serve_prints_the_url_serves_and_stops_on_ctrl_c():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}  # not the session Ray's ports
+    env = {**inherited, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     process = subprocess.Popen([sys.executable, "-m", "generation.cli", "serve", "--engine", "fake", "--port", str(port),
                                 "--num-cpus", "4"], cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
