@@ -60,6 +60,14 @@ class AppConfig(BaseModel):
     # when a fast model streams to many clients; 0: a chunk per token)
     step_seconds: float = Field(default=0.005, gt=0)  # fake engine only
     gpu: str = Field(default="auto", pattern="^(auto|yes|no)$")  # the decoder asks for num_gpus=1
+    # Which deployments the application has (PARTS); auto: from the model folder. A Serve config
+    # that names deployments (the Helm chart's) sets it, and a model of another kind is refused.
+    kind: str = Field(default="auto", pattern="^(auto|text|encoder-decoder|vision)$")
+
+
+# The deployments of each kind of model, the ingress first.
+PARTS = {"text": ("Ingress", "Decoder"), "encoder-decoder": ("Ingress", "Decoder", "Encoder"),
+         "vision": ("Ingress", "Decoder", "Vision")}
 
 
 def _typed(request) -> GenerateRequest:
@@ -647,14 +655,33 @@ class Ingress:
 def build(args: dict | None = None):
     """The application (Serve's app builder: `serve run deployments.app:build model=...`)."""
     cfg = AppConfig(**(args or {}))
+    found = model_kind(cfg)
+    if cfg.kind not in ("auto", found):
+        raise ValueError(f"kind: '{cfg.kind}' was given, but the model {cfg.model or '(default)'} is '{found}'")
+    return application(cfg, found)
+
+
+def model_kind(cfg: AppConfig) -> str:
+    """text, encoder-decoder or vision: what the model folder (or hub repository) holds."""
+    if cfg.engine != "onnx":
+        return "text"
+    if _is_encoder_decoder(cfg.model):
+        return "encoder-decoder"
+    if _has_vision_encoder(cfg.model):
+        return "vision"
+    return "text"
+
+
+def application(cfg: AppConfig, kind: str):
+    """The deployments of PARTS[kind], bound together (no model is read here)."""
     config = cfg.model_dump()
     decoder = Decoder
     if cfg.gpu == "yes" or (cfg.gpu == "auto" and _cluster_has_gpu()):
         decoder = Decoder.options(ray_actor_options={"num_cpus": 0.5, "num_gpus": 1})
-    if cfg.engine == "onnx" and _is_encoder_decoder(cfg.model):
+    if kind == "encoder-decoder":
         encoder = Encoder.bind(config)
         return Ingress.bind(decoder.bind(config, encoder), config, encoder)
-    if cfg.engine == "onnx" and _has_vision_encoder(cfg.model):
+    if kind == "vision":
         return Ingress.bind(decoder.bind(config), config, None, Vision.bind(config))
     return Ingress.bind(decoder.bind(config), config)
 

@@ -89,11 +89,10 @@ def argparse_hidden():
     return argparse.SUPPRESS
 
 
-def serve_command(args) -> int:
+def app_config(args) -> dict:
+    """The application's arguments (deployments.app.AppConfig) from the command line's."""
     import json
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    use_serving_environment(args.proxy)  # before ray is imported: the driver reads them too
     settings = {}
     for item in args.set:
         name, sep, value = item.partition("=")
@@ -103,9 +102,15 @@ def serve_command(args) -> int:
             settings[name.strip()] = json.loads(value)
         except json.JSONDecodeError:
             settings[name.strip()] = value
-    config = dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
-                  max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
-                  api_key=args.api_key, settings=settings, engine=args.engine)
+    return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
+                max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
+                api_key=args.api_key, settings=settings, engine=args.engine)
+
+
+def serve_command(args) -> int:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    use_serving_environment(args.proxy)  # before ray is imported: the driver reads them too
+    config = app_config(args)
     if args.model is None and args.engine == "onnx":
         from generation.bundled import default_model_path
 

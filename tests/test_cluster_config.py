@@ -37,3 +37,15 @@ def test_bad_app_arguments_fail_with_the_field():
         AppConfig(slots=0)
     with pytest.raises(ValidationError, match="modle"):
         AppConfig(modle="x")
+
+
+def test_a_kind_that_is_not_the_models_is_refused_naming_it(test_models, s2s):
+    """The chart names the deployments (kind); the application checks the folder holds that kind."""
+    from deployments.app import PARTS, build
+
+    with pytest.raises(ValueError, match="kind: 'encoder-decoder' was given, but the model .* is 'text'"):
+        build({"model": str(test_models["llama-genai"]), "kind": "encoder-decoder"})
+    app = build({"model": str(s2s["marian-optimum"]), "kind": "encoder-decoder"})
+    bound = app._bound_deployment
+    names = [bound.name] + [a._bound_deployment.name for a in bound.init_args if hasattr(a, "_bound_deployment")]
+    assert sorted(names) == sorted(PARTS["encoder-decoder"])
