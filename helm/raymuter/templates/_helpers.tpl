@@ -100,6 +100,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "raymuter.env" -}}
 - name: HF_HOME
   value: /tmp/huggingface
+{{- if .Values.securityContext.readOnlyRootFilesystem }}
+- name: HOME        # Ray and Python write dot-folders in the home; the root filesystem is read-only
+  value: /tmp
+{{- end }}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
 {{- if .Values.app.fastPath }}
