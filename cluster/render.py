@@ -43,12 +43,10 @@ def serve_application(args: dict, deployments: dict[str, dict] | None = None) ->
     """The Serve config entry of the application `raymuter serve` runs for `args` (AppConfig
     fields), each deployment's code defaults updated by `deployments[name]` (Serve's deployment
     options; `ray_actor_options` replaces the code's, as in a Serve config)."""
-    from deployments.app import AppConfig, model_kind
+    from deployments.app import AppConfig, app_kind
 
-    cfg = AppConfig(**args)
-    kind = cfg.kind if cfg.kind != "auto" else model_kind(cfg)
     entries = []
-    for entry in deployment_defaults(kind):
+    for entry in deployment_defaults(app_kind(AppConfig(**args))):
         entries.append({**entry, **(deployments or {}).get(entry["name"], {})})
     return {"name": APP_NAME, "route_prefix": "/", "import_path": IMPORT_PATH, "args": args, "deployments": entries}
 

@@ -655,10 +655,15 @@ class Ingress:
 def build(args: dict | None = None):
     """The application (Serve's app builder: `serve run deployments.app:build model=...`)."""
     cfg = AppConfig(**(args or {}))
+    return application(cfg, app_kind(cfg))
+
+
+def app_kind(cfg: AppConfig) -> str:
+    """The PARTS the application has: the model's kind; a kind given in the config must be it."""
     found = model_kind(cfg)
     if cfg.kind not in ("auto", found):
         raise ValueError(f"kind: '{cfg.kind}' was given, but the model {cfg.model or '(default)'} is '{found}'")
-    return application(cfg, found)
+    return found
 
 
 def model_kind(cfg: AppConfig) -> str:

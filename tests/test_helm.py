@@ -38,8 +38,12 @@ def run_helm(helm, *args, values: dict | None = None, tmp_path: Path | None = No
     return subprocess.run([str(helm), *args, *extra], capture_output=True, text=True, timeout=120)
 
 
+def values_flags(files: tuple) -> list[str]:
+    return [flag for f in files for flag in ("-f", str(f))]
+
+
 def render(helm, tmp_path, values: dict | None = None, files: tuple = ()) -> list[dict]:
-    args = ["template", "r1", str(CHART)] + [x for f in files for x in ("-f", str(f))]
+    args = ["template", "r1", str(CHART), *values_flags(files)]
     out = run_helm(helm, *args, values=values, tmp_path=tmp_path)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -57,7 +61,7 @@ def test_the_chart_examples_are_listed():
 @pytest.mark.parametrize("example", [None] + EXAMPLES, ids=lambda p: "defaults" if p is None else p.stem)
 def test_lint_strict_render_and_validate(helm, crds, tmp_path, example):
     files = () if example is None else (example,)
-    lint = subprocess.run([str(helm), "lint", "--strict", str(CHART), *[x for f in files for x in ("-f", str(f))]],
+    lint = subprocess.run([str(helm), "lint", "--strict", str(CHART), *values_flags(files)],
                           capture_output=True, text=True, timeout=120)
     assert lint.returncode == 0, lint.stdout + lint.stderr
     docs = render(helm, tmp_path, files=files)

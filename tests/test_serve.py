@@ -75,7 +75,6 @@ def test_http_goes_through_haproxy_and_streams_through_it(serve_apps):
     assert os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" and stats
     page = httpx.get(f"http://127.0.0.1:{stats}/stats", timeout=10)
     assert page.status_code == 200 and "HAProxy" in page.text and "real" in page.text  # the app's backend
-    lines = []
     with httpx.stream("POST", serve_apps.fake + "/v1/completions", timeout=30,
                       json=dict(model="fake", prompt="abcd", max_tokens=4, stream=True)) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
