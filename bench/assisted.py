@@ -11,12 +11,20 @@ append (Optimum export) cache modes, 2 intra-op threads.
 * ungrounded: 32 random ids, sampled at temperature 1 with top_k 0 (a random model's
   distribution is nearly flat over 32000 ids, so nothing repeats).
 
+The ceiling column is the most any candidate generator could give on this machine: a verify
+run of width w (every row's last token and w - 1 candidates) timed against a plain step, at
+the best w, as if every candidate were kept. Where a plain step already keeps the hardware busy
+(a batch on a CPU) a wide run costs nearly its width, and the ceiling falls toward 1.
+
+"lookup" is prompt lookup as generate() runs it, verifying the candidates worth their cost
+(generation/budget.py); "every candidate" verifies all of them (transformers' way).
+
 Every row makes `--new` tokens (eos ignored); the assisted tokens are checked equal to the plain
 ones (sampling: the same seeds give the same tokens). Times are the best of `--repeats`, systems
 interleaved. A target step is one `cache.decode` or `cache.verify` (the in_place cache runs a
 batch's verify row by row: one step, `batch` runs).
 
-    PYTHONPATH=. python bench/assisted.py                      # both modes, B=1 and 8: ~3 min
+    PYTHONPATH=. python bench/assisted.py                      # both modes, B=1 and 8: ~4 min
     PYTHONPATH=. python bench/assisted.py --modes append --batch 1
     PYTHONPATH=. python bench/assisted.py --draft             # with the other export as a draft
 
@@ -36,6 +44,7 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 import generation  # noqa: E402
+from generation.budget import CostAware  # noqa: E402
 
 LAYOUT = {"in_place": "genai", "append": "optimum"}
 
@@ -54,7 +63,9 @@ class Counting:
         self.inner.accepted(rows, accepted, counts)
 
 
-def run(ctx, prompts, seeds, counting: list):
+def run(ctx, prompts, seeds, counting: list, every: bool = False):
+    """generate() with its candidate generator counted; `every`: without the cost rule (every
+    candidate verified)."""
     module = importlib.import_module("generation.generate")
     original = module.candidates_for
 
@@ -62,6 +73,8 @@ def run(ctx, prompts, seeds, counting: list):
         inner = original(c)
         if inner is None:
             return None
+        if every and isinstance(inner, CostAware):
+            inner = inner.inner
         counting.append(Counting(inner))
         return counting[-1]
     module.candidates_for = wrapped
@@ -71,6 +84,32 @@ def run(ctx, prompts, seeds, counting: list):
         return out, time.perf_counter() - t0
     finally:
         module.candidates_for = original
+
+
+def ceiling(model, mode: str, batch: int, k: int, repeats: int) -> tuple[float, int]:
+    """The most a verify step can give over plain steps on this machine: every row keeps all
+    of w - 1 candidates, so w tokens a row for what a verify run of width w costs, over the
+    cost of a plain step (which gives one). Returns the best w / cost(w) and its w."""
+    ctx = generation.context(model, cache_mode=mode, max_new_tokens=8, do_sample=False)
+    state = generation.new_state(ctx, slots=batch, capacity=256)
+    cache, lengths, rows = state.cache, np.full(batch, 128, np.int64), np.arange(batch)
+
+    def best_of(run):
+        times = []
+        for _ in range(repeats * 3):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    plain = best_of(lambda: cache.decode(lengths))
+    gains = {}
+    for width in range(2, k + 2):
+        ids = np.ones((batch, width), np.int64)
+        widths = np.full(batch, width)
+        gains[width] = width * plain / best_of(lambda: (cache.verify(lengths, ids, rows, widths), cache.rewind(lengths)))
+    width = max(gains, key=gains.get)
+    return gains[width], width
 
 
 def workloads(model, batch, args):
@@ -90,7 +129,7 @@ def main():
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--copied", type=int, default=64)
     parser.add_argument("--k", type=int, default=10, help="prompt_lookup_num_tokens (transformers' default 10)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft", action="store_true",
                         help="also a draft: the model's other export (the same weights: every candidate is kept, "
@@ -98,20 +137,22 @@ def main():
     parser.add_argument("--draft-tokens", type=int, default=5)
     args = parser.parse_args()
     root = Path(os.environ.get("RAYMUTER_BENCH_MODELS", Path.home() / ".cache/raymuter/bench-models")) / "small"
-    head = "| mode | workload | B | plain tok/s | lookup tok/s | ratio | steps/token plain | lookup |"
+    head = ("| mode | workload | B | plain tok/s | lookup tok/s | ratio | steps/token plain | lookup "
+            "| every candidate: ratio | steps/token | ceiling |")
     print(head + (" draft tok/s | ratio | steps/token draft |" if args.draft else ""))
-    print("|---" * (8 + 3 * args.draft) + "|")
+    print("|---" * (11 + 3 * args.draft) + "|")
     for mode in args.modes.split(","):
         model = generation.load(root / LAYOUT[mode], threads=args.threads)
         other = {"in_place": "append", "append": "in_place"}[mode]
         draft = generation.load(root / LAYOUT[other], threads=args.threads) if args.draft else None
         for batch in [int(b) for b in args.batch.split(",")]:
+            most, width = ceiling(model, mode, batch, args.k, args.repeats)
             for name, (prompts, settings) in workloads(model, batch, args).items():
                 seeds = list(range(batch))
                 common = dict(max_new_tokens=args.new, eos_token_id=[], cache_mode=mode, repetition_penalty=1.0,
                               **settings)
-                systems = {"plain": generation.context(model, **common),
-                           "lookup": generation.context(model, prompt_lookup_num_tokens=args.k, **common)}
+                lookup = generation.context(model, prompt_lookup_num_tokens=args.k, **common)
+                systems = {"plain": generation.context(model, **common), "lookup": lookup, "every": lookup}
                 if draft is not None:
                     systems["draft"] = generation.context(model, draft=draft, num_assistant_tokens=args.draft_tokens,
                                                           **common)
@@ -119,18 +160,19 @@ def main():
                 for _ in range(args.repeats):
                     for key, ctx in systems.items():
                         counting = []
-                        out, seconds = run(ctx, prompts, seeds, counting)
+                        out, seconds = run(ctx, prompts, seeds, counting, every=key == "every")
                         best[key] = min(best.get(key, seconds), seconds)
                         outs[key] = out
                         counts[key] = counting[-1].steps if counting else args.new - 1
-                if outs["lookup"] != outs["plain"] or (draft is not None and name == "grounded"
+                if outs["lookup"] != outs["plain"] or outs["every"] != outs["plain"] or (draft is not None and name == "grounded"
                                                        and outs["draft"] != outs["plain"]):
                     raise SystemExit(f"{mode} {name} B={batch}: assisted decoding changed the tokens")
                 tokens = sum(len(o) for o in outs["plain"])
                 tps = {k: tokens / v for k, v in best.items()}
                 per_token = {k: (c + 1) / (tokens / batch) for k, c in counts.items()}  # + the prompt's run
                 print(f"| {mode} | {name} | {batch} | {tps['plain']:.0f} | {tps['lookup']:.0f} | "
-                      f"{tps['lookup'] / tps['plain']:.2f}x | {per_token['plain']:.2f} | {per_token['lookup']:.2f} |"
+                      f"{tps['lookup'] / tps['plain']:.2f}x | {per_token['plain']:.2f} | {per_token['lookup']:.2f} | "
+                      f"{tps['every'] / tps['plain']:.2f}x | {per_token['every']:.2f} | {most:.2f}x (w {width}) |"
                       + (f" {tps['draft']:.0f} | {tps['draft'] / tps['plain']:.2f}x | {per_token['draft']:.2f} |"
                          if draft is not None else ""), flush=True)
 

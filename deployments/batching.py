@@ -180,9 +180,11 @@ class ContinuousBatcher:
         self._beams_held = 0  # slots reserved by beam searches running beside the loop
         self._held_lock = threading.Lock()
         self._next: Request | None = None  # a beam request waiting for enough free slots
+        from generation.budget import CostAware
         from generation.prompt_lookup import PromptLookup
 
-        self._lookup = PromptLookup()  # rows with prompt_lookup_num_tokens verify their candidates
+        # rows with prompt_lookup_num_tokens verify their candidates, where they pay for the wider run
+        self._lookup = CostAware(PromptLookup())
         self._thread.start()
 
     # -- public -----------------------------------------------------------------------------

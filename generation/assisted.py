@@ -248,7 +248,8 @@ def _commit(state: DecodeState, rows: np.ndarray, target: np.ndarray, kept: np.n
 
 def candidates_for(ctx: Context):
     """The candidate generator the context asks for: a draft model (context(draft=...)), else
-    prompt lookup (prompt_lookup_num_tokens), else None."""
+    prompt lookup (prompt_lookup_num_tokens) verifying the candidates worth their cost
+    (budget.py), else None."""
     s = ctx.settings
     if ctx.draft is not None:
         if s.num_beams > 1:
@@ -264,9 +265,10 @@ def candidates_for(ctx: Context):
     if ctx.model.is_seq2seq:
         raise ValueError("prompt_lookup_num_tokens: assisted decoding runs decoder-only models; "
                          "this is an encoder-decoder model")
+    from .budget import CostAware
     from .prompt_lookup import PromptLookup
 
-    return PromptLookup()  # each row's own prompt_lookup_num_tokens
+    return CostAware(PromptLookup())  # each row's own prompt_lookup_num_tokens, where they pay
 
 
 def merged(outs: list[StepTokens]) -> StepTokens:

@@ -20,6 +20,8 @@ Every mode implements the same verbs over `slots` rows:
                                holds cache rows up to lengths[b] + S, of which the caller keeps
                                a prefix through `rewind` (assisted decoding's verification)
   rewind(lengths)              every slot keeps only its first lengths[b] cache rows
+  verifies_row_by_row          whether verify runs each row with candidates alone (its cost,
+                               for budget.py) or every slot as wide as the widest
 The in_place cache also has prefill(slots, prompts, steps, pad): prompts straight into free
 slots, no copy (`state.admit` uses it where a cache has it).
 The state around the cache (lengths, tokens, stops) lives in `state.py`; the cache holds only
@@ -125,6 +127,7 @@ class InPlaceCache(_Cache):
     (onnxruntime-genai's C++ loop does the same)."""
 
     mode = "in_place"
+    verifies_row_by_row = True  # see verify
 
     def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int):
         self.binding = Binding(session)
@@ -285,6 +288,7 @@ class AppendCache(_Cache):
     """
 
     mode = "append"
+    verifies_row_by_row = False
 
     def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int, embed=None):
         shapes = {(e.heads, e.head_dim) for e in graph.cache}
@@ -458,6 +462,10 @@ class GrowCache(_Cache):
     present becomes its next past; one run per group per step."""
 
     mode = "grow"
+
+    @property
+    def verifies_row_by_row(self) -> bool:
+        return self.graph.has_group_query_attention
 
     def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int):
         self.session, self.graph, self.max_position = session, graph, max_position

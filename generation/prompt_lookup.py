@@ -20,8 +20,11 @@ def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram, num_tokens: np.nda
     least one token after it (as transformers: the largest n wins, then the leftmost match).
 
     tokens [B, W]: row b's tokens are tokens[b, :counts[b]]; num_tokens [B]: the most
-    candidates each row may get (0: none); max_ngram: an int, or [B] per row. Returns candidates [B, max(num_tokens)] (-1 past a
-    row's count) and their counts [B]; a continuation stops at the row's end.
+    candidates each row may get (0: none); max_ngram: an int, or [B] per row. Returns candidates
+    [B, max(num_tokens)] (-1 past a row's count) and their counts [B]. A continuation that
+    reaches the row's end goes on as the row would if it repeats itself: from the match on
+    again (transformers stops there; a model in a loop then gets one candidate where the
+    loop's period allows K).
 
     >>> ids, n = lookup(np.array([[5, 6, 7, 8, 1, 5, 6, 0], [1, 2, 3, 1, 4, 2, 1, 0]]),
     ...                 np.array([7, 7]), 2, np.array([3, 3]))
@@ -31,6 +34,11 @@ def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram, num_tokens: np.nda
     Row 0 ends with the bigram (5, 6), first seen at 0 and followed by 7, 8, 1. Row 1's bigram
     (2, 1) came nowhere before, so its last token 1 is looked up: it came at 0 and at 3, and
     the earliest wins (2, 3, 1 followed it). The last column (0) is past both rows' counts.
+
+    >>> lookup(np.array([[4, 9, 8, 9]]), np.array([4]), 2, np.array([5]))[0].tolist()
+    [[8, 9, 8, 9, 8]]
+
+    The last token 9 first came at 1, followed by 8, 9 (the row's end): then 8, 9 again.
     """
     rows = tokens.shape[0]
     k = int(num_tokens.max()) if rows else 0
@@ -57,8 +65,9 @@ def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram, num_tokens: np.nda
         start = hit.argmax(axis=1) + n  # the first token after the earliest match
         for i in np.flatnonzero(has):
             b = active[i]
-            take = min(int(num_tokens[b]), int(length[i] - start[i]))
-            out[b, :take] = block[i, start[i]:start[i] + take]
+            take = int(num_tokens[b])
+            period = int(length[i] - start[i])  # past the row's end, the row goes on repeating itself
+            out[b, :take] = block[i, start[i] + np.arange(take) % period]
             found[b] = take
         todo[active[has]] = False
         if not todo.any():

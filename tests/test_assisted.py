@@ -17,6 +17,7 @@ import pytest
 
 import generation
 from generation.assisted import accept_greedy, verify
+from generation.budget import CostAware
 from generation.prompt_lookup import PromptLookup, forbidden_cut, lookup
 
 MODES = [("llama-genai", "in_place"), ("llama-optimum", "append"), ("gpt2-grow", "grow"), ("llama-genai", "grow")]
@@ -74,6 +75,8 @@ def spy(monkeypatch):
         inner = module.__dict__["_original_candidates_for"](ctx)
         if inner is None:
             return None
+        if isinstance(inner, CostAware):  # these tests check every proposal's verification, not which pay
+            inner = inner.inner
         made.append(Spy(inner))
         return made[-1]
     monkeypatch.setitem(module.__dict__, "_original_candidates_for", module.candidates_for)
@@ -85,12 +88,13 @@ def test_lookup_prefers_the_longest_ngram_then_the_earliest_match():
     tokens = np.array([[7, 2, 9, 4, 1, 2, 3, 8, 1, 2],    # the bigram (1, 2) at 4 wins over the earlier unigram 2 at 1
                        [7, 1, 9, 4, 1, 5, 3, 8, 6, 1],    # unigram 1: at 1 and at 4, the earliest wins
                        [5, 6, 7, 8, 9, 10, 11, 12, 13, 14],  # no earlier occurrence: nothing
-                       [3, 3, 3, 3, 0, 0, 0, 0, 0, 0]])   # (3, 3) at 0, its continuation stops at the row's end
+                       [3, 5, 3, 5, 0, 0, 0, 0, 0, 0]])   # (3, 5) at 0, its continuation reaches the row's end
     ids, counts = lookup(tokens, np.array([10, 10, 10, 4]), 2, np.array([4, 4, 4, 4]))
-    assert counts.tolist() == [4, 4, 0, 2]  # a continuation may run into the row's last tokens
-    assert ids[0].tolist() == [3, 8, 1, 2] and ids[1].tolist() == [9, 4, 1, 5] and ids[3, :2].tolist() == [3, 3]
-    ids, counts = lookup(tokens, np.array([10, 10, 10, 4]), 1, np.array([2, 1, 0, 4]))  # unigrams only; per-row caps
+    assert counts.tolist() == [4, 4, 0, 4]  # a continuation may run into the row's last tokens, then repeat them
+    assert ids[0].tolist() == [3, 8, 1, 2] and ids[1].tolist() == [9, 4, 1, 5] and ids[3].tolist() == [3, 5, 3, 5]
+    ids, counts = lookup(tokens, np.array([10, 10, 10, 4]), 1, np.array([2, 1, 0, 3]))  # unigrams only; per-row caps
     assert counts.tolist() == [2, 1, 0, 3] and ids[0, :2].tolist() == [9, 4] and ids[1, :1].tolist() == [9]
+    assert ids[3].tolist() == [3, 5, 3]  # 5 at 1, followed by the row's last two tokens
 
 
 def test_accept_greedy_and_forbidden_cut():
