@@ -102,7 +102,8 @@ def ceiling(model, mode: str, batch: int, k: int, repeats: int) -> tuple[float, 
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    plain = best_of(lambda: cache.decode(lengths))
+    cache.rewind(lengths)  # every row holds 128 tokens (the in_place mask)
+    plain = best_of(lambda: (cache.decode(lengths), cache.rewind(lengths)))
     gains = {}
     for width in range(2, k + 2):
         ids = np.ones((batch, width), np.int64)
@@ -144,7 +145,11 @@ def main():
     for mode in args.modes.split(","):
         model = generation.load(root / LAYOUT[mode], threads=args.threads)
         other = {"in_place": "append", "append": "in_place"}[mode]
-        draft = generation.load(root / LAYOUT[other], threads=args.threads) if args.draft else None
+        if args.draft:  # both without spin-waiting threads: they run in turns (generation.load)
+            draft = generation.load(root / LAYOUT[other], threads=args.threads, spin_wait=False)
+            drafted = generation.load(root / LAYOUT[mode], threads=args.threads, spin_wait=False)
+        else:
+            draft = drafted = None
         for batch in [int(b) for b in args.batch.split(",")]:
             most, width = ceiling(model, mode, batch, args.k, args.repeats)
             for name, (prompts, settings) in workloads(model, batch, args).items():
@@ -154,7 +159,7 @@ def main():
                 lookup = generation.context(model, prompt_lookup_num_tokens=args.k, **common)
                 systems = {"plain": generation.context(model, **common), "lookup": lookup, "every": lookup}
                 if draft is not None:
-                    systems["draft"] = generation.context(model, draft=draft, num_assistant_tokens=args.draft_tokens,
+                    systems["draft"] = generation.context(drafted, draft=draft, num_assistant_tokens=args.draft_tokens,
                                                           **common)
                 best, outs, counts = {}, {}, {}
                 for _ in range(args.repeats):

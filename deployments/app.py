@@ -51,6 +51,9 @@ class AppConfig(BaseModel):
     threads: int | None = Field(default=None, ge=1)  # onnxruntime intra-op threads per decoder replica
     provider: str | None = None  # cuda, cpu; default: CUDA where the replica has a GPU
     variant: str | None = None
+    # a draft model (folder or hub id) with the model's tokenizer: every step verifies its
+    # proposals (num_assistant_tokens, num_assistant_tokens_schedule in settings); text models
+    draft: str | None = None
     settings: dict[str, Any] = Field(default_factory=dict)  # defaults for every request
     api_key: str | None = None  # a bearer token every route but /health requires; or RAYMUTER_API_KEY
     allow_remote_images: bool = False  # fetch http(s) image URLs of chat messages (data URLs always work)
@@ -191,7 +194,7 @@ class Decoder:
             self.generator = TextGenerator.from_model(
                 model, name=cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else None), slots=cfg.slots, capacity=cfg.capacity, max_waiting=cfg.max_waiting,
                 max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
-                stream_interval=cfg.stream_interval_ms / 1000, **cfg.settings)
+                stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft, **cfg.settings)
 
     async def generate(self, request: GenerateRequest, encoded=None, *images) -> GenerateResponse:
         try:

@@ -15,7 +15,10 @@ A beam search request (num_beams > 1) holds num_beams slots while it runs; trans
 `_beam_search` gives its tokens at the end, so they come all at once. A request with
 `prompt_lookup_num_tokens` is decoded with prompt lookup (generation.assisted): while one runs,
 each step verifies the live rows' candidates and may give a row several tokens, which stream in
-order; the tokens are those of plain decoding.
+order; the tokens are those of plain decoding. A context with a draft model (context(draft=...))
+verifies the draft's proposals for every row at every step instead (greedy rows: the plain
+tokens; sampling rows: the speculative sampling rule, or the plain tokens where the context
+computes log-probabilities).
 
 Serving code never touches arrays: requests carry token id lists, results carry lists.
 """
@@ -183,8 +186,12 @@ class ContinuousBatcher:
         from generation.budget import CostAware
         from generation.prompt_lookup import PromptLookup
 
-        # rows with prompt_lookup_num_tokens verify their candidates, where they pay for the wider run
+        # rows with prompt_lookup_num_tokens verify their candidates, where they pay for the wider run;
+        # a context with a draft model verifies the draft's for every row
         self._lookup = CostAware(PromptLookup())
+        self._draft = assisted.candidates_for(ctx) if ctx.draft is not None else None
+        if self._draft is not None and (ctx.model.is_seq2seq or getattr(ctx.model, "vision_session", None) is not None):
+            raise ValueError("draft: a draft model assists decoder-only text models")
         self._thread.start()
 
     # -- public -----------------------------------------------------------------------------
@@ -240,7 +247,9 @@ class ContinuousBatcher:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue
-                if any(r.settings.prompt_lookup_num_tokens for r in holder.values()):
+                if self._draft is not None:
+                    state, outs = assisted.verify(ctx, state, self._draft)  # the draft's tokens, checked
+                elif any(r.settings.prompt_lookup_num_tokens for r in holder.values()):
                     state, outs = assisted.verify(ctx, state, self._lookup)  # up to 1 + K tokens a row
                 else:
                     state, out = generation.step(ctx, state)

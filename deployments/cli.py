@@ -24,6 +24,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
     parser.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
     parser.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, ...")
+    parser.add_argument("--draft", help="a draft model (folder or hub id, the model's tokenizer) whose proposals "
+                        "every step verifies: speculative decoding (--set num_assistant_tokens=N)")
     parser.add_argument("--api-key", default=os.environ.get("RAYMUTER_API_KEY"),
                         help="bearer token every route but /health requires (default: $RAYMUTER_API_KEY; none)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
@@ -104,7 +106,7 @@ def app_config(args) -> dict:
             settings[name.strip()] = value
     return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
                 max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
-                api_key=args.api_key, settings=settings, engine=args.engine)
+                draft=args.draft, api_key=args.api_key, settings=settings, engine=args.engine)
 
 
 def serve_command(args) -> int:

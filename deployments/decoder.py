@@ -64,16 +64,21 @@ class TextGenerator:
     def from_model(cls, source: str | Path, name: str | None = None, slots: int = 8, capacity: int | None = None,
                    max_waiting: int = 256, max_logprobs: int = 5, threads: int | None = None,
                    provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
-                   stream_interval: float = 0.0, **settings) -> "TextGenerator":
+                   stream_interval: float = 0.0, draft: str | Path | None = None, **settings) -> "TextGenerator":
         """Load `source` (folder or hub id) and start its batcher. `settings`: defaults over the
-        model's generation_config.json for every request (max_new_tokens, ...)."""
+        model's generation_config.json for every request (max_new_tokens, ...). `draft`: a small
+        model with the same tokenizer (folder or hub id) whose proposals every step verifies
+        (num_assistant_tokens and its schedule from `settings`)."""
         import generation
         from generation.chat import chat_template, special_tokens
         from generation.text import model_tokenizer
 
-        model = generation.load(source, variant=variant, provider=provider, threads=threads)
+        spin_wait = draft is None  # the draft's runs come between the model's (generation.load)
+        model = generation.load(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait)
+        if draft is not None:
+            draft = generation.load(draft, provider=provider, threads=threads, spin_wait=False)
         ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
-                                 top_logprobs=max(0, max_logprobs), **settings)
+                                 top_logprobs=max(0, max_logprobs), draft=draft, **settings)
         ctx = generation.compile(ctx, batch_size=slots)
         batcher = ContinuousBatcher(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting)
         name = name or (Path(source).name if Path(source).is_dir() else str(source))

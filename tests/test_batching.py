@@ -209,3 +209,38 @@ def test_prompt_lookup_requests_equal_plain_decoding_in_fewer_steps(monkeypatch)
             batcher.submit(prompts[0], settings=dict(prompt_lookup_num_tokens=4, num_beams=2))
     finally:
         batcher.close()
+
+
+def test_a_draft_model_assists_every_request(test_models, load_model):
+    """A context with a draft (`raymuter serve --draft`): every step verifies the draft's
+    proposals. With a draft of the model's own weights (another export) every candidate is
+    kept, so greedy rows finish in fewer steps; greedy, seeded sampling (the context computes
+    log-probabilities, so sampling rows keep the plain tokens) and beam requests all equal
+    what each gives alone without a draft."""
+    model = load_model(test_models["llama-genai"])
+    common = dict(max_new_tokens=16, token_logprobs=True)
+    ctx = generation.context(model, num_assistant_tokens=4, draft=load_model(test_models["llama-optimum"]), **common)
+    prompts = prompts_of(6, seed=3)
+    settings = [dict(), dict(do_sample=True, temperature=0.8, top_k=20), dict(repetition_penalty=1.3)] * 2
+    alone = [generation.generate(generation.context(model, **common, **s), [p], seeds=[i])[0].tokens
+             for i, (p, s) in enumerate(zip(prompts, settings))]
+    batcher = ContinuousBatcher(ctx, slots=4, capacity=64)
+    try:
+        requests = [batcher.submit(p, seed=i, settings=s) for i, (p, s) in enumerate(zip(prompts, settings))]
+        assert [r.result(timeout=120).tokens for r in requests] == alone
+        assert [list(r.stream(timeout=1)) for r in requests] == alone
+        before = batcher.steps
+        greedy = batcher.submit(prompts[0])
+        assert greedy.result(timeout=120).tokens == alone[0]
+        assert batcher.steps - before <= len(alone[0]) // 2  # 4 candidates a step, all kept
+        beams = batcher.submit(prompts[1], settings=dict(num_beams=2))
+        plain_ctx = generation.context(model, **common)
+        expected = generation.beam_search(plain_ctx, [prompts[1]], [0], [plain_ctx.with_settings(num_beams=2)])
+        assert beams.result(timeout=120).tokens == expected[0][0].tokens
+    finally:
+        batcher.close()
+
+
+def test_a_draft_needs_a_decoder_only_text_model(s2s, test_models, load_model):
+    with pytest.raises(ValueError, match="draft: assisted decoding with a draft runs decoder-only models"):
+        generation.context(load_model(s2s["marian-optimum"]), draft=load_model(test_models["llama-genai"]))

@@ -147,6 +147,34 @@ def test_real_engine_generator_matches_generate(test_models, load_model):
         generator.close()
 
 
+def test_a_generator_with_a_draft_model(test_models, load_model):
+    """`raymuter serve --draft` reaches the batcher's context: the same greedy text, from the
+    draft's proposals (this draft holds the model's weights: everything is kept)."""
+    import argparse
+
+    import generation
+    from deployments.cli import add_arguments, app_config
+    from generation.text import model_tokenizer
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = app_config(parser.parse_args(["--model", str(test_models["llama-genai"]), "--draft",
+                                         str(test_models["llama-optimum"]), "--set", "num_assistant_tokens=3"]))
+    assert args["draft"] == str(test_models["llama-optimum"])
+    generator = TextGenerator.from_model(args["model"], slots=2, threads=1, draft=args["draft"], max_new_tokens=12,
+                                         **args["settings"])
+    try:
+        assert generator.batcher.ctx.draft is not None and generator.batcher._draft.num_tokens == 3
+        chunks = collect(generator, prompt="The list")
+        model = load_model(test_models["llama-genai"])
+        ids = model_tokenizer(model).encode("The list").ids
+        expected = generation.generate(generation.context(model, max_new_tokens=12), [ids], seeds=[0])[0]
+        assert sum((c.token_ids for c in chunks), []) == expected
+        assert generator.batcher.steps <= 12 // 3 + 1
+    finally:
+        generator.close()
+
+
 def test_a_stream_interval_sends_fewer_larger_chunks():
     generator = fake_generator(slots=2, step_seconds=0.001)
     try:
