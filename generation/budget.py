@@ -178,7 +178,7 @@ class CostAware:
         self.inner = inner
         self._hits = self._trials = None  # [slots]: decaying kept candidates and trials
         self._costs: RunCosts | None = None
-        self._started = None  # (perf_counter at the end of propose, slots)
+        self._started = None  # (perf_counter at the end of propose, slots, row_by_row): the step's timer
 
     def _fit(self, state) -> None:
         if self._hits is None or len(self._hits) != state.slots:
