@@ -169,9 +169,10 @@ class RunCosts:
 
 
 class CostAware:
-    """Wraps a candidate generator whose candidates never change the output (prompt lookup):
-    each step keeps only the candidates `plan_shared` or `plan_rows` finds worth their cost,
-    from each slot's acceptance rate and the state's timed runs. A slot's rate starts again
+    """Wraps a candidate generator whose candidates never change the output (prompt lookup),
+    with `cut(state, rows, ids, counts, allowed)` for the processors' verdict: each step keeps
+    only the candidates `plan_shared` or `plan_rows` finds worth their cost, from each slot's
+    acceptance rate and the state's timed runs, then cuts those the processors forbid. A slot's rate starts again
     when a new row enters it (its first step: length == prompt length)."""
 
     def __init__(self, inner):
@@ -192,12 +193,14 @@ class CostAware:
         self._fit(state)
         fresh = rows[state.lengths[rows] == state.prompt_length[rows]]
         self._hits[fresh] = self._trials[fresh] = 0.0
-        ids, counts, probs = self.inner.propose(state, rows, room, allowed)
+        # the processors judge only the candidates the plan keeps (their verdict costs a pass
+        # over the vocabulary per candidate column)
+        ids, counts, probs = self.inner.propose(state, rows, room, None)
         if counts.any():
             gain = expected_gain(self.rates(rows), int(counts.max()))
             a, b = self._costs.ab()
             plan = plan_rows if state.cache.verifies_row_by_row else plan_shared
-            counts = plan(gain, counts, state.slots, a, b)
+            counts = self.inner.cut(state, rows, ids, plan(gain, counts, state.slots, a, b), allowed)
         self._started = (time.perf_counter(), state.slots, state.cache.verifies_row_by_row)
         return ids, counts, probs
 

@@ -123,11 +123,18 @@ class PromptLookup:
             is_eos = ((ids[:, :, None] == eos[:, None, :]) & (eos[:, None, :] >= 0)).any(axis=2)
             first = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1), ids.shape[1])
             counts = np.minimum(counts, first)
-        if allowed is not None and counts.any():
-            r, j = np.nonzero(np.arange(ids.shape[1]) < counts[:, None])
-            tokens[r, count[r] + j] = ids[r, j]  # each candidate is judged after the ones before it
-            counts = forbidden_cut(ids, counts, lambda j, sub: allowed(tokens[sub], count[sub] + j, sub, ids[sub, j]))
-        return ids, counts, None
+        return ids, self.cut(state, rows, ids, counts, allowed), None
+
+    def cut(self, state, rows: np.ndarray, ids: np.ndarray, counts: np.ndarray, allowed) -> np.ndarray:
+        """The counts cut before each row's first candidate the processors forbid (`allowed`,
+        None: nothing is forbidden). Apart from `propose`, so that a wrapper that keeps fewer
+        candidates (budget.CostAware) asks the processors only about those it keeps."""
+        if allowed is None or not counts.any():
+            return counts
+        tokens, count = state.tokens[rows], state.lengths[rows] + 1
+        r, j = np.nonzero(np.arange(ids.shape[1]) < counts[:, None])
+        tokens[r, count[r] + j] = ids[r, j]  # each candidate is judged after the ones before it
+        return forbidden_cut(ids, counts, lambda j, sub: allowed(tokens[sub], count[sub] + j, sub, ids[sub, j]))
 
     def accepted(self, rows: np.ndarray, accepted: np.ndarray, counts: np.ndarray) -> None:
         """Prompt lookup does not adapt."""

@@ -114,6 +114,9 @@ class Scripted:
             ids[i] = [t if j < self.good else t + 1 for j, t in enumerate(rest)]
         return ids, np.minimum(room, self.k), None
 
+    def cut(self, state, rows, ids, counts, allowed):
+        return counts
+
     def accepted(self, rows, accepted, counts):
         pass
 
@@ -208,3 +211,37 @@ def test_the_rule_gives_the_plain_tokens_and_verifies_only_where_it_pays(load_mo
     assert steps["dear", 1] == sum(run_steps(ctx, Never(), [p], slots=1, steps=60)[1] for p in prompts)
     if mode == "append":  # (in_place runs a decode of all slots: a last row alone verifies for less)
         assert steps["dear", 4] == run_steps(ctx, Never(), prompts, slots=4, steps=60)[1]
+
+
+def test_the_processors_judge_the_candidates_the_rule_keeps(default, monkeypatch):
+    """CostAware asks the processors about the planned candidates only: none it proposes is
+    forbidden, and the tokens are the plain ones."""
+    monkeypatch.setattr(RunCosts, "ab", lambda self: (1.0, 1e-4))
+    prompts = grounded(default)
+    flat = [t for row in prompts for t in row]
+    banned = max(set(flat), key=flat.count)
+    settings = dict(repetition_penalty=1.05, no_repeat_ngram_size=8, bad_words_ids=[[banned]], min_new_tokens=5,
+                    max_new_tokens=30, do_sample=False)
+    ctx = generation.context(default, prompt_lookup_num_tokens=4, **settings)
+    plain = generation.generate(generation.context(default, **settings), prompts, seeds=[0] * 4)
+    proposed, raw = [], []
+
+    def kept(ids, counts):
+        return ids[np.arange(ids.shape[1]) < counts[:, None]].tolist()
+
+    class Candidates(PromptLookup):
+        def propose(self, state, rows, room, allowed=None):
+            ids, counts, probs = super().propose(state, rows, room, allowed)
+            raw.append(kept(ids, counts))
+            return ids, counts, probs
+
+    class Recording(CostAware):
+        def propose(self, state, rows, room, allowed=None):
+            ids, counts, probs = super().propose(state, rows, room, allowed)
+            proposed.append(kept(ids, counts))
+            return ids, counts, probs
+
+    got, _, _ = run_steps(ctx, Recording(Candidates(4)), prompts, slots=4, steps=60)
+    assert [g[:len(p)] for g, p in zip(got, plain)] == plain
+    assert any(banned in row for row in raw), "the banned token was never a candidate: the test proves nothing"
+    assert all(banned not in row for row in proposed) and sum(map(len, proposed)) > 0
