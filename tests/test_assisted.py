@@ -342,14 +342,17 @@ def test_a_draft_identical_to_the_target_accepts_everything(drafts, folder, mode
     plain = generation.generate(generation.context(target, max_new_tokens=24, cache_mode=target_mode), PROMPTS,
                                 seeds=[0] * 5)
     made = logged(monkeypatch)
-    for k, schedule in ((3, "constant"), (2, "heuristic")):
+    for k, schedule in ((1, "constant"), (2, "constant"), (4, "constant"), (8, "constant"), (2, "heuristic")):
         ctx = generation.context(target, max_new_tokens=24, cache_mode=target_mode, draft=drafts[folder],
                                  draft_cache_mode=mode, num_assistant_tokens=k, num_assistant_tokens_schedule=schedule)
         assert generation.generate(ctx, PROMPTS, seeds=[0] * 5) == plain
         log = made[-1].log
         assert all((a == c).all() for a, c in log) and sum(int(c.sum()) for _, c in log) > 0
         widths = [int(c.max()) for _, c in log]
-        assert widths[:3] == ([3, 3, 3] if schedule == "constant" else [2, 4, 6])  # +2 after all were kept
+        if schedule == "constant":  # k each step (fewer only where the rows' room ends)
+            assert widths[:2] == [k, k] and max(widths) == k
+        else:  # +2 after all were kept
+            assert widths[:3] == [2, 4, 6]
 
 
 @pytest.mark.parametrize("folder,mode", DRAFTS + [("gpt2-grow", "grow")], ids=lambda v: str(v))
