@@ -189,9 +189,7 @@ class ContinuousBatcher:
         # rows with prompt_lookup_num_tokens verify their candidates, where they pay for the wider run;
         # a context with a draft model verifies the draft's for every row
         self._lookup = CostAware(PromptLookup())
-        self._draft = assisted.candidates_for(ctx) if ctx.draft is not None else None
-        if self._draft is not None and (ctx.model.is_seq2seq or getattr(ctx.model, "vision_session", None) is not None):
-            raise ValueError("draft: a draft model assists decoder-only text models")
+        self._draft = assisted.candidates_for(ctx) if ctx.draft is not None else None  # text models (context)
         self._thread.start()
 
     # -- public -----------------------------------------------------------------------------

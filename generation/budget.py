@@ -155,7 +155,7 @@ class RunCosts:
         if self.plain is None:
             self.plain = seconds / (runs * (1 + PRIOR_COST_RATIO * positions / runs))
         a, b = self.ab()
-        seconds = min(seconds, OUTLIER * (a * runs + b * max(positions, 0)))
+        seconds = min(seconds, OUTLIER * (a * runs + b * positions))
         self.extra = COST_DECAY * self.extra + (seconds - runs * self.plain) * extra
         self.extra_weight = COST_DECAY * self.extra_weight + extra * extra
 

@@ -98,6 +98,8 @@ def _draft_context(model: Model, draft, cache_mode: str | None, prompt_steps: st
                          "a draft needs the model's tokenizer")
     if draft.is_seq2seq or model.is_seq2seq:
         raise ValueError("draft: assisted decoding with a draft runs decoder-only models")
+    if getattr(model, "vision_session", None) is not None:
+        raise ValueError("draft: assisted decoding with a draft runs text models; this one reads images")
     return context(draft, cache_mode=cache_mode, prompt_steps=prompt_steps, do_sample=False, eos_token_id=[],
                    repetition_penalty=1.0, no_repeat_ngram_size=0, bad_words_ids=None, sequence_bias=None,
                    min_length=0, min_new_tokens=None, suppress_tokens=None, begin_suppress_tokens=None,

@@ -50,6 +50,14 @@ def grounded(model):
     return [ids + ids[:12], ids[:30] + ids[:8], ids[5:] + ids[5:20], ids[:9]]
 
 
+def take_tokens(got: list[list[int]], outs) -> None:
+    """Each row's new tokens of a step's StepTokens (one per position), in order, into got[b]."""
+    for out in outs:
+        for b, row in enumerate(got):
+            if out.token[b] >= 0:
+                row.append(int(out.token[b]))
+
+
 class Spy:
     """A candidate generator that records what the one it wraps proposed and what was kept."""
 
@@ -216,10 +224,7 @@ def test_rewind_then_continue_equals_an_uninterrupted_run(models, folder, mode):
         else:
             state, out = generation.step(ctx, state)
             outs = [out]
-        for out in outs:
-            for b in range(4):
-                if out.token[b] >= 0:
-                    got[b].append(int(out.token[b]))
+        take_tokens(got, outs)
         if not state.live.any():
             break
     assert [g[:len(p)] for g, p in zip(got, plain)] == plain
@@ -466,10 +471,7 @@ def test_rows_of_one_state_with_their_own_lookup_settings(default):
             state, late = generation.admit(ctx, state, [3], prompts[3:], [0], settings=settings[3:])
             got[3].append(int(late.token[0]))
         state, outs = verify(ctx, state, Recording())
-        for out in outs:
-            for b in range(4):
-                if out.token[b] >= 0:
-                    got[b].append(int(out.token[b]))
+        take_tokens(got, outs)
         if not state.live.any():
             break
     assert got == plain

@@ -241,6 +241,9 @@ def test_a_draft_model_assists_every_request(test_models, load_model):
         batcher.close()
 
 
-def test_a_draft_needs_a_decoder_only_text_model(s2s, test_models, load_model):
+def test_a_draft_needs_a_decoder_only_text_model(s2s, test_models, vision_paths, load_model):
     with pytest.raises(ValueError, match="draft: assisted decoding with a draft runs decoder-only models"):
         generation.context(load_model(s2s["marian-optimum"]), draft=load_model(test_models["llama-genai"]))
+    vision = load_model(vision_paths["qwen2vl-onnx"])
+    with pytest.raises(ValueError, match="draft: assisted decoding with a draft runs text models; this one reads images"):
+        generation.context(vision, draft=vision)

@@ -19,7 +19,7 @@ from generation import budget
 from generation.budget import (CostAware, RunCosts, expected_gain, plan_rows, plan_shared, run_shape)
 from generation.prompt_lookup import PromptLookup
 
-from test_assisted import GREEDY, grounded
+from test_assisted import GREEDY, grounded, take_tokens
 
 
 def rate_of(tokens, seconds):
@@ -143,10 +143,7 @@ def run_steps(ctx, gen, prompts, slots, steps=40):
             break
         state, outs = verify(ctx, state, gen)
         runs += 1
-        for out in outs:
-            for b in range(len(prompts)):
-                if out.token[b] >= 0:
-                    got[b].append(int(out.token[b]))
+        take_tokens(got, outs)
     return got, runs, state
 
 
