@@ -152,8 +152,8 @@ class RunCosts:
                 seconds = min(seconds, OUTLIER * self.plain)
             self.plain = seconds if self.plain is None else COST_DECAY * self.plain + (1 - COST_DECAY) * seconds
             return
-        if self.plain is None:
-            self.plain = seconds / (runs * (1 + PRIOR_COST_RATIO * positions / runs))
+        if self.plain is None:  # a = seconds / (runs + r * positions) with b = r * a; a plain step is a + b * slots
+            self.plain = seconds * (1 + PRIOR_COST_RATIO * self.slots) / (runs + PRIOR_COST_RATIO * positions)
         a, b = self.ab()
         seconds = min(seconds, OUTLIER * (a * runs + b * positions))
         self.extra = COST_DECAY * self.extra + (seconds - runs * self.plain) * extra

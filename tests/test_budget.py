@@ -97,6 +97,11 @@ def test_run_costs_recover_a_and_b():
             costs.observe(runs, positions, (a * runs + b * positions) * rng.uniform(0.98, 1.02))
     got_a, got_b = costs.ab()
     assert got_a == pytest.approx(a, rel=0.1) and got_b == pytest.approx(b, rel=0.1)
+    # a verify step timed first, on a machine whose b / a is the prior's: a and b as they are
+    first = RunCosts(slots)
+    a = 0.01
+    first.observe(3, 20, a * 3 + budget.PRIOR_COST_RATIO * a * 20)
+    assert first.ab() == pytest.approx((a, budget.PRIOR_COST_RATIO * a))
 
 
 class Scripted:
