@@ -5,28 +5,31 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= The list type
+# Every install takes the versions of constraints.txt (build dependencies too): a fresh machine
+# gets what CI passed with.
+PIP := $(BIN)/python -m pip install -q -c constraints.txt --build-constraint constraints.txt
 
-.PHONY: test serve demo bench bench-quick clean
+.PHONY: test serve demo bench bench-quick clean lock
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt pip
 
 # torch first, by exact version: pip takes the CPU wheel this machine kind keeps on disk (a
 # plain `torch` would pull a CUDA build of several GB).
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[cpu,test]'
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[cpu,test]'
 	touch $@
 
 # The demo needs only the engine and onnxruntime: the default model ships in the repository.
-$(VENV)/.installed-cpu: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[cpu]'
+$(VENV)/.installed-cpu: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) -e '.[cpu]'
 	touch $@
 
 # Serving: the engine, onnxruntime and Ray Serve.
-$(VENV)/.installed-serve: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[cpu,serve]'
+$(VENV)/.installed-serve: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) -e '.[cpu,serve]'
 	touch $@
 
 test: $(VENV)/.installed
@@ -44,6 +47,13 @@ bench: $(VENV)/.installed
 
 bench-quick: $(VENV)/.installed
 	$(BIN)/python bench/decode.py --quick
+
+# constraints.txt anew from the test venv (after a green `make test` with a moved pin or range);
+# the pins of pip and setuptools (not in the venv's freeze) stay as they are
+lock: $(VENV)/.installed
+	{ grep -E '^(# |pip==|setuptools==)' constraints.txt; \
+	  $(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV)
