@@ -7,8 +7,10 @@ Ingress deployment (OpenAI-style HTTP and the Python handle API).
 
 The ingress never touches arrays: it validates requests, hands typed requests to the decoder by
 handle, and turns its chunks into OpenAI's bodies and server-sent events. Every failure becomes
-OpenAI's error body: 4xx naming the field for bad input, 503 with Retry-After when the decoder's
-queue is full or its replica is gone (the request is not retried: it may have been half done).
+OpenAI's error body (deployments.http): 4xx naming the request's field for bad input, 503 with
+Retry-After when the decoder's queue is full or its replica is gone (the request is not retried:
+it may have been half done), and 500 with only a request id, the details in the log. A client
+that goes away cancels its request, streaming or not.
 """
 
 import asyncio
@@ -19,18 +21,23 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from .decoder import Overloaded, RequestError
+from .http import (RETRY_AFTER_SECONDS, answers, body_limit, body_of, check_length, client_gone, install_error_handlers,
+                   merged_streams, openapi_document, read_json, request_id, server_error)
 from .metrics import IngressMetrics
-from .openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, completion_logprobs, completion_response,
-                         finish_reason, generate_request, parse, stream_chunk)
+from .openai_api import (ApiError, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
+                         DetokenizeRequest, DetokenizeResponse, ModelInfo, ModelList, TokenizeRequest, TokenizeResponse,
+                         Transcription as TranscriptionBody, VersionResponse, completion_choice, completion_logprobs,
+                         completion_response, for_request, generate_request, parse, stream_chunk, usage,
+                         validation_error)
 from .schema import GenerateChunk, GenerateRequest, GenerateResponse, Refusal, Transcription, TranscriptionRequest
 
-RETRY_AFTER_SECONDS = 1
 DEFAULT_MODEL_NAME = "raymuter-default"  # the model id of the default model (no `model` given)
 
 
@@ -79,9 +86,7 @@ def _typed(request) -> GenerateRequest:
     try:
         return GenerateRequest.model_validate(request)
     except ValidationError as e:
-        first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{field}: {first['msg']}" if field else first["msg"], param=field) from None
+        raise validation_error(e) from None
 
 
 def _refusal(error: Exception) -> dict:
@@ -90,17 +95,24 @@ def _refusal(error: Exception) -> dict:
     return {"error": str(error), "status": 400, "field": error.field}
 
 
-def _refused(result) -> ApiError | None:
-    """The ApiError of a decoder answer that refused the request, else None."""
-    if not isinstance(result, Refusal) and result.finish_reason != "rejected":
-        return None
-    if result.status == 503:
-        return ApiError(503, f"the server is busy ({result.error}); retry after {RETRY_AFTER_SECONDS} s",
-                        kind="server_overloaded")
-    return ApiError(result.status or 400, result.error, param=result.field)
+def _busy(reason) -> ApiError:
+    return ApiError(503, f"the server is busy ({reason}); retry after {RETRY_AFTER_SECONDS} s",
+                    kind="server_overloaded")
 
 
-def _api_error_of(error: BaseException) -> ApiError:
+def _refused(result, request_id_: str) -> ApiError | None:
+    """The ApiError of a decoder answer that refused or failed the request, else None."""
+    if isinstance(result, Refusal) or result.finish_reason == "rejected":
+        return _busy(result.error) if result.status == 503 else ApiError(result.status or 400, result.error,
+                                                                         param=result.field)
+    if result.finish_reason == "error":
+        if result.status and result.status < 500:  # the batch refused it while admitting it: its own fault
+            return ApiError(result.status, result.error, param=result.field)
+        return server_error(request_id_, "the generation failed in the batch", result.error)
+    return None
+
+
+def _api_error_of(error: BaseException, request_id_: str) -> ApiError:
     """What a failed decoder call means to the client."""
     from ray.exceptions import RayActorError, RayTaskError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -113,12 +125,11 @@ def _api_error_of(error: BaseException) -> ApiError:
     if isinstance(cause, RequestError):
         return ApiError(400, str(cause), param=cause.field)
     if isinstance(cause, (Overloaded, BackPressureError)):
-        return ApiError(503, f"the server is busy ({cause}); retry after {RETRY_AFTER_SECONDS} s",
-                        kind="server_overloaded")
+        return _busy(cause)
     if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
         return ApiError(503, f"the decoder replica serving this request failed ({type(cause).__name__}); "
                              "retry: a new replica takes over", kind="server_error")
-    return ApiError(500, f"the decoder failed: {type(cause).__name__}: {cause}", kind="server_error")
+    return server_error(request_id_, "the decoder call failed", cause)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
@@ -165,6 +176,7 @@ class Vision:
 
     def metrics(self) -> str:
         return self.service.metrics.text()
+
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024, health_check_period_s=2,
@@ -222,6 +234,19 @@ class Decoder:
         except (RequestError, Overloaded) as e:
             return Refusal(**_refusal(e))
 
+    async def tokenize(self, text, messages, add_special_tokens, add_generation_prompt, variables, token_strs):
+        try:
+            return self.generator.tokenize(text, messages, add_special_tokens, add_generation_prompt, variables,
+                                           token_strs)
+        except RequestError as e:
+            return Refusal(**_refusal(e))
+
+    async def detokenize(self, ids: list[int]):
+        try:
+            return self.generator.detokenize(ids)
+        except RequestError as e:
+            return Refusal(**_refusal(e))
+
     def card(self):
         return self.generator.card()
 
@@ -242,52 +267,54 @@ class Decoder:
             generator.close()
 
 
-api = FastAPI(title="Raymuter", description="OpenAI-style generation over ONNX models on Ray Serve")
 
 
-@api.exception_handler(ApiError)
-async def _api_error(request: Request, error: ApiError):
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 503 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-
-# Helpers the deployments call are defined above them: Serve pickles a deployment's class when
-# its decorator runs, and a name defined further down is missing in the replica.
-async def _merged(firsts: list, streams: list):
-    """(choice index, chunk or ApiError) from the choices' streams as they come. One stream (n=1,
-    the common case) is read directly: no task and queue between the decoder and the client."""
-    if len(streams) == 1:
-        try:
-            yield 0, firsts[0]
-            async for chunk in streams[0]:
-                yield 0, chunk
-        except ApiError as e:
-            yield 0, e
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, first, stream):
-        try:
-            await queue.put((i, first))
-            async for chunk in stream:
-                await queue.put((i, chunk))
-        except ApiError as e:
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
-    open_ = len(tasks)
     try:
-        while open_:
-            i, item = await queue.get()
-            if item is None:
-                open_ -= 1
-                continue
-            yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
+        return version("raymuter")
+    except PackageNotFoundError:  # a checkout run without installing
+        return "0+unknown"
+
+
+api = FastAPI(title="Raymuter", version=_version(), docs_url=None, redoc_url=None, openapi_url=None,
+              description="OpenAI-style generation over ONNX models on Ray Serve. Every route but /health "
+                          "needs the API key (Authorization: Bearer KEY) when the server has one.")
+install_error_handlers(api)
+# What /openapi.json lists as request bodies (the routes read their bodies themselves).
+REQUEST_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+ERRORS = (400, 401, 404, 413, 500, 503)
+AUDIO_FORM = {"type": "object", "required": ["file", "model"], "properties": {
+    "file": {"type": "string", "format": "binary", "description": "WAV, FLAC, OGG or MP3"},
+    "model": {"type": "string"}, "language": {"type": "string", "maxLength": 64},
+    "prompt": {"type": "string", "description": "not supported: must be empty"},
+    "response_format": {"type": "string", "enum": ["json", "text", "verbose_json"]},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+    "timestamp_granularities[]": {"type": "array", "items": {"type": "string", "enum": ["segment"]}}}}
+
+
+def _form_text(form, name: str, most: int) -> str | None:
+    value = form.get(name)
+    if value is not None and (not isinstance(value, str) or len(value) > most):
+        raise ApiError(400, f"{name}: a text of at most {most} characters", param=name)
+    return value
+
+
+def _form_number(form, name: str, kind, low, high):
+    """A number field of a multipart form, or None; 400 naming it when it is not one in [low, high]."""
+    value = form.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not low <= number <= high:
+        raise ApiError(400, f"{name}: {'an integer' if kind is int else 'a number'} from {low} to {high}, "
+                            f"not {str(value)[:40]!r}", param=name)
+    return number
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
@@ -302,20 +329,19 @@ class Ingress:
         self.allow_remote_images = cfg.allow_remote_images
         self._decoder_stream = decoder.options(stream=True)
         self.api_key = cfg.api_key or os.environ.get("RAYMUTER_API_KEY") or None
-        self.max_body = cfg.max_body_bytes
+        self.max_body = body_limit(cfg.max_body_bytes)
         self.metrics = IngressMetrics()
         self._card = None
+        self._openapi = None
 
     # -- the Python handle API ----------------------------------------------------------------
     async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:
         """One generation (handle.generate.remote(GenerateRequest(...)))."""
-        request = _typed(request)
-        return await self._generate(request)
+        return await self._generate(self._with_id(_typed(request)))
 
     async def generate_stream(self, request: GenerateRequest | dict):
         """GenerateChunks (handle.options(stream=True).generate_stream.remote(...))."""
-        request = _typed(request)
-        async for chunk in self._chunks(request):
+        async for chunk in self._chunks(self._with_id(_typed(request))):
             yield chunk
 
     async def transcribe(self, audio: bytes, request: TranscriptionRequest | dict | None = None,
@@ -325,16 +351,15 @@ class Ingress:
             try:
                 request = TranscriptionRequest.model_validate(request or {})
             except ValidationError as e:
-                first = e.errors()[0]
-                field = ".".join(str(p) for p in first["loc"]) or None
-                raise ApiError(400, f"{field}: {first['msg']}", param=field) from None
+                raise validation_error(e) from None
         if self.encoder is None:
             card = await self._model_card()
             raise ApiError(400, f"model: '{card['id']}' does not take audio", param="model")
         samples = self.encoder.decode_audio.remote(audio, filename)  # stays in Ray's store: the decoder opens it
-        result = await self._call(self.decoder.transcribe.remote(samples, request))
+        rid = request_id("audio-")
+        result = await self._call(self.decoder.transcribe.remote(samples, request), rid)
         if isinstance(result, Refusal):
-            raise _refused(result)
+            raise _refused(result, rid)
         return result
 
     async def models(self) -> list[dict]:
@@ -342,17 +367,44 @@ class Ingress:
         return [card]
 
     # -- HTTP ---------------------------------------------------------------------------------
-    @api.get("/health")
+    @api.get("/health", responses=answers(None))
     async def health(self) -> dict:
         return {"status": "ok"}
 
-    @api.get("/v1/models")
+    @api.get("/version", responses=answers(VersionResponse, 401))
+    async def version(self, request: Request):
+        self._authorize(request)
+        return {"version": api.version}
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        self._authorize(request)
+        if self._openapi is None:
+            document = openapi_document(api, REQUEST_MODELS)
+            document["servers"] = [{"url": request.scope.get("root_path") or "/"}]
+            self._openapi = document
+        return JSONResponse(self._openapi)
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        self._authorize(request)
+        return get_swagger_ui_html(openapi_url=(request.scope.get("root_path") or "") + "/openapi.json",
+                                   title="Raymuter")
+
+    @api.get("/v1/models", responses=answers(ModelList, 401))
     async def list_models(self, request: Request):
         self._authorize(request)
         card = await self._model_card()
         return {"object": "list", "data": [card]}
 
-    @api.get("/metrics")
+    @api.get("/v1/models/{model_id:path}", responses=answers(ModelInfo, 401, 404))
+    async def get_model(self, model_id: str, request: Request):
+        self._authorize(request)
+        card = await self._model_card()
+        self._check_model(model_id, card, "model_id")
+        return card
+
+    @api.get("/metrics", responses=answers(None, 401, text=True))
     async def metrics_route(self, request: Request):
         self._authorize(request)
         parts = [self.metrics.text()]
@@ -368,19 +420,45 @@ class Ingress:
                     parts.append(f"# {name} metrics unavailable: {type(e).__name__}\n")
         return PlainTextResponse("".join(parts), media_type="text/plain; version=0.0.4")
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=body_of(CompletionRequest),
+              responses=answers(Completion, *ERRORS, stream=True))
     async def completions(self, request: Request):
         return await self._openai(request, CompletionRequest, chat=False)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=body_of(ChatCompletionRequest),
+              responses=answers(ChatCompletion, *ERRORS, stream=True))
     async def chat_completions(self, request: Request):
         return await self._openai(request, ChatCompletionRequest, chat=True)
 
-    @api.post("/v1/audio/transcriptions")
+    @api.post("/tokenize", openapi_extra=body_of(TokenizeRequest), responses=answers(TokenizeResponse, *ERRORS))
+    async def tokenize(self, request: Request):
+        async def run(body: TokenizeRequest, card: dict, rid: str):
+            messages = None if body.messages is None else [m.model_dump(exclude_none=True) for m in body.messages]
+            out = await self._call(self.decoder.tokenize.remote(
+                body.prompt, messages, body.add_special_tokens, body.add_generation_prompt, body.chat_template_kwargs,
+                body.return_token_strs), rid)
+            if isinstance(out, Refusal):
+                raise _refused(out, rid)
+            return {"count": len(out.tokens), "max_model_len": card["context_length"], "tokens": out.tokens,
+                    "token_strs": out.token_strs}
+        return await self._route(request, TokenizeRequest, run)
+
+    @api.post("/detokenize", openapi_extra=body_of(DetokenizeRequest), responses=answers(DetokenizeResponse, *ERRORS))
+    async def detokenize(self, request: Request):
+        async def run(body: DetokenizeRequest, card: dict, rid: str):
+            out = await self._call(self.decoder.detokenize.remote(body.tokens), rid)
+            if isinstance(out, Refusal):
+                raise _refused(out, rid)
+            return {"prompt": out}
+        return await self._route(request, DetokenizeRequest, run)
+
+    @api.post("/v1/audio/transcriptions", openapi_extra=body_of(None, "multipart/form-data", AUDIO_FORM),
+              responses=answers(TranscriptionBody, *ERRORS, text=True))
     async def transcriptions(self, request: Request):
         return await self._audio(request, "transcribe")
 
-    @api.post("/v1/audio/translations")
+    @api.post("/v1/audio/translations", openapi_extra=body_of(None, "multipart/form-data", AUDIO_FORM),
+              responses=answers(TranscriptionBody, *ERRORS, text=True))
     async def translations(self, request: Request):
         return await self._audio(request, "translate")
 
@@ -388,39 +466,34 @@ class Ingress:
         route = request.url.path
         try:
             self._authorize(request)
-            self._check_length(request)
+            check_length(request, self.max_body)
             try:
                 form = await request.form()
             except Exception as e:  # noqa: BLE001 - not multipart, or a broken one
-                raise ApiError(400, f"the body must be multipart/form-data with a file: {e}") from None
+                raise ApiError(400, f"the body must be multipart/form-data with a file: {e}"[:300]) from None
             upload = form.get("file")
             if upload is None or not hasattr(upload, "read"):
                 raise ApiError(400, "file: required (the audio file, as a multipart upload)", param="file")
             card = await self._model_card()
-            model = form.get("model")
-            if model != card["id"]:
-                raise ApiError(404, f"model: '{model}' is not served here; this server serves '{card['id']}'",
-                               param="model", kind="model_not_found")
+            self._check_model(form.get("model"), card)
             if form.get("prompt"):
                 raise ApiError(400, "prompt: previous-text prompts are not supported", param="prompt")
             response_format = form.get("response_format") or "json"
             if response_format not in ("json", "text", "verbose_json"):
-                raise ApiError(400, f"response_format: one of json, text, verbose_json, not '{response_format}'",
+                raise ApiError(400, f"response_format: one of json, text, verbose_json, not '{response_format:.40}'",
                                param="response_format")
             granularities = form.getlist("timestamp_granularities[]") or form.getlist("timestamp_granularities")
             if any(g != "segment" for g in granularities):
                 raise ApiError(400, "timestamp_granularities: only 'segment' is supported",
                                param="timestamp_granularities")
-            try:
-                temperature = float(form.get("temperature") or 0)
-                fields = TranscriptionRequest(language=form.get("language") or None, task=task,
-                                              timestamps=response_format == "verbose_json", temperature=temperature,
-                                              seed=int(form["seed"]) if form.get("seed") else None)
-            except (ValueError, ValidationError) as e:
-                raise ApiError(400, f"temperature: {e}", param="temperature") from None
+            fields = TranscriptionRequest(language=_form_text(form, "language", 64) or None, task=task,
+                                          timestamps=response_format == "verbose_json",
+                                          temperature=_form_number(form, "temperature", float, 0, 2) or 0.0,
+                                          seed=_form_number(form, "seed", int, 0, 2**63 - 1))
             data = await upload.read()
             if len(data) > self.max_body:
-                raise ApiError(413, f"the file has {len(data)} bytes; this server takes at most {self.max_body}")
+                raise ApiError(413, f"the file has {len(data)} bytes; this server takes at most {self.max_body}",
+                               code="body_too_large")
             result = await self.transcribe(data, fields, getattr(upload, "filename", None) or "file")
             self.metrics.requests.labels(route=route, status="200").inc()
         except ApiError as e:
@@ -441,115 +514,148 @@ class Ingress:
         if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error")
 
-    def _check_length(self, request: Request) -> None:
-        """413 before reading a body whose declared length is over the limit."""
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            raise ApiError(413, f"the body has {length} bytes; this server takes at most {self.max_body}")
-
-    async def _body(self, request: Request) -> dict:
-        self._check_length(request)
-        raw = await request.body()
-        if len(raw) > self.max_body:
-            raise ApiError(413, f"the body has {len(raw)} bytes; this server takes at most {self.max_body}")
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise ApiError(400, f"the body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        return body
-
     async def _model_card(self) -> dict:
         if self._card is None:
-            card = await self._call(self.decoder.card.remote())
+            card = await self._call(self.decoder.card.remote(), request_id())
             self._card = {"id": card.id, "object": "model", "created": int(time.time()), "owned_by": "raymuter",
-                          "context_length": card.context_length, "slots": card.slots, "kind": card.kind}
-        return self._card
+                          "context_length": card.context_length, "slots": card.slots, "kind": card.kind,
+                          "fingerprint": card.fingerprint}
+        return {k: v for k, v in self._card.items() if k != "fingerprint"}
 
-    async def _openai(self, request: Request, kind, chat: bool):
-        route = request.url.path
+    @staticmethod
+    def _check_model(model, card: dict, param: str = "model") -> None:
+        if model != card["id"]:
+            raise ApiError(404, f"{param}: '{model!s:.200}' is not served here; this server serves '{card['id']}'",
+                           param=param, kind="invalid_request_error", code="model_not_found")
+
+    def _with_id(self, request: GenerateRequest) -> GenerateRequest:
+        return request if request.request_id else request.model_copy(update={"request_id": request_id()})
+
+    async def _route(self, request: Request, kind, run, prefix: str = "req-"):
+        """A JSON route: authorized, its body validated into `kind`, the model checked when
+        named, then `run(body, card, request id)`; counted in the metrics."""
+        route, rid = request.url.path, request_id(prefix)
         try:
             self._authorize(request)
-            body = parse(kind, await self._body(request))
+            body = parse(kind, await read_json(request, self.max_body))
             card = await self._model_card()
-            if body.model != card["id"]:
-                raise ApiError(404, f"model: '{body.model}' is not served here; this server serves '{card['id']}'",
-                               param="model", kind="model_not_found")
-            requests = [_typed(generate_request(body, i)) for i in range(body.n)]
-            request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-            if body.stream:
-                response = await self._sse(requests, request_id, card["id"], chat, body)
-            else:
-                response = await self._whole(requests, request_id, card["id"], chat, body)
-            self.metrics.requests.labels(route=route, status="200").inc()
-            return response
+            if getattr(body, "model", None) is not None:
+                self._check_model(body.model, card)
+            out = await run(body, card, rid)
         except ApiError as e:
             self.metrics.requests.labels(route=route, status=str(e.status)).inc()
             raise
+        self.metrics.requests.labels(route=route, status="200").inc()
+        return out
 
-    async def _whole(self, requests, request_id, model, chat, body) -> dict:
-        calls = [asyncio.ensure_future(self._generate(r)) for r in requests]
+    async def _openai(self, request: Request, kind, chat: bool):
+        async def run(body, card, rid):
+            prompts = [None] if chat else body.prompts()
+            if not chat and body.echo and card["kind"] == "encoder-decoder":
+                raise ApiError(400, "echo: an encoder-decoder model's prompt is its source, not the start of "
+                                    "the completion", param="echo")
+            jobs = []
+            for p, prompt in enumerate(prompts):
+                for j in range(body.n):
+                    fields = generate_request(body, prompt, j)
+                    fields.update(request_id=f"{rid}-{p * body.n + j}", echo=not chat and body.echo)
+                    jobs.append((p if len(prompts) > 1 else None, _typed(fields)))
+            fingerprint = self._card["fingerprint"]
+            if body.stream:
+                response = await self._sse(jobs, rid, card["id"], fingerprint, chat, body)
+            else:
+                response = JSONResponse(await self._whole(request, jobs, rid, card["id"], fingerprint, chat, body))
+            return response
+
+        return await self._route(request, kind, run, "chatcmpl-" if chat else "cmpl-")
+
+    async def _choice(self, request: GenerateRequest, body, prompt_index: int | None):
+        """One choice's generation; a refusal names the OpenAI request's field."""
         try:
-            results = await asyncio.gather(*calls)
+            return await self._generate(request)
+        except ApiError as e:
+            raise for_request(e, body, prompt_index) from None
+
+    async def _whole(self, http: Request, jobs, rid, model, fingerprint, chat, body) -> dict:
+        calls = [asyncio.ensure_future(self._choice(r, body, p)) for p, r in jobs]
+        gathered = asyncio.gather(*calls)
+        gone = asyncio.ensure_future(client_gone(http))
+        try:
+            done, _ = await asyncio.wait([gathered, gone], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            gathered.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if gathered not in done:  # the client left first: its choices stop and free their slots
+            gathered.cancel()
+            await asyncio.gather(gathered, return_exceptions=True)
+            raise ApiError(499, "the client closed the connection")
+        try:
+            results = gathered.result()
         except BaseException:
             for call in calls:  # one choice failed: the others are not waited for
                 call.cancel()
             raise
-        choices = []
-        for i, result in enumerate(results):
-            if result.finish_reason == "error":
-                raise ApiError(500, f"generation failed: {result.error}", kind="server_error")
-            text = result.text
-            if not chat and getattr(body, "echo", False):
-                text = (body.prompt if isinstance(body.prompt, str) else "") + text
-            logprobs = None if result.logprobs is None else completion_logprobs(
-                [t.model_dump() for t in result.logprobs], chat)
-            choice = completion_response(request_id, model, text, result.finish_reason, 0, 0, chat, logprobs)["choices"][0]
-            choices.append({**choice, "index": i})
-        out = completion_response(request_id, model, "", "stop", results[0].prompt_tokens,
-                                  sum(r.completion_tokens for r in results), chat)
-        out["choices"] = choices
-        return out
+        choices, prompt_tokens = [], 0
+        for k, ((p, _), result) in enumerate(zip(jobs, results)):
+            text, tokens = result.text, [t.model_dump() for t in result.logprobs or []]
+            if result.prompt_text is not None:  # echo: the prompt, then the completion
+                text = result.prompt_text + text
+                tokens = [t.model_dump() for t in result.prompt_logprobs or []] + tokens
+            logprobs = None if result.logprobs is None else completion_logprobs(tokens, chat)
+            choices.append(completion_choice(k, text, result.finish_reason, logprobs, chat))
+            if k % body.n == 0:
+                prompt_tokens += result.prompt_tokens
+        return completion_response(rid, model, choices, usage(prompt_tokens, sum(r.completion_tokens for r in results)),
+                                   fingerprint, chat)
 
-    async def _sse(self, requests, request_id, model, chat, body) -> StreamingResponse:
-        streams = [self._chunks(r) for r in requests]
+    async def _sse(self, jobs, rid, model, fingerprint, chat, body) -> StreamingResponse:
+        streams = [self._chunks(r, body, p) for p, r in jobs]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
         try:
-            firsts = await asyncio.gather(*(s.__anext__() for s in streams))  # errors before any byte: a 4xx/503
+            await asyncio.gather(*firsts)  # errors before any byte: a 4xx/503
         except BaseException:
-            for stream in streams:  # the other choices' decoder requests stop too
+            for first in firsts:  # the other choices' decoder requests stop too
+                first.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
+            for stream in streams:
                 await stream.aclose()
             raise
         created = int(time.time())
-        usage = (body.stream_options or {}).get("include_usage")
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def event(data: dict) -> str:
+            return f"data: {json.dumps(data)}\n\n"
 
         async def events():
             prompt_tokens, completion_tokens, started = 0, 0, set()
-            merged = _merged(firsts, streams)
+            offsets = [0] * len(jobs)  # each choice's characters so far: its logprobs' text_offset runs on
+            merged = merged_streams([f.result() for f in firsts], streams)
             try:
                 async for i, item in merged:
                     if isinstance(item, ApiError):
-                        yield f"data: {json.dumps(item.body())}\n\n"
+                        yield event(item.body())
                         return
-                    if item.finish_reason == "error":
-                        yield f"data: {json.dumps(ApiError(500, f'generation failed: {item.error}', kind='server_error').body())}\n\n"
-                        return
-                    logprobs = None if item.logprobs is None else completion_logprobs(
-                        [t.model_dump() for t in item.logprobs], chat)
-                    if item.text or item.finish_reason or logprobs or (chat and i not in started):
-                        yield "data: " + json.dumps(stream_chunk(request_id, model, created, i, item.text,
-                                                                 item.finish_reason, chat, logprobs,
-                                                                 first=i not in started)) + "\n\n"
+                    tokens = [t.model_dump() for t in item.prompt_logprobs or []] + \
+                        [t.model_dump() for t in item.logprobs or []]
+                    text = (item.prompt_text or "") + item.text
+                    wants = item.logprobs is not None or item.prompt_logprobs is not None
+                    logprobs = completion_logprobs(tokens, chat, offsets[i]) if wants else None
+                    if not chat and tokens:
+                        offsets[i] += sum(len(t["text"]) for t in tokens)
+                    if text or item.finish_reason or logprobs or (chat and i not in started):
+                        yield event(stream_chunk(rid, model, created, i, text, item.finish_reason, chat, fingerprint,
+                                                 logprobs, first=i not in started))
                         started.add(i)
                     if item.finish_reason is not None:
-                        prompt_tokens = item.prompt_tokens or 0
+                        if i % body.n == 0:
+                            prompt_tokens += item.prompt_tokens or 0
                         completion_tokens += item.completion_tokens or 0
-                if usage:
-                    yield "data: " + json.dumps({"id": request_id, "object": "chat.completion.chunk" if chat else
-                                                 "text_completion", "created": created, "model": model, "choices": [],
-                                                 "usage": {"prompt_tokens": prompt_tokens,
-                                                           "completion_tokens": completion_tokens,
-                                                           "total_tokens": prompt_tokens + completion_tokens}}) + "\n\n"
+                if include_usage:
+                    yield event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                 "created": created, "model": model, "system_fingerprint": fingerprint, "choices": [],
+                                 "usage": usage(prompt_tokens, completion_tokens)})
                 yield "data: [DONE]\n\n"
             finally:
                 await merged.aclose()  # the pumps of the other choices stop
@@ -616,12 +722,14 @@ class Ingress:
             except httpx.HTTPError as e:
                 raise ApiError(400, f"{field}: could not fetch the image: {e}", param=field) from None
             if len(response.content) > self.max_body:
-                raise ApiError(413, f"{field}: the image has {len(response.content)} bytes; at most {self.max_body}")
+                raise ApiError(413, f"{field}: the image has {len(response.content)} bytes; at most {self.max_body}",
+                               param=field, code="body_too_large")
             return response.content
         raise ApiError(400, f"{field}: an image URL is a data: URL or http(s)://, not {url[:40]!r}", param=field)
 
-    async def _chunks(self, request: GenerateRequest):
-        """The decoder's stream, its failures as ApiErrors."""
+    async def _chunks(self, request: GenerateRequest, body=None, prompt_index: int | None = None):
+        """The decoder's stream, its failures as ApiErrors (naming the OpenAI request's field
+        where `body` is one)."""
         stream = self._decoder_stream.stream.remote(request, self._encoded(request), *(await self._images(request)))
         try:
             while True:
@@ -629,30 +737,33 @@ class Ingress:
                     chunk = await stream.__anext__()
                 except StopAsyncIteration:
                     return
-                refused = _refused(chunk)
+                refused = _refused(chunk, request.request_id)
                 if refused is not None:
                     raise refused
                 yield chunk
-        except ApiError:
-            raise
+        except ApiError as e:
+            raise e if body is None else for_request(e, body, prompt_index) from None
         except Exception as e:  # noqa: BLE001
-            raise _api_error_of(e) from None
+            raise _api_error_of(e, request.request_id) from None
         finally:
             stream.cancel()
 
     async def _generate(self, request: GenerateRequest) -> GenerateResponse:
         result = await self._call(self.decoder.generate.remote(request, self._encoded(request),
-                                                               *(await self._images(request))))
-        refused = _refused(result)
+                                                               *(await self._images(request))), request.request_id)
+        refused = _refused(result, request.request_id)
         if refused is not None:
             raise refused
         return result
 
-    async def _call(self, response):
+    async def _call(self, response, request_id_: str):
         try:
             return await response
+        except asyncio.CancelledError:
+            response.cancel()  # the decoder stops the request and frees its slot
+            raise
         except Exception as e:  # noqa: BLE001
-            raise _api_error_of(e) from None
+            raise _api_error_of(e, request_id_) from None
 
 
 def build(args: dict | None = None):

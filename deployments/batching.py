@@ -20,12 +20,21 @@ verifies the draft's proposals for every row at every step instead (greedy rows:
 tokens; sampling rows: the speculative sampling rule, or the plain tokens where the context
 computes log-probabilities).
 
+A failure is kept to the request it belongs to: when a batched admission raises, its requests
+are admitted one at a time, and one that fails alone ends with finish_reason "error" (status
+400 when its own data was at fault: a ValueError such as generation's SettingError; 500
+otherwise); a row whose own part of a step fails (its processors, warpers, draw or stop
+strings) ends the same way (500) while the others get the tokens they get alone. Only a
+failure of the model's run over the batch ends every row of that step; the loop then goes on
+with a fresh state. Every request gets its Completion, whatever happens to the loop.
+
 Serving code never touches arrays: requests carry token id lists, results carry lists.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -33,9 +42,13 @@ from dataclasses import dataclass, field
 
 import generation
 import numpy as np
-from generation import assisted
+from generation import assisted, limits
 from generation.generate import check_prompts, check_seeds
+from generation.prompt_logprobs import prompt_logprobs
+from generation.settings import SettingError
 from generation.state import row_tokens
+
+log = logging.getLogger(__name__)
 
 _DONE = object()
 
@@ -54,13 +67,17 @@ class Token:
 @dataclass
 class Completion:
     """A finished request: its new tokens (without the eos token) and why it ended: "stop"
-    (eos or a stop string), "length" (its max_new_tokens), "cancelled", or "error"."""
+    (eos or a stop string), "length" (its max_new_tokens), "cancelled", or "error". An error
+    has its message, an HTTP `status` (400: the request was at fault, `field` then names the
+    engine's setting when it is one; 500: the server was) for the decoder to answer with."""
 
     tokens: list[int]
     finish_reason: str
     error: str | None = None
     queued_seconds: float = 0.0
     first_token_seconds: float | None = None
+    status: int | None = None
+    field: str | None = None
 
 
 @dataclass
@@ -83,6 +100,9 @@ class Request:
     finished: float | None = None  # perf_counter() when it ended
     encoder: object = None  # an encoder-decoder request's EncoderOutputs (one row)
     beams: int = 1
+    prompt_top: int | None = None  # echo with logprobs: the prompt's log-probabilities, with this many alternatives
+    prompt_logprobs: object = None  # ... set before its first token (a generation.prompt_logprobs.PromptLogprobs)
+    _finishing: threading.Lock = field(default_factory=threading.Lock)
 
     def events(self, timeout: float | None = None):
         """Yield each new Token as the batcher makes it; ends when the request does."""
@@ -153,13 +173,28 @@ class Request:
         self._tokens.append(token)
         self._put(Token(token, logprob, top, time.perf_counter()))
 
-    def _finish(self, tokens: list[int], reason: str, error: str | None = None, started: float | None = None) -> None:
-        self.finished = time.perf_counter()
-        self._completion = Completion(list(tokens), reason, error,
-                                      queued_seconds=(started or time.perf_counter()) - self.submitted,
-                                      first_token_seconds=None if self._first is None else self._first - self.submitted)
-        self._done.set()
+    def _finish(self, tokens: list[int], reason: str, error: str | None = None, started: float | None = None,
+                status: int | None = None, field: str | None = None) -> None:
+        with self._finishing:  # once: the first ending wins (the loop's last sweep may come after)
+            if self._done.is_set():
+                return
+            self.finished = time.perf_counter()
+            first = None if self._first is None else self._first - self.submitted
+            self._completion = Completion(list(tokens), reason, error,
+                                          queued_seconds=(started or time.perf_counter()) - self.submitted,
+                                          first_token_seconds=first, status=status, field=field)
+            self._done.set()
         self._put(_DONE)
+
+    def _fail(self, error: BaseException, admitting: bool, started: float | None = None) -> None:
+        """End with finish_reason "error": status 400 for a ValueError raised while admitting the
+        request (its own settings, prompt or images), else 500 (logged with its traceback)."""
+        fault = admitting and isinstance(error, ValueError)
+        if not fault:
+            log.error("request %d failed", self.id, exc_info=error)
+        message = (str(error) or type(error).__name__) if fault else f"{type(error).__name__}: {error}"
+        self._finish(self._tokens, "error", message, started, status=400 if fault else 500,
+                     field=getattr(error, "setting", None) if fault else None)
 
 
 class ContinuousBatcher:
@@ -183,17 +218,19 @@ class ContinuousBatcher:
         self._beams_held = 0  # slots reserved by beam searches running beside the loop
         self._held_lock = threading.Lock()
         self._next: Request | None = None  # a beam request waiting for enough free slots
+        self._admitting: list[Request] = []  # taken from the queue by an admission, not yet seated
         from generation.budget import CostAware
         from generation.prompt_lookup import PromptLookup
 
         # rows with prompt_lookup_num_tokens verify their candidates, where they pay for the wider run;
         # a context with a draft model verifies the draft's for every row
-        self._lookup = CostAware(PromptLookup())
+        self._lookup = CostAware(PromptLookup(), max_slowdown=limits.MAX_STEP_SLOWDOWN)  # rows of other clients
         self._draft = assisted.candidates_for(ctx) if ctx.draft is not None else None  # text models (context)
         self._thread.start()
 
     # -- public -----------------------------------------------------------------------------
-    def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None) -> Request:
+    def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
+               prompt_logprobs: int | None = None) -> Request:
         """Queue a prompt (token ids) with its generation settings (any generation_config
         field: validated here, so a bad one raises ValueError naming it). An encoder-decoder
         model's request brings its source through the encoder: `encoder`, an EncoderOutputs of
@@ -206,19 +243,36 @@ class ContinuousBatcher:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
         prompt = check_prompts(self.ctx, [prompt])[0]
         seed = check_seeds([seed], 1)[0]
+        if settings is not None and not (isinstance(settings, dict) and all(isinstance(k, str) for k in settings)):
+            raise SettingError("settings", "settings must be an object of generation settings by name")
         resolved = self.ctx.with_settings(**(settings or {}))
         if not prompt:
-            raise ValueError("prompt is empty")
+            raise SettingError("prompt", "prompt is empty")
         if resolved.prompt_lookup_num_tokens and (resolved.num_beams > 1 or self.ctx.model.is_seq2seq
                                                   or getattr(self.ctx.model, "vision_session", None) is not None):
-            raise ValueError("prompt_lookup_num_tokens: prompt lookup runs decoder-only text models with num_beams=1")
+            raise SettingError("prompt_lookup_num_tokens", "prompt_lookup_num_tokens: prompt lookup runs decoder-only "
+                                                           "text models with num_beams=1")
         if resolved.num_beams > self.slots:
-            raise ValueError(f"num_beams: {resolved.num_beams} beams need as many slots; this decoder has {self.slots}")
+            raise SettingError("num_beams", f"num_beams: {resolved.num_beams} beams need as many slots; this decoder "
+                                            f"has {self.slots}")
+        if resolved.new_tokens_for(len(prompt)) < 1:
+            name = "max_new_tokens" if resolved.max_new_tokens is not None else "max_length"
+            raise SettingError(name, f"{name}: the settings leave no new token for a prompt of {len(prompt)} tokens")
         max_new = min(resolved.new_tokens_for(len(prompt)), self.capacity - len(prompt))
         if max_new < 1:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
-        request = Request(next(self._ids), prompt, seed, resolved, max_new, beams=resolved.num_beams, encoder=encoder)
+            raise SettingError("prompt", f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
+        if prompt_logprobs is not None:
+            if not _integer(prompt_logprobs) or not 0 <= prompt_logprobs <= limits.MAX_LOGPROBS:
+                raise SettingError("prompt_logprobs", f"prompt_logprobs must be an integer from 0 to "
+                                                      f"{limits.MAX_LOGPROBS}, not {prompt_logprobs!r:.40}")
+            if self.ctx.model.is_seq2seq or self.ctx.model.graph.has_inputs_embeds:
+                raise SettingError("prompt_logprobs", "prompt_logprobs: the prompt's log-probabilities are given "
+                                                      "for decoder-only text models")
+        request = Request(next(self._ids), prompt, seed, resolved, max_new, beams=resolved.num_beams, encoder=encoder,
+                          prompt_top=prompt_logprobs)
         self._waiting.put(request)
+        if self._stop.is_set():  # the loop closed while this was queued: nobody will take it
+            self._close_queued()
         self.waiting = self._waiting.qsize()
         self._wake.set()
         return request
@@ -230,9 +284,22 @@ class ContinuousBatcher:
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
+        holder: dict[int, Request] = {}  # slot -> request
+        reason, error = "cancelled", "the batcher closed"
+        try:
+            self._run(holder)
+        except BaseException as e:  # the loop itself broke: nothing may be left waiting for it
+            log.exception("the batcher's loop stopped")
+            reason, error = "error", f"the decoder stopped: {type(e).__name__}: {e}"
+            raise
+        finally:
+            self._stop.set()
+            for request in list(holder.values()) + self._admitting + self._drain():
+                request._finish(request._tokens, reason, error, status=500 if reason == "error" else None)
+
+    def _run(self, holder: dict) -> None:
         ctx = self.ctx
         state = generation.new_state(ctx, self.slots, self.capacity)
-        holder: dict[int, Request] = {}  # slot -> request
         started: dict[int, float] = {}
         while not self._stop.is_set():
             try:
@@ -255,6 +322,9 @@ class ContinuousBatcher:
                 self.steps += 1
                 for out in outs:  # each position of the step in order, as plain steps give them
                     for slot, request in list(holder.items()):
+                        if slot in out.failed:  # its own part of the step raised: it ends alone
+                            self._end(state, holder, slot, "error", started, error=out.failed[slot])
+                            continue
                         token = int(out.token[slot])
                         if token >= 0 and not request._cancelled:
                             request._emit(token, *_logprobs_of(out, slot))
@@ -264,14 +334,14 @@ class ContinuousBatcher:
                 # Let the threads that forward these tokens run now: a small model's steps are
                 # mostly Python, and without this they wait for the GIL's 5 ms switch interval.
                 time.sleep(0)
-            except Exception as e:  # noqa: BLE001 - every held request learns why, none hangs
-                for slot, request in list(holder.items()):
-                    request._finish(request._tokens, "error", f"{type(e).__name__}: {e}", started.get(slot))
+            except Exception as e:  # noqa: BLE001 - not one row's (the model's run): every row of the step ends
+                log.error("a decode step failed; its %d requests end with an error", len(holder), exc_info=e)
+                for slot, request in list(holder.items()) + [(None, r) for r in self._admitting]:
+                    request._finish(request._tokens, "error", f"{type(e).__name__}: {e}", started.get(slot), status=500)
                 holder.clear()
+                self._admitting = []
                 state = generation.new_state(ctx, self.slots, self.capacity)
             self._count(holder)
-        for request in list(holder.values()) + self._drain():
-            request._finish(request._tokens, "cancelled", "the batcher closed")
 
     def _count(self, holder: dict) -> None:
         self.running = len(holder) + self._beam_requests
@@ -323,7 +393,7 @@ class ContinuousBatcher:
                     "length" if len(hypothesis.tokens) >= request.max_new else "stop")
                 request._finish(hypothesis.tokens, reason, started=started)
             except Exception as e:  # noqa: BLE001 - the request learns why
-                request._finish(request._tokens, "error", f"{type(e).__name__}: {e}", started)
+                request._fail(e, admitting=False, started=started)
             finally:
                 with self._held_lock:
                     self._beams_held -= request.beams
@@ -333,34 +403,88 @@ class ContinuousBatcher:
         threading.Thread(target=run, name=f"raymuter-beams-{request.id}", daemon=True).start()
 
     def _admit(self, state, holder: dict, started: dict):
+        """Seat the waiting requests that fit: one batched admission, or, when that raises, one
+        admission per request, so that only a request that fails alone fails."""
         free = [s for s in state.free_slots().tolist() if s not in holder]
         room = len(free) - self._beams_held
         batch = self._take(room) if room > 0 else []
         if not batch:
             return state
-        slots = free[:len(batch)]
+        self._admitting = batch
         now = time.perf_counter()
-        state, first = generation.admit(self.ctx, state, slots, [r.prompt for r in batch], [r.seed for r in batch],
-                                        settings=[r.settings for r in batch], max_new=[r.max_new for r in batch],
-                                        encoder=_joined([r.encoder for r in batch]))
-        for j, (slot, request) in enumerate(zip(slots, batch)):
-            started[slot] = now
-            if first.token[j] >= 0:
-                request._emit(int(first.token[j]), *_logprobs_of(first, j))
-        time.sleep(0)  # the first tokens go out before the next step (see _loop)
-        for j, (slot, request) in enumerate(zip(slots, batch)):
-            if first.finished[j]:  # ended at its first token: the slot stayed free
-                reason = "length" if len(request._tokens) >= request.max_new else "stop"
-                request._finish(request._tokens, reason, started=now)
+        batch = self._prompt_passes(batch, now)
+        if not batch:
+            self._admitting = []
+            return state
+        slots = free[:len(batch)]
+        try:
+            state, first = self._admit_batch(state, slots, batch)
+            seated = [(slots, batch, first)]
+        except Exception as e:  # noqa: BLE001 - someone's data, or the run: find out one by one
+            seated = []
+            if len(batch) == 1:
+                batch[0]._fail(e, admitting=True, started=now)
             else:
-                holder[slot] = request
+                for slot, request in zip(slots, batch):
+                    try:
+                        state, first = self._admit_batch(state, [slot], [request])
+                        seated.append(([slot], [request], first))
+                    except Exception as alone:  # noqa: BLE001 - this request's own failure
+                        request._fail(alone, admitting=True, started=now)
+        for group in seated:
+            for j, (slot, request) in enumerate(zip(*group[:2])):
+                if j in group[2].failed:
+                    request._fail(group[2].failed[j], admitting=True, started=now)
+                elif group[2].token[j] >= 0:
+                    request._emit(int(group[2].token[j]), *_logprobs_of(group[2], j))
+        time.sleep(0)  # the first tokens go out before the next step (see _loop)
+        for slots_, requests, first in seated:
+            for j, (slot, request) in enumerate(zip(slots_, requests)):
+                if request.done:
+                    continue
+                if first.finished[j]:  # ended at its first token: the slot stayed free
+                    reason = "length" if len(request._tokens) >= request.max_new else "stop"
+                    request._finish(request._tokens, reason, started=now)
+                else:
+                    started[slot] = now
+                    holder[slot] = request
+        self._admitting = []
         return state
 
-    def _end(self, state, holder: dict, slot: int, reason: str, started: dict) -> None:
+    def _prompt_passes(self, batch: list[Request], now: float) -> list[Request]:
+        """The prompt log-probabilities of the requests that asked (echo with logprobs), before
+        they are seated: one more pass over each such prompt (generation.prompt_logprobs). The
+        requests left to seat: those whose pass failed have ended."""
+        for request in batch:
+            if request.prompt_top is not None:
+                try:
+                    request.prompt_logprobs = prompt_logprobs(self.ctx, request.prompt, request.prompt_top)
+                except Exception as e:  # noqa: BLE001 - this request's alone
+                    request._fail(e, admitting=True, started=now)
+        return [request for request in batch if not request.done]
+
+    def _admit_batch(self, state, slots: list[int], batch: list[Request]):
+        """generation.admit of `batch` into `slots` (all or nothing: the engine undoes a failed one)."""
+        return generation.admit(self.ctx, state, slots, [r.prompt for r in batch], [r.seed for r in batch],
+                                settings=[r.settings for r in batch], max_new=[r.max_new for r in batch],
+                                encoder=_joined([r.encoder for r in batch]))
+
+    def _end(self, state, holder: dict, slot: int, reason: str, started: dict,
+             error: BaseException | None = None) -> None:
         request = holder.pop(slot)
-        tokens = request._tokens if reason == "cancelled" else row_tokens(state, slot)
+        tokens = request._tokens if reason in ("cancelled", "error") else row_tokens(state, slot)
         generation.release(self.ctx, state, slot)
-        request._finish(tokens, reason, started=started.pop(slot, None))
+        if error is not None:
+            request._fail(error, admitting=False, started=started.pop(slot, None))
+        else:
+            request._finish(tokens, reason, started=started.pop(slot, None))
+
+    def _close_queued(self) -> None:
+        while True:
+            try:
+                self._waiting.get_nowait()._finish([], "cancelled", "the batcher closed")
+            except queue.Empty:
+                return
 
     def _drain(self) -> list[Request]:
         out = [] if self._next is None else [self._next]
@@ -396,6 +520,10 @@ def _logprobs_of(out, row: int) -> tuple:
         return None, None
     top = None if out.top is None else list(zip(out.top_ids[row].tolist(), out.top[row].tolist()))
     return float(out.logprob[row]), top
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class QueueFull(RuntimeError):

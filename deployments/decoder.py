@@ -15,6 +15,7 @@ directly, with the real engine or with `deployments.fake`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from pathlib import Path
@@ -24,12 +25,16 @@ from generation.text import Detokenizer
 
 from .batching import ContinuousBatcher, QueueFull
 from .metrics import DecoderMetrics
-from .schema import (GenerateChunk, GenerateRequest, GenerateResponse, ModelCard, Segment, TokenLogprob,
+from .schema import (GenerateChunk, GenerateRequest, GenerateResponse, ModelCard, Segment, TokenLogprob, Tokenized,
                      Transcription, TranscriptionRequest)
 
 
+logger = logging.getLogger("ray.serve")  # into the replica's log, with Serve's request id
+
+
 class RequestError(ValueError):
-    """A request the decoder refuses: `field` names what was wrong (HTTP 400)."""
+    """A request the decoder refuses: `field` names the GenerateRequest's field that was wrong
+    ("prompt", "messages.0.content.1", "settings.top_k"; HTTP 400)."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -37,6 +42,44 @@ class RequestError(ValueError):
 
     def __reduce__(self):  # crosses Ray's process boundary intact
         return type(self), (str(self), self.field)
+
+
+def refusal(error: ValueError, request: GenerateRequest) -> RequestError:
+    """The RequestError of an engine error, naming the request's field (and speaking of it: a
+    stop_token_ids refusal does not say eos_token_id)."""
+    setting = getattr(error, "setting", None)
+    field = request_field(request, setting)
+    message = str(error)
+    if setting and field and not field.endswith(setting):
+        message = message.replace(setting, field.removeprefix("settings."))
+    return RequestError(message, field)
+
+
+def fingerprint(*configuration) -> str:
+    """OpenAI's system_fingerprint: Raymuter's version and what the model runs with, hashed."""
+    import hashlib
+    import json
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("raymuter")
+    except PackageNotFoundError:
+        release = "unknown"
+    digest = hashlib.sha256(json.dumps([release, *configuration], default=str).encode()).hexdigest()
+    return f"fp_{digest[:12]}"
+
+
+def request_field(request: GenerateRequest, setting: str | None) -> str | None:
+    """The GenerateRequest field an engine error about `setting` (a SettingError's) is about."""
+    if setting is None:
+        return None
+    if setting == "prompt":
+        return "messages" if request.messages is not None else "prompt"
+    if setting in ("seed", "logprobs", "prompt_logprobs"):
+        return setting
+    if setting == "eos_token_id" and request.stop_token_ids and "eos_token_id" not in request.settings:
+        return "stop_token_ids"
+    return f"settings.{setting}"
 
 
 class Overloaded(RuntimeError):
@@ -59,6 +102,7 @@ class TextGenerator:
         self.max_logprobs, self.kind = max_logprobs, kind
         self.stream_interval = stream_interval  # seconds between a stream's chunks (the first goes at once)
         self.metrics = DecoderMetrics(name, batcher)
+        self.fingerprint = fingerprint(name, context_length, kind)
 
     @classmethod
     def from_model(cls, source: str | Path, name: str | None = None, slots: int = 8, capacity: int | None = None,
@@ -87,6 +131,9 @@ class TextGenerator:
                         "encoder-decoder" if model.is_seq2seq else "decoder", stream_interval)
         generator.defaults = dict(settings)
         generator.takes_images = model.vision_session is not None
+        generator.fingerprint = fingerprint(name, batcher.capacity, slots, dict(settings), *(
+            (Path(model.folder) / f).read_text() for f in ("config.json", "generation_config.json")
+            if (Path(model.folder) / f).is_file()))
         return generator
 
     takes_images = False
@@ -99,7 +146,7 @@ class TextGenerator:
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.name, context_length=self.context_length, slots=self.batcher.slots, kind=self.kind,
-                         has_chat_template=self.template is not None)
+                         has_chat_template=self.template is not None, fingerprint=self.fingerprint)
 
     def close(self) -> None:
         self.batcher.close()
@@ -114,29 +161,50 @@ class TextGenerator:
 
             messages = [_plain(m.model_dump(exclude_none=True), i, self.takes_images)
                         for i, m in enumerate(request.messages)]
+            variables = request.chat_template_kwargs
             if self.takes_images:
                 from .vision import prompt_images
 
                 try:
-                    return prompt_images(self.batcher.ctx.model, messages, list(images))
+                    return prompt_images(self.batcher.ctx.model, messages, list(images), request.add_generation_prompt,
+                                         variables)
                 except ChatTemplateError as e:
                     raise RequestError(str(e), "messages") from None
             try:
-                text = render_chat(self.template, messages, self.special_tokens)
+                text = render_chat(self.template, messages, self.special_tokens, request.add_generation_prompt,
+                                   variables)
             except ChatTemplateError as e:
                 raise RequestError(str(e), "messages") from None
+            self._check_text_length(text, "messages")
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         if isinstance(request.prompt, str):
             if not request.prompt:
                 raise RequestError("prompt is empty", "prompt")
+            self._check_text_length(request.prompt, "prompt")
             return self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens).ids
         return list(request.prompt)
 
+    def _check_text_length(self, text: str, field: str) -> None:
+        """A text too long to fit the context whatever it tokenizes to is refused before the
+        tokenizer spends seconds on it: no token is longer than the vocabulary's longest."""
+        if self.context_length and len(text) > self.context_length * self.longest_token:
+            raise RequestError(f"{field}: {len(text)} characters cannot fit the context of {self.context_length} "
+                               f"tokens (a token here is at most {self.longest_token} characters)", field)
+
+    @property
+    def longest_token(self) -> int:
+        if self._longest_token is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._longest_token = max(map(len, vocab), default=1)
+        return self._longest_token
+
+    _longest_token: int | None = None
+
     def submit(self, request: GenerateRequest, encoder=None, images=()):
         """Check and queue a request: (batcher request, prompt ids). Bad input raises
-        RequestError naming the field; a full queue raises Overloaded. An encoder-decoder
-        model's request comes with its source's encoder outputs (`encoder`); its decoder prompt
-        is the decoder start token."""
+        RequestError naming the request's field; a full queue raises Overloaded. An
+        encoder-decoder model's request comes with its source's encoder outputs (`encoder`); its
+        decoder prompt is the decoder start token."""
         if self.is_seq2seq:
             if encoder is None:
                 raise RequestError("this encoder-decoder model needs the encoder's outputs of the prompt", "prompt")
@@ -148,25 +216,41 @@ class TextGenerator:
             if isinstance(prompt, tuple):  # a vision-language chat: its images go where an encoder's outputs go
                 prompt, encoder = prompt
         if not prompt:
-            raise RequestError("the prompt has no tokens", "prompt")
-        if request.logprobs is not None and request.logprobs > self.max_logprobs:
-            raise RequestError(f"logprobs: this server gives at most {self.max_logprobs} alternatives per token "
-                               f"(asked {request.logprobs})" if self.max_logprobs >= 0 else
-                               "logprobs: this server runs without log-probabilities", "logprobs")
+            raise RequestError("the prompt has no tokens", request_field(request, "prompt"))
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(request, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise RequestError(f"{name}: this server gives at most {self.max_logprobs} alternatives per token "
+                                   f"(asked {asked})" if self.max_logprobs >= 0 else
+                                   f"{name}: this server runs without log-probabilities", name)
+        if request.prompt_logprobs is not None and (self.is_seq2seq or self.takes_images):
+            raise RequestError("prompt_logprobs: the prompt's log-probabilities are given for decoder-only text "
+                               "models", "prompt_logprobs")
         settings = dict(request.settings)
-        if settings.get("max_new_tokens") is not None and self.context_length \
-                and len(prompt) + int(settings["max_new_tokens"]) > self.context_length:
-            raise RequestError(f"max_tokens: {settings['max_new_tokens']} new tokens after a prompt of {len(prompt)} "
-                               f"exceed the context of {self.context_length} tokens", "max_tokens")
+        if request.stop_token_ids:
+            settings["eos_token_id"] = [*self._eos(settings), *request.stop_token_ids]
+        budget = settings.get("max_new_tokens")
+        if isinstance(budget, int) and self.context_length and len(prompt) + budget > self.context_length:
+            raise RequestError(f"max_tokens: {budget} new tokens after a prompt of {len(prompt)} "
+                               f"exceed the context of {self.context_length} tokens", "settings.max_new_tokens")
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         try:
-            handle = self.batcher.submit(prompt, seed=seed, settings=settings, encoder=encoder)
+            handle = self.batcher.submit(prompt, seed=seed, settings=settings, encoder=encoder,
+                                         prompt_logprobs=request.prompt_logprobs)
         except QueueFull as e:
             self.metrics.rejected.inc()
             raise Overloaded(str(e)) from None
         except ValueError as e:
-            raise RequestError(str(e), _field_of(str(e))) from None
+            raise refusal(e, request) from None
         return handle, prompt
+
+    def _eos(self, settings: dict) -> tuple:
+        """The eos tokens a request's settings leave (ignore_eos gives none)."""
+        if "eos_token_id" in settings:
+            eos = settings["eos_token_id"]
+            return tuple(eos) if isinstance(eos, (list, tuple)) else () if eos is None else (eos,)
+        ctx = getattr(self.batcher, "ctx", None)
+        return tuple(ctx.settings.eos_token_id) if ctx is not None else ()
 
     async def stream(self, request: GenerateRequest, encoder=None, images=()):
         """GenerateChunks as the tokens come; the last one carries finish_reason and counts. A
@@ -179,8 +263,12 @@ class TextGenerator:
         hold = max((len(s) for s in stops), default=1) - 1
         detok = Detokenizer(self.tokenizer)
         text, sent, last = "", 0, None
+        echo = request.echo  # the prompt first (once the batcher has admitted it, with its log-probabilities)
         try:
             async for tokens in handle.abatches():
+                if echo:
+                    yield self._echo(request, handle, prompt)
+                    echo = False
                 for token in tokens:
                     if last is None:
                         self.metrics.first_token(token.at - arrived)
@@ -203,20 +291,97 @@ class TextGenerator:
         text += detok.flush()
         visible = cut_at_stop(text, stops)
         self.metrics.finished(handle, completion, len(prompt), time.perf_counter() - arrived)
-        yield GenerateChunk(text=visible[sent:], finish_reason=completion.finish_reason, error=completion.error,
-                            prompt_tokens=len(prompt), completion_tokens=len(completion.tokens))
+        status, field, error = None, None, completion.error
+        if completion.finish_reason == "error":
+            status = getattr(completion, "status", None) or 500
+            field = request_field(request, getattr(completion, "field", None)) if status < 500 else None
+            if status >= 500:
+                logger.error("request %s failed in the batch: %s", request.request_id, error)
+        elif echo:
+            yield self._echo(request, handle, prompt)
+        yield GenerateChunk(text=visible[sent:], finish_reason=completion.finish_reason, error=error, status=status,
+                            field=field, prompt_tokens=len(prompt), completion_tokens=len(completion.tokens))
 
     async def generate(self, request: GenerateRequest, encoder=None, images=()) -> GenerateResponse:
         """The whole generation at once."""
-        text, ids, logprobs, last = [], [], [], None
+        text, ids, logprobs, last, echoed = [], [], [], None, None
         async for chunk in self.stream(request, encoder, images):
+            if chunk.prompt_text is not None:
+                echoed = chunk
             text.append(chunk.text)
             ids += chunk.token_ids
             logprobs += chunk.logprobs or []
             last = chunk
         return GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
                                 prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-                                logprobs=logprobs if request.logprobs is not None else None, error=last.error)
+                                logprobs=logprobs if request.logprobs is not None else None, error=last.error,
+                                status=last.status, field=last.field,
+                                prompt_text=None if echoed is None else echoed.prompt_text,
+                                prompt_logprobs=None if echoed is None else echoed.prompt_logprobs)
+
+    def _prompt_text(self, request: GenerateRequest, prompt: list[int]) -> str:
+        """The prompt as text, as echo gives it back: the text sent, or the ids decoded."""
+        if isinstance(request.prompt, str):
+            return request.prompt
+        return self.tokenizer.decode(list(prompt), skip_special_tokens=False)
+
+    def _echo(self, request: GenerateRequest, handle, prompt: list[int]) -> GenerateChunk:
+        return GenerateChunk(prompt_text=self._prompt_text(request, prompt),
+                             prompt_logprobs=self._prompt_logprobs(handle, prompt, request.prompt_logprobs))
+
+    def _prompt_logprobs(self, handle, prompt: list[int], top: int | None):
+        """Each prompt token's TokenLogprob (the first one's logprob None: nothing comes before
+        it), from the batcher's prompt pass at admission; None when not asked."""
+        found = getattr(handle, "prompt_logprobs", None)
+        if top is None or found is None:
+            return None
+        out = [TokenLogprob(id=prompt[0], text=self._text(prompt[0]), logprob=None)]
+        for i, token in enumerate(prompt[1:]):
+            alternatives = None
+            if top and found.top is not None:
+                alternatives = [(int(t), self._text(int(t)), float(lp)) for t, lp in
+                                zip(found.top_ids[i][:top], found.top[i][:top])]
+            out.append(TokenLogprob(id=token, text=self._text(token), logprob=float(found.logprob[i]), top=alternatives))
+        return out
+
+    def tokenize(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool | None,
+                 add_generation_prompt: bool, variables: dict | None, token_strs: bool) -> Tokenized:
+        """/tokenize: a prompt's token ids, or messages' through the chat template (as the chat
+        route renders them); add_special_tokens defaults to true for a prompt, false for messages."""
+        if messages is not None:
+            if self.takes_images and any(isinstance(m.get("content"), list) and any(
+                    p.get("type") == "image_url" for p in m["content"]) for m in messages):
+                raise RequestError("messages: /tokenize takes text messages only (an image's tokens depend on "
+                                   "its size)", "messages")
+            from generation.chat import ChatTemplateError, render_chat
+
+            plain = [_plain(m, i) for i, m in enumerate(messages)]
+            try:
+                text = render_chat(self.template, plain, self.special_tokens, add_generation_prompt, variables)
+            except ChatTemplateError as e:
+                raise RequestError(str(e), "messages") from None
+            add_special_tokens = bool(add_special_tokens)
+        elif add_special_tokens is None:
+            add_special_tokens = True
+        self._check_text_length(text, "messages" if messages is not None else "prompt")
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return Tokenized(tokens=ids, token_strs=[self._text(i) for i in ids] if token_strs else None)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """/detokenize: the text of token ids (special tokens kept, as vLLM's)."""
+        vocab = self.vocab_size
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"tokens.{bad}: {ids[bad]} is not a token id of this model (0 to {vocab - 1})",
+                               f"tokens.{bad}")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        ctx = getattr(self.batcher, "ctx", None)
+        if ctx is not None:
+            return ctx.model.vocab_size
+        return getattr(self.batcher, "vocab_size", 2**31)
 
     async def transcribe(self, samples, request: "TranscriptionRequest", encode) -> "Transcription":
         """Whisper over one clip (16 kHz samples), with the request's language, task, timestamps
@@ -236,7 +401,7 @@ class TextGenerator:
         try:
             ctx = generation.context(self.batcher.ctx.model, **settings)
         except ValueError as e:
-            raise RequestError(str(e), _field_of(str(e))) from None
+            raise RequestError(str(e), _transcription_field(e)) from None
         long_form = len(samples) > window_frames(ctx) * HOP_LENGTH  # needs timestamps, whatever the format
         timestamps = request.timestamps or long_form or bool(ctx.model.generation_config.get("return_timestamps"))
         started = time.perf_counter()
@@ -246,7 +411,7 @@ class TextGenerator:
             else:
                 result = await self._batched_transcription(ctx, samples, request, settings, encode)
         except ValueError as e:
-            raise RequestError(str(e), _field_of(str(e)) or "file") from None
+            raise RequestError(str(e), _transcription_field(e)) from None
         self.metrics.e2e.observe(time.perf_counter() - started)
         self.metrics.generation_tokens.inc(len(result.tokens))
         self.metrics.success.labels(model_name=self.name, finished_reason="stop").inc()
@@ -328,9 +493,12 @@ def _plain(message: dict, index: int, takes_images: bool = False) -> dict:
     return message
 
 
-def _field_of(message: str) -> str | None:
-    """The setting an engine error names first ('top_p must be ...' -> 'top_p')."""
-    if message.startswith("prompts["):
-        return "prompt"
-    head = message.split(" ", 1)[0].rstrip(":")
-    return head if head.replace("_", "").isalnum() and head.islower() else None
+def _transcription_field(error: ValueError) -> str:
+    """The transcription request's field an engine error is about: its language, task or
+    temperature, another setting, else the file."""
+    setting = getattr(error, "setting", None)
+    if setting in ("language", "task"):
+        return setting
+    if setting in ("temperature", "do_sample"):
+        return "temperature"
+    return f"settings.{setting}" if setting else "file"

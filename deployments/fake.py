@@ -4,7 +4,8 @@
 runs a loop thread that steps every admitted request each `step_seconds`; `CharTokenizer` maps
 each character to its code point. A request's new tokens are its prompt's ids reversed, repeated
 to max_new_tokens (default 8), shifted by its seed when it samples: so a test knows the text
-each request must get, whatever else runs. The token "." (46) is the eos token.
+each request must get, whatever else runs. The token "." (46) is the eos token; a prompt with token 1 ("\x01") fails in
+the loop, as an engine bug would.
 
     generator = fake_generator(slots=4, step_seconds=0.01)
 """
@@ -16,9 +17,14 @@ import queue
 import threading
 import time
 
+import numpy as np
+
+from generation.settings import SettingError
+
 from .batching import QueueFull, Request
 
 EOS = ord(".")
+FAIL = 1  # a prompt holding this token fails inside the loop, as an engine bug would (a 500)
 VOCAB = 0x250  # code points up to here
 
 
@@ -53,14 +59,20 @@ class CharTokenizer:
 
 
 class _Settings:
-    """The fake's resolved settings: the request's dict, checked like the engine checks."""
+    """The fake's resolved settings: the request's dict, checked like the engine checks (its
+    errors name the setting, as generation's SettingError)."""
 
     def __init__(self, settings: dict):
         for name, value in settings.items():
             if name == "temperature" and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"temperature must be a positive number, not {value!r}")
+                raise SettingError("temperature", f"temperature must be a positive number, not {value!r}")
             if name == "max_new_tokens" and not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"max_new_tokens must be a positive integer, not {value!r}")
+                raise SettingError("max_new_tokens", f"max_new_tokens must be a positive integer, not {value!r}")
+            if name == "eos_token_id":
+                bad = [t for t in value if not 0 <= t < VOCAB]
+                if bad:
+                    raise SettingError(name, f"eos_token_id names token id {bad[0]}, outside this model's "
+                                             f"vocabulary (0 to {VOCAB - 1})")
         self.raw = settings
         self.num_beams = int(settings.get("num_beams") or 1)
 
@@ -79,17 +91,25 @@ class FakeBatcher:
         self._thread = threading.Thread(target=self._loop, name="raymuter-fake-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None) -> Request:
+    def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
+               prompt_logprobs: int | None = None) -> Request:
         if self._waiting.qsize() >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
         for i, t in enumerate(prompt):
             if not 0 <= t < VOCAB:
-                raise ValueError(f"prompts[0][{i}] = {t} is not a token id of this model (vocabulary {VOCAB})")
+                raise SettingError("prompt", f"prompts[0][{i}] = {t} is not a token id of this model (vocabulary {VOCAB})")
         resolved = _Settings(settings or {})
         if len(prompt) >= self.capacity:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
+            raise SettingError("prompt", f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
         request = Request(next(self._ids), list(prompt), seed, resolved, int(resolved.raw.get("max_new_tokens") or 8))
         request.planned = fake_tokens(prompt, seed, resolved.raw)
+        if prompt_logprobs is not None:  # each prompt token after the first at -0.5, its own best alternative
+            from generation.prompt_logprobs import PromptLogprobs
+
+            rest = np.array(prompt[1:], np.int64)
+            request.prompt_top = prompt_logprobs
+            request.prompt_logprobs = PromptLogprobs(np.full(len(rest), -0.5, np.float32), rest[:, None],
+                                                     np.full((len(rest), 1), -0.5, np.float32))
         self._waiting.put(request)
         self.waiting = self._waiting.qsize()
         return request
@@ -121,6 +141,11 @@ class FakeBatcher:
                     request._finish(request._tokens, "cancelled", started=started.pop(request.id))
                     live.remove(request)
                     continue
+                if FAIL in request.prompt:
+                    request._finish(request._tokens, "error", "RuntimeError: the fake engine failed on purpose "
+                                    "(token 1 in the prompt)", started=started.pop(request.id))
+                    live.remove(request)
+                    continue
                 done = len(request._tokens)
                 if done < len(request.planned):
                     request._emit(request.planned[done], -0.5, [(request.planned[done], -0.5)])
@@ -133,10 +158,11 @@ class FakeBatcher:
 
 
 def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int = 64, name: str = "fake"):
-    """A TextGenerator over the fake engine (with a chat template: 'role: content' lines)."""
+    """A TextGenerator over the fake engine (with a chat template: 'role: content' lines, then
+    the template variable `prefix` where a request gives it in chat_template_kwargs)."""
     from .decoder import TextGenerator
 
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant: {% endif %}")
+                "{% if add_generation_prompt %}assistant: {% endif %}{{ prefix | default('') }}")
     return TextGenerator(name, FakeBatcher(slots, max_waiting, step_seconds), CharTokenizer(), 4096, template,
                          max_logprobs=5)

@@ -29,7 +29,10 @@ class GenerateRequest(BaseModel):
     """One generation: a prompt (text or token ids) or chat messages (rendered with the model's
     chat template), generation settings (any generation_config.json field, validated by the
     engine), a seed (None: the server picks one), and log-probabilities on request (None: none;
-    0: each token's own; k: also the k most likely tokens of each step)."""
+    0: each token's own; k: also the k most likely tokens of each step). `stop_token_ids` end
+    the generation as eos tokens do. `echo`: the response carries the prompt's text, and with
+    `prompt_logprobs` (k alternatives) each prompt token's log-probability (None for the first).
+    A refusal's `field` names a field of this request ("settings.top_k", "messages.0.content")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -39,6 +42,11 @@ class GenerateRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     add_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
+    chat_template_kwargs: dict[str, Any] | None = None  # messages: more of the chat template's variables
+    echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     request_id: str | None = None
 
     @model_validator(mode="after")
@@ -67,10 +75,13 @@ request was refused before it ran) and the counts."""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     error: str | None = None
-    status: int | None = None  # with finish_reason "rejected": 400 (bad input, `field` names it) or 503 (busy)
+    status: int | None = None  # "rejected": 400 (bad input, `field` names it) or 503 (busy); "error": 400 or 500
     field: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    prompt_text: str | None = None  # echo: in the first chunk
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo with prompt_logprobs: in the first chunk (the
+    # first token's logprob is None: nothing comes before it)
 
 
 class GenerateResponse(BaseModel):
@@ -85,6 +96,8 @@ class GenerateResponse(BaseModel):
     error: str | None = None
     status: int | None = None
     field: str | None = None
+    prompt_text: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class ModelCard(BaseModel):
@@ -95,6 +108,14 @@ class ModelCard(BaseModel):
     slots: int
     kind: str  # "decoder" or "encoder-decoder"
     has_chat_template: bool
+    fingerprint: str = ""  # OpenAI's system_fingerprint: the version and the model's configuration
+
+
+class Tokenized(BaseModel):
+    """/tokenize's answer: the token ids, and their texts when asked."""
+
+    tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class TranscriptionRequest(BaseModel):

@@ -69,17 +69,19 @@ class VisionService:
         return out
 
 
-def prompt_images(model, messages: list[dict], images: list[ImageFeatures]):
+def prompt_images(model, messages: list[dict], images: list[ImageFeatures], add_generation_prompt: bool = True,
+                  variables: dict | None = None):
     """A chat prompt's token ids and its PromptImages (None without images): the model's chat
-    template rendered with `{"type": "image"}` parts, each placeholder replaced by its image's
-    expansion, as transformers' processor.apply_chat_template does (`generation.vl_prompts`)."""
+    template rendered with `{"type": "image"}` parts (and `variables`), each placeholder replaced
+    by its image's expansion, as transformers' processor.apply_chat_template does
+    (`generation.vl_prompts`)."""
     import numpy as np
 
     from generation.vl_prompts import chat_ids, image_inputs
 
     joined = _joined([image.images for image in images]) if images else None
     try:
-        ids = chat_ids(model, [messages], joined)[0]
+        ids = chat_ids(model, [messages], joined, add_generation_prompt, variables)[0]
     except ValueError as e:
         raise RequestError(f"messages: {e}", "messages") from None
     if joined is None:

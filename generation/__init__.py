@@ -14,10 +14,10 @@ from .beam import Hypothesis, beam_search
 from .context import Context, compile, context
 from .generate import Generated, generate
 from .model import Model, ModelError, load
-from .settings import Settings
+from .settings import SettingError, Settings
 from .state import DecodeState, Prefix, StepTokens, admit, advance, insert, new_state, prefill, release, step
 
 __all__ = [
-    "Context", "DecodeState", "Generated", "Hypothesis", "beam_search", "Model", "ModelError", "Prefix", "Settings", "StepTokens", "admit", "advance", "compile",
+    "Context", "DecodeState", "Generated", "Hypothesis", "beam_search", "Model", "ModelError", "Prefix", "SettingError", "Settings", "StepTokens", "admit", "advance", "compile",
     "context", "generate", "insert", "load", "new_state", "prefill", "release", "step",
 ]

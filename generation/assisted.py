@@ -33,7 +33,7 @@ from .context import Context
 from .processors import NEG_INF, apply
 from .rng import derived_seeds, uniforms
 from .selection import LogProbs, SamplingRows, final_scores, softmax
-from .state import DecodeState, StepTokens, _ends, _select, step, with_logprobs
+from .state import DecodeState, StepTokens, _ends, select_rows, step, with_logprobs
 
 
 def accept_greedy(candidates: np.ndarray, counts: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -125,16 +125,48 @@ def verify(ctx: Context, state: DecodeState, gen) -> tuple[DecodeState, list[Ste
     r, c = np.nonzero(real)
     state.tokens[rows[r], where[r, c]] = ids[r, c]  # the history the processors read
     logits = state.cache.verify(state.lengths, feed, rows, widths)  # [n, S, V]
-    target, lp = _choose(ctx, state, rows, logits, counts)
+    target, lp, failed = _choose(ctx, state, rows, logits, counts)
     accepted = accept_greedy(ids, counts, target)
     sampled = np.flatnonzero(state.settings.do_sample[rows])
+    sampled = sampled[~np.isin(sampled, list(failed))]
     if probs is not None and sampled.size:  # rows whose candidates were drawn from the draft's probs
-        accepted[sampled] = _speculative(ctx, state, rows, sampled, logits, ids, counts, probs, target)
-    outs, kept = _commit(state, rows, target, accepted + 1, lp)
+        accepted[sampled] = _speculative_each(ctx, state, rows, sampled, logits, ids, counts, probs, target, failed)
+    accepted[list(failed)] = 0
+    outs, kept = _commit(state, rows, target, accepted + 1, lp, failed)
+    if failed:
+        outs = _report_failed(state, rows, outs, failed, ctx.settings.pad_token_id)
     state.cache.rewind(state.lengths)
     gen.accepted(rows, accepted, counts)
     state.refresh()
     return state, outs
+
+
+def _report_failed(state: DecodeState, rows: np.ndarray, outs: list[StepTokens], failed: dict, pad: int):
+    """The rows whose own selection failed (`failed`, by index into rows) end at this step with
+    no token: reported in the step's first StepTokens."""
+    if not outs:
+        outs = [StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))]
+    slots = rows[list(failed)]
+    state.next_input[slots] = pad  # they run as padding rows until released
+    outs[0].finished[slots] = True
+    outs[0].any_finished = True
+    outs[0].failed = {int(rows[i]): e for i, e in failed.items()}
+    return outs
+
+
+def _speculative_each(ctx, state, rows, sampled, logits, ids, counts, probs, target, failed: dict) -> np.ndarray:
+    """`_speculative` over the batch, or row by row when that raises (a row that fails alone
+    goes into `failed`)."""
+    try:
+        return _speculative(ctx, state, rows, sampled, logits, ids, counts, probs, target)
+    except Exception:  # noqa: BLE001 - redone row by row: only the culprits fail
+        accepted = np.zeros(len(sampled), np.int64)
+        for n, i in enumerate(sampled.tolist()):
+            try:
+                accepted[n] = _speculative(ctx, state, rows, sampled[n:n + 1], logits, ids, counts, probs, target)[0]
+            except Exception as e:  # noqa: BLE001 - this row's own failure
+                failed[i] = e
+        return accepted
 
 
 def _speculative(ctx, state, rows, sampled, logits, ids, counts, probs, target) -> np.ndarray:
@@ -167,28 +199,44 @@ def _allowed(ctx: Context, state: DecodeState, rows: np.ndarray):
     """The processors' verdict on candidate tokens (see the module docstring): a token is
     forbidden where the processors turn a score of 1 into -inf (or float32's lowest), as
     transformers' prompt lookup tests it."""
-    def allowed(history, length, sub, tokens):
+    def verdict(history, length, sub, tokens):
         settings = state.live_settings.take(sub)
         scores = apply(np.ones((len(sub), state.settings.vocab), np.float32), settings, history, length,
                        ctx.processors, state.prompt_length[rows[sub]])
         got = scores[np.arange(len(sub)), tokens]
         return (got != NEG_INF) & (got != np.finfo(np.float32).min)
+
+    def allowed(history, length, sub, tokens):
+        try:
+            return verdict(history, length, sub, tokens)
+        except Exception:  # noqa: BLE001 - row by row; a row whose processors fail gets no candidates (its plain
+            ok = np.zeros(len(sub), bool)  # selection then reports the failure)
+            for i in range(len(sub)):
+                try:
+                    ok[i] = verdict(history[i:i + 1], length[i:i + 1], sub[i:i + 1], tokens[i:i + 1])[0]
+                except Exception:  # noqa: BLE001, S110
+                    pass
+            return ok
     return allowed
 
 
 def _choose(ctx: Context, state: DecodeState, rows: np.ndarray, logits: np.ndarray, counts: np.ndarray):
     """The target's token at every verified position (j <= counts[b]) of each row: the
     processors with the row's history up to there, then greedy or the draw of that token
-    index. Returns tokens [n, S] (-1 elsewhere) and their log-probabilities (or None)."""
+    index. Returns tokens [n, S] (-1 elsewhere), their log-probabilities (or None) and the rows
+    whose selection failed at some position ({index into rows: exception})."""
     n, width = logits.shape[:2]
     if state.greedy and not (state.processes or ctx.processors or ctx.token_logprobs):
-        return logits.argmax(axis=2), None  # positions past a row's count are never read
+        return logits.argmax(axis=2), None, {}  # positions past a row's count are never read
     r, j = np.nonzero(np.arange(width) <= counts[:, None])
     settings = state.live_settings.take(r)
     history = state.tokens[rows[r]] if state.processes or ctx.processors else None
-    tokens, lp = _select(ctx, logits[r, j], settings, state.processes, history, state.lengths[rows[r]] + 1 + j,
-                         state.prompt_length[rows[r]], state.seeds[rows[r]],
-                         state.draws[rows[r]] + j.astype(np.uint64))
+    tokens, lp, failed_at = select_rows(ctx, logits[r, j], settings, state.processes, history,
+                                        state.lengths[rows[r]] + 1 + j, state.prompt_length[rows[r]],
+                                        state.seeds[rows[r]], state.draws[rows[r]] + j.astype(np.uint64))
+    failed = {}
+    for pair, e in failed_at.items():
+        failed.setdefault(int(r[pair]), e)
     target = np.full((n, width), -1, np.int64)
     target[r, j] = tokens
     if lp is not None:
@@ -200,26 +248,34 @@ def _choose(ctx: Context, state: DecodeState, rows: np.ndarray, logits: np.ndarr
             top = np.full((n, width, lp.top.shape[1]), np.nan, np.float32)
             top_ids[r, j], top[r, j] = lp.top_ids, lp.top
         lp = LogProbs(token, top_ids, top)
-    return target, lp
+    return target, lp, failed
 
 
-def _commit(state: DecodeState, rows: np.ndarray, target: np.ndarray, kept: np.ndarray, lp):
-    """Rows gain target[b, :kept[b]], cut after an eos token, a stop string or the row's limit.
+def _commit(state: DecodeState, rows: np.ndarray, target: np.ndarray, kept: np.ndarray, lp, failed: dict):
+    """Rows gain target[b, :kept[b]], cut after an eos token, a stop string or the row's limit;
+    the rows in `failed` gain nothing and end (a row whose stop matcher raises ends at that token,
+    reported in its StepTokens' `failed`).
     Returns one StepTokens per position and the kept counts."""
     lengths = state.lengths[rows].copy()
     kept = kept.copy()
     outs = []
     going = np.ones(len(rows), bool)
+    kept[list(failed)] = 0
+    going[list(failed)] = False
     stops = [state.stops[r] for r in rows.tolist()] if state.any_stops else None
     for j in range(int(kept.max())):
         now = np.flatnonzero(going & (kept > j))
         if not now.size:
             break
         tokens = target[now, j]
+        broke: dict = {}
         is_eos, finished = _ends(tokens, state.eos[rows[now]], lengths[now] + 2 + j, state.limit[rows[now]],
-                                 [stops[i] for i in now] if stops else ())
+                                 [stops[i] for i in now] if stops else (), broke)
         out = StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
         out.token[rows[now]] = np.where(is_eos, -1, tokens)
+        if broke:  # a row whose stop matcher raised ends here, without this token
+            out.token[rows[now[list(broke)]]] = -1
+            out.failed = {int(rows[now[i]]): e for i, e in broke.items()}
         out.finished[rows[now]] = finished
         out.any_finished = bool(finished.any())
         if lp is not None:
@@ -278,4 +334,4 @@ def merged(outs: list[StepTokens]) -> StepTokens:
     for out in outs[-2::-1]:
         token = np.where(token < 0, out.token, token)
     finished = np.logical_or.reduce([o.finished for o in outs])
-    return StepTokens(token, finished, bool(finished.any()))
+    return StepTokens(token, finished, bool(finished.any()), failed={k: v for o in outs for k, v in o.failed.items()})

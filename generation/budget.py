@@ -45,11 +45,12 @@ def expected_gain(rates: np.ndarray, width: int) -> np.ndarray:
     return np.concatenate([np.zeros((len(rates), 1)), np.cumsum(powers, axis=1)], axis=1)
 
 
-def plan_shared(gain: np.ndarray, counts: np.ndarray, slots: int, a: float, b: float) -> np.ndarray:
+def plan_shared(gain: np.ndarray, counts: np.ndarray, slots: int, a: float, b: float,
+                max_seconds: float = np.inf) -> np.ndarray:
     """Counts for a cache that runs every slot as wide as the longest row (1 + max count): the
-    cap on candidates that makes the most tokens per second. gain [n, K + 1] (expected_gain),
-    counts [n] the candidates each row has; a, b the run's costs. Returns the counts capped (0
-    everywhere: a plain step).
+    cap on candidates that makes the most tokens per second, among the steps that take at most
+    `max_seconds`. gain [n, K + 1] (expected_gain), counts [n] the candidates each row has; a, b
+    the run's costs. Returns the counts capped (0 everywhere: a plain step).
 
     >>> plan_shared(expected_gain(np.array([0.9, 0.9]), 4), np.array([4, 2]), 2, 1.0, 0.01).tolist()
     [4, 2]
@@ -67,14 +68,16 @@ def plan_shared(gain: np.ndarray, counts: np.ndarray, slots: int, a: float, b: f
     caps = np.arange(top + 1)
     tokens = n + gain[np.arange(n)[:, None], np.minimum(counts[:, None], caps)].sum(axis=0)  # [top + 1]
     seconds = a + b * slots * (1 + caps)
-    return np.minimum(counts, _fastest(tokens, seconds))
+    return np.minimum(counts, _fastest(tokens, seconds, max_seconds))
 
 
-def plan_rows(gain: np.ndarray, counts: np.ndarray, slots: int, a: float, b: float) -> np.ndarray:
+def plan_rows(gain: np.ndarray, counts: np.ndarray, slots: int, a: float, b: float,
+              max_seconds: float = np.inf) -> np.ndarray:
     """Counts for a cache that verifies row by row: a row with candidates runs alone (a + b per
     position); the rows without share one decode of all slots (a + b * slots; a row left alone
     runs by itself). The rows worth a run of their own, each with its best count, found by
-    Dinkelbach's iteration on rho, the rate to beat (from the plain step's).
+    Dinkelbach's iteration on rho, the rate to beat (from the plain step's); a step may take at
+    most `max_seconds`.
 
     >>> plan_rows(expected_gain(np.array([0.95, 0.5, 0.5]), 8), np.array([8, 8, 0]), 3, 1.0, 0.01).tolist()
     [8, 0, 0]
@@ -104,7 +107,7 @@ def plan_rows(gain: np.ndarray, counts: np.ndarray, slots: int, a: float, b: flo
             decode = (a + b * slots) if rest >= 2 or m == 0 else (a + b) if rest == 1 else 0.0
             tokens[m] = n + gain[alone, choice[alone]].sum()
             seconds[m] = decode + a * m + b * (1 + choice[alone]).sum()
-        m = _fastest(tokens, seconds)
+        m = _fastest(tokens, seconds, max_seconds)
         plan = np.zeros(n, np.int64)
         plan[order[:m]] = choice[order[:m]]
         if tokens[m] / seconds[m] <= rho * (1 + 1e-9):
@@ -113,10 +116,11 @@ def plan_rows(gain: np.ndarray, counts: np.ndarray, slots: int, a: float, b: flo
     return plan
 
 
-def _fastest(tokens: np.ndarray, seconds: np.ndarray) -> int:
-    """The option of most tokens per second, if it beats option 0 (the plain step); ties go to
-    the narrower."""
-    rates = tokens / seconds
+def _fastest(tokens: np.ndarray, seconds: np.ndarray, max_seconds: float = np.inf) -> int:
+    """The option of most tokens per second among those of at most `max_seconds` (option 0,
+    the plain step, always counts), if it beats option 0; ties go to the narrower."""
+    rates = np.where(seconds <= max_seconds, tokens / seconds, -np.inf)
+    rates[0] = tokens[0] / seconds[0]
     choice = int(rates.argmax())
     return choice if rates[choice] > rates[0] * (1 + 1e-9) else 0
 
@@ -173,10 +177,17 @@ class CostAware:
     with `cut(state, rows, ids, counts, allowed)` for the processors' verdict: each step keeps
     only the candidates `plan_shared` or `plan_rows` finds worth their cost, from each slot's
     acceptance rate and the state's timed runs, then cuts those the processors forbid. A slot's rate starts again
-    when a new row enters it (its first step: length == prompt length)."""
+    when a new row enters it (its first step: length == prompt length).
 
-    def __init__(self, inner):
+    `max_slowdown`: while two or more rows are live, a step may take at most this many plain
+    steps' time. The plans make the most tokens per second for the batch as a whole, and in a
+    row-by-row cache that can mean one row's 33-token run beside everyone's decode: 2.5x the
+    others' step, for tokens only that row gets. A server whose rows belong to different clients
+    sets it (limits.MAX_STEP_SLOWDOWN), so one request's lookup never slows the others past it."""
+
+    def __init__(self, inner, max_slowdown: float = np.inf):
         self.inner = inner
+        self.max_slowdown = max_slowdown
         self._hits = self._trials = None  # [slots]: decaying kept candidates and trials
         self._costs: RunCosts | None = None
         self._started = None  # (perf_counter at the end of propose, slots, row_by_row): the step's timer
@@ -200,7 +211,8 @@ class CostAware:
             gain = expected_gain(self.rates(rows), int(counts.max()))
             a, b = self._costs.ab()
             plan = plan_rows if state.cache.verifies_row_by_row else plan_shared
-            counts = self.inner.cut(state, rows, ids, plan(gain, counts, state.slots, a, b), allowed)
+            most = self.max_slowdown * (a + b * state.slots) if len(rows) > 1 else np.inf
+            counts = self.inner.cut(state, rows, ids, plan(gain, counts, state.slots, a, b, most), allowed)
         self._started = (time.perf_counter(), state.slots, state.cache.verifies_row_by_row)
         return ids, counts, probs
 

@@ -69,15 +69,17 @@ def _compiled(template: str):
 
 
 def render_chat(template: str | None, messages: list[dict], tokens: dict[str, str] | None = None,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, variables: dict | None = None) -> str:
     """The prompt text of `messages` ([{"role": ..., "content": ...}]); tokenize it without
-    adding special tokens (the template places them)."""
+    adding special tokens (the template places them). `variables`: more of the template's
+    variables (transformers' `apply_chat_template(**kwargs)`: enable_thinking, ...), over the
+    special tokens."""
     if template is None:
         raise ChatTemplateError("this model has no chat template (chat_template.jinja or tokenizer_config.json's "
                                 "chat_template); send a plain prompt instead")
     try:
-        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                          **(tokens or {}))
+        return _compiled(template).render(**{**(tokens or {}), **(variables or {}), "messages": messages,
+                                             "add_generation_prompt": add_generation_prompt})
     except ChatTemplateError:
         raise
     except Exception as e:  # noqa: BLE001 - a template error is the caller's input error

@@ -8,33 +8,71 @@ import sys
 import time
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse.ArgumentDefaultsHelpFormatter without its noise: no default for a flag (--greedy),
+    an unset option ("None") or an empty list, and none added where the help says it already."""
+
+    def _get_help_string(self, action) -> str:
+        text, default = action.help or "", action.default
+        if (not action.option_strings or action.nargs == 0 or "default" in text or default is None
+                or default == [] or default is argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def version() -> str:
+    """The installed distribution's version; in a checkout that is not installed, pyproject.toml's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("raymuter")
+    except metadata.PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        try:
+            with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+                return tomllib.load(f)["project"]["version"] + " (not installed)"
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raymuter", description="Generate with ONNX models, exactly as transformers.")
+    parser.add_argument("--version", action="version", version=f"raymuter {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text after one or more prompts, streamed as it comes")
+    gen = commands.add_parser("generate", help="generate text after one or more prompts, streamed as it comes",
+                              formatter_class=_HelpFormatter)
     gen.add_argument("prompts", nargs="+", help="prompt text; several prompts run as one batch")
     gen.add_argument("--model", help="model folder (Hugging Face layout) or hub id (default: the model that ships "
                      "with Raymuter, a small Llama trained on the Python documentation)")
-    gen.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, quantized, ...")
-    gen.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default: generation_config.json)")
+    gen.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, quantized, ... "
+                     "(default: fp32)")
+    gen.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default: generation_config.json's)")
     sampling = gen.add_mutually_exclusive_group()
-    sampling.add_argument("--do-sample", dest="do_sample", action="store_true", default=None, help="sample")
+    sampling.add_argument("--do-sample", dest="do_sample", action="store_true", default=None,
+                          help="sample (default: generation_config.json's do_sample)")
     sampling.add_argument("--greedy", dest="do_sample", action="store_false", help="greedy decoding")
-    gen.add_argument("--temperature", type=float)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--repetition-penalty", type=float)
+    gen.add_argument("--temperature", type=float, help="sampling temperature (default: generation_config.json's)")
+    gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default: generation_config.json's)")
+    gen.add_argument("--top-p", type=float, help="sample among the likeliest tokens whose probabilities add up to p "
+                     "(default: generation_config.json's)")
+    gen.add_argument("--repetition-penalty", type=float, help="divide the scores of tokens already in the text "
+                     "(default: generation_config.json's)")
     gen.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeat for several); the text "
                      "ends before it")
     gen.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
                      help="any generation_config.json setting, e.g. --set no_repeat_ngram_size=3 "
                      "--set 'bad_words_ids=[[5]]' (repeat for several)")
     gen.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i gets seed + i")
-    gen.add_argument("--cache-mode", choices=["in_place", "append", "grow"], help="force a cache mode the graph supports")
-    gen.add_argument("--prompt-steps", choices=["whole", "pieces"], default="whole")
+    gen.add_argument("--cache-mode", choices=["in_place", "append", "grow"],
+                     help="force a cache mode the graph supports (default: the graph's own)")
+    gen.add_argument("--prompt-steps", choices=["whole", "pieces"], default="whole",
+                     help="run the prompt in one step, or in power-of-two pieces")
     gen.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all CPUs)")
     gen.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
-    srv = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-style routes) on a local Ray")
+    srv = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-style routes) on a local Ray",
+                              formatter_class=_HelpFormatter)
     try:
         from deployments.cli import add_arguments
     except ImportError:  # a wheel without deployments/: generate still works
@@ -112,14 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="[raymuter] %(message)s")
     try:
         if args.command == "serve":
-            try:
-                from deployments.cli import serve_command
+            from importlib.util import find_spec
 
-                import ray  # noqa: F401
-            except ImportError as e:
-                print(f"raymuter: error: serving needs the serve extra (pip install 'raymuter[cpu,serve]'): {e}",
+            # find_spec, not import: serve_command first sets the environment Ray reads at import
+            if getattr(args, "unavailable", False) or find_spec("ray") is None:
+                print("raymuter: error: serving needs the serve extra (pip install 'raymuter[cpu,serve]')",
                       file=sys.stderr)
                 return 2
+            from deployments.cli import serve_command
+
             return serve_command(args)
         return generate_command(args)
     except (ValueError, FileNotFoundError) as e:

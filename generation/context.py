@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from .graph import CACHE_MODES
 from .model import Model
-from .settings import Settings, check_vocabulary, make_settings, model_settings
+from .settings import SettingError, Settings, make_settings, model_settings, shown
 
 PROMPT_STEPS = ("whole", "pieces")
 LOGPROBS_OF = ("processed", "raw")
@@ -37,9 +37,7 @@ class Context:
     def with_settings(self, **overrides) -> Settings:
         """Settings for one request: this context's settings with `overrides` (validated)."""
         base = {k: getattr(self.settings, k) for k in self.settings.__dataclass_fields__}
-        settings = make_settings(base, overrides)
-        check_vocabulary(settings, self.model.vocab_size)
-        return settings
+        return make_settings(base, overrides, self.model.vocab_size, self.model.max_context)
 
 
 def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = DEFAULT_PROMPT_STEPS,
@@ -62,24 +60,28 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
     if cache_mode is None:
         cache_mode = model.graph.native_mode
     if cache_mode not in CACHE_MODES + ("seq2seq",):
-        raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, not {cache_mode!r}")
+        raise SettingError("cache_mode", f"cache_mode must be one of {', '.join(CACHE_MODES)}, not {shown(cache_mode)}")
     if cache_mode not in model.graph.modes:
-        raise ValueError(f"cache_mode '{cache_mode}' does not fit this graph ({model.decoder_path.name} "
-                         f"runs as {' or '.join(model.graph.modes)})")
+        raise SettingError("cache_mode", f"cache_mode '{cache_mode}' does not fit this graph "
+                                         f"({model.decoder_path.name} runs as {' or '.join(model.graph.modes)})")
     if prompt_steps not in PROMPT_STEPS:
-        raise ValueError(f"prompt_steps must be one of {', '.join(PROMPT_STEPS)}, not {prompt_steps!r}")
+        raise SettingError("prompt_steps", f"prompt_steps must be one of {', '.join(PROMPT_STEPS)}, "
+                                           f"not {shown(prompt_steps)}")
     if not isinstance(token_logprobs, bool):
-        raise ValueError(f"token_logprobs must be true or false, not {token_logprobs!r}")
+        raise SettingError("token_logprobs", f"token_logprobs must be true or false, not {shown(token_logprobs)}")
     if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= model.vocab_size:
-        raise ValueError(f"top_logprobs must be an integer from 0 to the vocabulary size, not {top_logprobs!r}")
+        raise SettingError("top_logprobs", f"top_logprobs must be an integer from 0 to the vocabulary size, "
+                           f"not {shown(top_logprobs)}")
     if logprobs_of not in LOGPROBS_OF:
-        raise ValueError(f"logprobs_of must be one of {', '.join(LOGPROBS_OF)}, not {logprobs_of!r}")
+        raise SettingError("logprobs_of", f"logprobs_of must be one of {', '.join(LOGPROBS_OF)}, "
+                                          f"not {shown(logprobs_of)}")
     processors = tuple(processors)
     for i, pair in enumerate(processors):
         if not (isinstance(pair, tuple) and len(pair) == 2 and all(callable(f) for f in pair)):
-            raise ValueError(f"processors[{i}] must be a (state, process) pair of functions, not {pair!r}")
-    settings = make_settings(model_settings(model.config, model.generation_config), overrides)
-    check_vocabulary(settings, model.vocab_size)
+            raise SettingError("processors", f"processors[{i}] must be a (state, process) pair of functions, "
+                                             f"not {shown(pair)}")
+    base = model_settings(model.config, model.generation_config, model.max_context, model.vocab_size)
+    settings = make_settings(base, overrides, model.vocab_size, model.max_context)
     if draft is not None:
         draft = _draft_context(model, draft, draft_cache_mode, prompt_steps)
     return Context(model=model, settings=settings, cache_mode=cache_mode, prompt_steps=prompt_steps,

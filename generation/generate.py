@@ -19,6 +19,7 @@ from .beam import Hypothesis, beam_search
 from .context import Context
 from .rng import SEED_LIMIT
 from .selection import LogProbs
+from .settings import SettingError, shown
 from .state import StepTokens, admit, advance, new_state, release, row_logprobs, row_tokens, step, with_logprobs
 
 
@@ -33,41 +34,48 @@ class Generated:
 
 
 def check_prompts(ctx: Context, prompts) -> list[list[int]]:
-    """The prompts as lists of ints, or ValueError naming the bad prompt and token."""
+    """The prompts as lists of ints, or SettingError ("prompt") naming the bad prompt and token."""
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist()
     if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a list of token id lists, not {type(prompts).__name__}")
+        raise SettingError("prompt", f"prompts must be a list of token id lists, not {type(prompts).__name__}")
     vocab, context = ctx.model.vocab_size, ctx.model.max_context
-    checked = []
-    for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, (list, tuple, np.ndarray)):
-            raise ValueError(f"prompts[{i}] must be a list of token ids, not {type(prompt).__name__}")
+    return [_prompt_ids(i, prompt, vocab, context) for i, prompt in enumerate(prompts)]
+
+
+def _prompt_ids(i: int, prompt, vocab: int, context: int | None) -> list[int]:
+    if not isinstance(prompt, (list, tuple, np.ndarray)):
+        raise SettingError("prompt", f"prompts[{i}] must be a list of token ids, not {type(prompt).__name__}")
+    if context and len(prompt) >= context:  # before looking at the tokens: a huge prompt costs nothing
+        raise SettingError("prompt", f"prompts[{i}] has {len(prompt)} tokens; the model's context is {context} "
+                                     "tokens, and at least one must be left for a new token")
+    try:  # numpy checks the common case at once; anything odd (nested, ragged, huge ints) is read one by one
         ids = np.asarray(prompt)
-        if ids.size and (ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab
-                         or (not isinstance(prompt, np.ndarray) and bool in map(type, prompt))):
-            j = next(j for j, t in enumerate(prompt) if not isinstance(t, (int, np.integer))
-                     or isinstance(t, bool) or not 0 <= t < vocab)
-            raise ValueError(f"prompts[{i}][{j}] = {prompt[j]!r} is not a token id of this model (0 to {vocab - 1})")
-        if context and len(ids) >= context:
-            raise ValueError(f"prompts[{i}] has {len(ids)} tokens; the model's context is {context} "
-                             "tokens, and at least one must be left for a new token")
-        checked.append(ids.tolist())
-    return checked
+        ok = ids.ndim == 1 and (not ids.size or ids.dtype.kind in "iu" and ids.min() >= 0 and ids.max() < vocab
+                                and (isinstance(prompt, np.ndarray) or bool not in map(type, prompt)))
+    except (ValueError, TypeError, OverflowError):
+        ok = False
+    if ok:
+        return ids.tolist()
+    for j, t in enumerate(prompt):
+        if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)) or not 0 <= t < vocab:
+            raise SettingError("prompt", f"prompts[{i}][{j}] = {shown(t)} is not a token id of this model "
+                                         f"(0 to {vocab - 1})")
+    raise SettingError("prompt", f"prompts[{i}] must be a list of token ids, not {shown(prompt)}")
 
 
 def check_seeds(seeds, count: int) -> list[int]:
-    """One seed per prompt (random seeds when None), or ValueError naming seeds."""
+    """One seed per prompt (random seeds when None), or SettingError ("seed") naming seeds."""
     if seeds is None:
         return [int.from_bytes(os.urandom(8), "little") for _ in range(count)]
     if isinstance(seeds, np.ndarray):
         seeds = seeds.tolist()
     if not isinstance(seeds, (list, tuple)) or len(seeds) != count:
         size = len(seeds) if isinstance(seeds, (list, tuple)) else type(seeds).__name__
-        raise ValueError(f"seeds must give one seed per prompt: got {size} for {count} prompts")
+        raise SettingError("seed", f"seeds must give one seed per prompt: got {size} for {count} prompts")
     for i, seed in enumerate(seeds):
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
-            raise ValueError(f"seeds[{i}] = {seed!r} must be an integer from 0 to 2**64 - 1")
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, (bool, np.bool_)) or not 0 <= seed < SEED_LIMIT:
+            raise SettingError("seed", f"seeds[{i}] = {shown(seed)} must be an integer from 0 to 2**64 - 1")
     return [int(s) for s in seeds]
 
 
@@ -127,6 +135,7 @@ def generate(ctx: Context, prompts, seeds=None,
             state, first = admit(ctx, state, free[:len(admitted)], [prompts[i] for i in admitted],
                                  [seeds[i] for i in admitted], max_new=[budget[i] for i in admitted],
                                  encoder=None if encoder is None else encoder.take(admitted))
+            _raise_failed(first)
             row_of[free[:len(admitted)]] = admitted
             for j, row in enumerate(admitted):
                 if not ctx.token_logprobs:
@@ -139,13 +148,15 @@ def generate(ctx: Context, prompts, seeds=None,
             used = state.live_rows
             if assistant is not None:
                 state, outs = verify(ctx, state, assistant)
+                _raise_failed(out := merged(outs))
                 for part in outs if on_token is not None else ():
                     report(row_of[used], StepTokens(part.token[used], part.finished[used]))
-                out = merged(outs)
             elif on_token is None:  # tokens are read from the state when rows end
                 state, out = advance(ctx, state, max_steps=state.capacity)
+                _raise_failed(out)
             else:
                 state, out = step(ctx, state)
+                _raise_failed(out)
                 report(row_of[used], StepTokens(out.token[used], out.finished[used]))
             if out.any_finished:
                 for slot in np.flatnonzero(out.finished):
@@ -158,6 +169,13 @@ def generate(ctx: Context, prompts, seeds=None,
                     row_of[slot] = -1
     ctx.spare_states[:] = [state]  # every slot is free again
     return results
+
+
+def _raise_failed(out: StepTokens) -> None:
+    """A row whose own selection failed ends the call with its exception (the batcher, which
+    serves requests apart, ends only that request)."""
+    if out.failed:
+        raise next(iter(out.failed.values()))
 
 
 def _best_beams(ctx: Context, prompts, seeds, on_token, encoder=None) -> list:

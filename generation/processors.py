@@ -72,7 +72,9 @@ def encoder_repetition_penalty(scores: np.ndarray, encoder_ids: Sequence[np.ndar
 
 def ngram_bans(source: np.ndarray, tail: np.ndarray, size: int, complete: int) -> np.ndarray:
     """The tokens that follow `tail` (size - 1 tokens) in the size-grams of `source[:complete +
-    size - 1]` that are whole: the `complete` n-grams starting at 0..complete-1.
+    size - 1]` that are whole: the `complete` n-grams starting at 0..complete-1. The starts that
+    match the tail's first token are narrowed one token at a time, so a step costs about one
+    pass over the row, not size passes (the tokens of transformers' dict of n-grams).
 
     >>> ngram_bans(np.array([1, 2, 3, 1, 2]), np.array([1]), 2, 4).tolist()
     [2, 2]
@@ -81,8 +83,12 @@ def ngram_bans(source: np.ndarray, tail: np.ndarray, size: int, complete: int) -
         return np.zeros(0, np.int64)
     if size == 1:
         return source[:complete]
-    windows = np.lib.stride_tricks.sliding_window_view(source[:complete + size - 2], size - 1)[:complete]
-    return source[size - 1:complete + size - 1][(windows == tail).all(axis=1)]
+    starts = np.flatnonzero(source[:complete] == tail[0])
+    for k in range(1, size - 1):
+        if not starts.size:
+            break
+        starts = starts[source[starts + k] == tail[k]]
+    return source[starts + size - 1]
 
 
 def no_repeat_ngram(scores: np.ndarray, history: np.ndarray, length: np.ndarray, size: np.ndarray,
@@ -113,38 +119,95 @@ def encoder_no_repeat_ngram(scores: np.ndarray, history: np.ndarray, length: np.
 
 
 @dataclass(frozen=True)
-class SequenceRule:
-    """A multi-token sequence_bias (or bad word) entry of one row: when the row's last tokens
-    are `prefix`, `bias` is added to `token`."""
+class SequenceRules:
+    """The multi-token sequence_bias (or bad word) entries of one row, in their order: when the
+    row's last tokens are the last `size[r]` of `prefix[r]`, `bias[r]` is added to `token[r]`.
+    prefix [R, P] is right-aligned (-1 on the left), so all the row's entries are checked at once."""
 
-    prefix: tuple[int, ...]
-    token: int
-    bias: float
+    prefix: np.ndarray  # [R, P] int64
+    size: np.ndarray  # [R] int64, >= 1
+    token: np.ndarray  # [R] int64
+    bias: np.ndarray  # [R] float32
+
+    @classmethod
+    def of(cls, entries: Sequence[tuple[Sequence[int], float]]) -> "SequenceRules | None":
+        """From (token ids, bias) entries of two or more tokens; None when there are none."""
+        entries = [(ids, bias) for ids, bias in entries if len(ids) > 1]
+        if not entries:
+            return None
+        width = max(len(ids) - 1 for ids, _ in entries)
+        prefix = np.full((len(entries), width), -1, np.int64)
+        for r, (ids, _) in enumerate(entries):
+            prefix[r, width - len(ids) + 1:] = ids[:-1]
+        return cls(prefix, np.array([len(ids) - 1 for ids, _ in entries], np.int64),
+                   np.array([ids[-1] for ids, _ in entries], np.int64), np.array([b for _, b in entries], np.float32))
+
+
+@dataclass(frozen=True)
+class JoinedRules:
+    """The SequenceRules of a batch's rows in one table: `row` [R] says whose each rule is."""
+
+    row: np.ndarray  # [R] int64
+    prefix: np.ndarray  # [R, P] int64, right-aligned, -1 on the left
+    size: np.ndarray  # [R]
+    token: np.ndarray  # [R]
+    bias: np.ndarray  # [R] float32
+
+
+def join_rules(rules: Sequence[SequenceRules | None]) -> JoinedRules | None:
+    """rules[i] (row i's, or None) as one JoinedRules; None when no row has any."""
+    held = [(i, t) for i, t in enumerate(rules) if t is not None]
+    if not held:
+        return None
+    width = max(t.prefix.shape[1] for _, t in held)
+    prefix = np.full((sum(len(t.size) for _, t in held), width), -1, np.int64)
+    at = 0
+    for _, t in held:
+        prefix[at:at + len(t.size), width - t.prefix.shape[1]:] = t.prefix
+        at += len(t.size)
+    row = np.concatenate([np.full(len(t.size), i, np.int64) for i, t in held])
+    size, token, bias = (np.concatenate([getattr(t, f) for _, t in held]) for f in ("size", "token", "bias"))
+    return JoinedRules(row, prefix, size, token, bias)
+
+
+def _matched_rules(history: np.ndarray, length: np.ndarray, rules: JoinedRules):
+    """(rows, tokens, biases) of the rules whose prefix the row ends with, in each row's order."""
+    width = rules.prefix.shape[1]
+    cur = length[rules.row]
+    at = cur[:, None] - width + np.arange(width)  # the last `width` token indices of each rule's row
+    got = history[rules.row[:, None], np.maximum(at, 0)]
+    unused = np.arange(width) < (width - rules.size)[:, None]
+    # a sequence longer than the row never applies
+    match = ((got == rules.prefix) | unused).all(axis=1) & (rules.size < cur)
+    return rules.row[match], rules.token[match], rules.bias[match]
 
 
 def sequence_bias(scores: np.ndarray, history: np.ndarray, length: np.ndarray,
-                  one_token: np.ndarray | None, rules: Sequence[Sequence[SequenceRule]],
+                  one_token: np.ndarray | None, rules: "Sequence[SequenceRules | None] | JoinedRules | None",
                   inplace: bool = False) -> np.ndarray:
     """SequenceBiasLogitsProcessor (and NoBadWordsLogitsProcessor, whose bias is -inf):
     `one_token` [n, V] float32 is the bias of the one-token sequences (or None), `rules[i]` the
-    longer sequences of row i in their order; a sequence longer than the row never applies.
-    As transformers, a token's biases are summed first, then added to its score."""
+    longer sequences of row i (or None; or all rows' at once, `join_rules`); a sequence longer than
+    the row never applies.
+    As transformers, a token's biases are summed first (in float32, in the entries' order), then
+    added to its score."""
     out = scores if inplace else scores.copy()
-    summed: dict[tuple[int, int], np.float32] = {}  # (row, token) -> its whole bias, where a rule matched
-    for i, row_rules in enumerate(rules):
-        cur = int(length[i])
-        for rule in row_rules:
-            k = len(rule.prefix)
-            if k + 1 <= cur and tuple(history[i, cur - k:cur].tolist()) == rule.prefix:
-                key = (i, rule.token)
-                if key not in summed:
-                    summed[key] = np.float32(0) if one_token is None else np.float32(one_token[key])
-                summed[key] = np.float32(summed[key] + np.float32(rule.bias))
-    before = {key: out[key] for key in summed}
+    joined = rules if rules is None or isinstance(rules, JoinedRules) else join_rules(rules)
+    matched = None if joined is None else _matched_rules(history, length, joined)
+    if matched is None or not matched[0].size:
+        if one_token is not None:
+            out += one_token
+        return out
+    row, token, bias = matched
+    vocab = scores.shape[1]
+    keys, where = np.unique(row * vocab + token, return_inverse=True)
+    r, t = keys // vocab, keys % vocab
+    summed = np.zeros(len(keys), np.float32) if one_token is None else one_token[r, t].astype(np.float32)
+    np.add.at(summed, where.reshape(-1), bias)  # in order, one float32 addition at a time
+    before = out[r, t]
     if one_token is not None:
         out += one_token
-    for key, bias in summed.items():
-        out[key] = before[key] + bias
+    out[r, t] = before + summed
     return out
 
 
@@ -187,12 +250,21 @@ def remove_invalid_values(scores: np.ndarray, on: np.ndarray, inplace: bool = Fa
 def exponential_decay_length_penalty(scores: np.ndarray, length: np.ndarray, start: np.ndarray,
                                      factor: np.ndarray, eos: np.ndarray, inplace: bool = False) -> np.ndarray:
     """ExponentialDecayLengthPenalty: past `start` tokens (the prompt plus the setting's start
-    index; -1 = off), the eos scores grow by |score| * (factor ** (length - start) - 1)."""
+    index; -1 = off), the eos scores grow by |score| * (factor ** (length - start) - 1).
+
+    As transformers, the power is a double and the growth is cast to float32 (torch's scalar):
+    past float32's range it is inf, so a score of 0 becomes nan and -inf stays nan, as there.
+    Where the double itself overflows (transformers raises OverflowError), it is inf as well."""
     out = scores if inplace else scores.copy()
     for i in np.flatnonzero((start >= 0) & (length > start)):
         ids = eos[i][eos[i] >= 0]
-        grow = np.float32(pow(float(factor[i]), int(length[i] - start[i])) - 1)
-        out[i, ids] = out[i, ids] + np.abs(out[i, ids]) * grow
+        try:
+            grow = pow(float(factor[i]), int(length[i] - start[i])) - 1
+        except OverflowError:
+            grow = np.inf
+        with np.errstate(over="ignore", invalid="ignore"):
+            grow = np.float32(grow)
+            out[i, ids] = out[i, ids] + np.abs(out[i, ids]) * grow
     return out
 
 
@@ -226,6 +298,7 @@ class RowSettings:
 
     def __init__(self, n: int, vocab: int):
         self.n, self.vocab = n, vocab
+        self.version = 0  # counts set_row calls: a view taken before one is stale
         f32, i64 = np.float32, np.int64
         self.do_sample = np.zeros(n, bool)
         self.temperature, self.top_p = np.ones(n, f32), np.ones(n, f32)
@@ -248,8 +321,8 @@ class RowSettings:
         self.lookup_tokens = np.zeros(n, i64)  # prompt_lookup_num_tokens (0: off); assisted.py
         self.lookup_ngram = np.full(n, 2, i64)  # max_matching_ngram_size
         self.encoder_ids: list[np.ndarray] = [np.zeros(0, i64)] * n
-        self.bias_rules: list[list[SequenceRule]] = [[] for _ in range(n)]
-        self.bad_rules: list[list[SequenceRule]] = [[] for _ in range(n)]
+        self.bias_rules: list[SequenceRules | None] = [None] * n  # multi-token entries, per row
+        self.bad_rules: list[SequenceRules | None] = [None] * n
         self.one_token_bias: np.ndarray | None = None  # [n, V] float32
         self.bad_mask: np.ndarray | None = None  # [n, V] bool: one-token bad words
         self.suppress_mask: np.ndarray | None = None  # [n, V] bool
@@ -272,7 +345,8 @@ class RowSettings:
         """Row i takes settings `s`, for a prompt of `prompt_length` tokens (decoder-side, with
         decoder_start_token_id for an encoder-decoder model) that stops at `limit` tokens;
         `encoder_ids` is the encoder's input (default: none)."""
-        self._bad_bias = None
+        self._bad_bias, self._joined = None, {}
+        self.version += 1
         self.do_sample[i], self.temperature[i], self.top_k[i], self.top_p[i] = s.do_sample, s.temperature, s.top_k, s.top_p
         self.min_p[i] = 0 if s.min_p is None else s.min_p
         self.typical_p[i], self.epsilon[i], self.eta[i] = s.typical_p, s.epsilon_cutoff, s.eta_cutoff
@@ -314,7 +388,6 @@ class RowSettings:
             getattr(self, name)[i] = False
 
     def _set_sequences(self, i: int, s: Settings) -> None:
-        self.bias_rules[i], self.bad_rules[i] = [], []
         if self.one_token_bias is not None:
             self.one_token_bias[i] = 0
         if self.bad_mask is not None:
@@ -322,16 +395,12 @@ class RowSettings:
         for ids, bias in s.sequence_bias or ():
             if len(ids) == 1:
                 self._table("one_token_bias", np.float32)[i, ids[0]] = bias  # the last entry wins, as a dict
-            else:
-                self.bias_rules[i].append(SequenceRule(tuple(ids[:-1]), ids[-1], bias))
+        self.bias_rules[i] = SequenceRules.of(s.sequence_bias or ())
         eos = set(s.eos_token_id)
         for ids in s.bad_words_ids or ():
-            if len(ids) == 1 and ids[0] in eos:
-                continue  # as NoBadWordsLogitsProcessor: a bad word that is an eos token is dropped
-            if len(ids) == 1:
+            if len(ids) == 1 and ids[0] not in eos:  # as NoBadWordsLogitsProcessor: an eos bad word is dropped
                 self._table("bad_mask", bool)[i, ids[0]] = True
-            else:
-                self.bad_rules[i].append(SequenceRule(tuple(ids[:-1]), ids[-1], -np.inf))
+        self.bad_rules[i] = SequenceRules.of([(ids, -np.inf) for ids in s.bad_words_ids or ()])
 
     def bad_bias(self) -> np.ndarray:
         """The one-token bad words as a bias table: -inf where banned (built once per take)."""
@@ -339,12 +408,20 @@ class RowSettings:
             self._bad_bias = np.where(self.bad_mask, NEG_INF, np.float32(0))
         return self._bad_bias
 
+    def joined(self, name: str) -> JoinedRules | None:
+        """join_rules of "bias_rules" or "bad_rules", built once for these rows (a taken
+        RowSettings lives from one refresh of the state to the next)."""
+        cache = self.__dict__.setdefault("_joined", {})
+        if name not in cache:
+            cache[name] = join_rules(getattr(self, name))
+        return cache[name]
+
     def take(self, rows: np.ndarray) -> "RowSettings":
         """The settings of `rows` (an index array) as a RowSettings of len(rows) rows."""
         out = RowSettings.__new__(RowSettings)
-        out.n, out.vocab = len(rows), self.vocab
+        out.n, out.vocab, out.version = len(rows), self.vocab, 0
         for name, value in vars(self).items():
-            if name in ("n", "vocab", "_bad_bias"):
+            if name in ("n", "vocab", "version", "_bad_bias", "_joined"):
                 continue
             if isinstance(value, np.ndarray):
                 setattr(out, name, value[rows])
@@ -380,7 +457,7 @@ def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np
     `inplace`: the caller owns float32 `scores` and lets them be overwritten (saves a copy)."""
     out = scores if inplace and scores.dtype == np.float32 else scores.astype(np.float32, copy=True)
     if rows.one_token_bias is not None or any(rows.bias_rules):
-        sequence_bias(out, history, length, rows.one_token_bias, rows.bias_rules, inplace=True)
+        sequence_bias(out, history, length, rows.one_token_bias, rows.joined("bias_rules"), inplace=True)
     if (rows.encoder_repetition_penalty != 1).any():
         encoder_repetition_penalty(out, rows.encoder_ids, rows.encoder_repetition_penalty, inplace=True)
     if (rows.repetition_penalty != 1).any():
@@ -391,7 +468,7 @@ def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np
         encoder_no_repeat_ngram(out, history, length, rows.encoder_no_repeat_ngram, rows.encoder_ids, inplace=True)
     if rows.bad_mask is not None or any(rows.bad_rules):
         bad = None if rows.bad_mask is None else rows.bad_bias()
-        sequence_bias(out, history, length, bad, rows.bad_rules, inplace=True)
+        sequence_bias(out, history, length, bad, rows.joined("bad_rules"), inplace=True)
     if (rows.minimum > 0).any():
         min_length(out, length, rows.minimum, rows.eos, inplace=True)
     if (rows.forced_bos >= 0).any():

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import limits
+from .settings import check_integer
+
 
 def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram, num_tokens: np.ndarray
            ) -> tuple[np.ndarray, np.ndarray]:
@@ -44,34 +47,33 @@ def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram, num_tokens: np.nda
     k = int(num_tokens.max()) if rows else 0
     out = np.full((rows, max(k, 1)), -1, np.int64)
     found = np.zeros(rows, np.int64)
-    todo = (num_tokens > 0) & (counts >= 2)
-    if k == 0 or not todo.any():
+    todo = np.flatnonzero((num_tokens > 0) & (counts >= 2))
+    if k == 0 or not todo.size:
         return out[:, :k], found
-    width = int(counts[todo].max())
-    tokens = tokens[:, :width]
-    max_ngram = np.broadcast_to(max_ngram, counts.shape)
-    for n in range(int(max_ngram[todo].max()), 0, -1):
-        active = np.flatnonzero(todo & (counts > n) & (max_ngram >= n))
-        if not active.size:
-            continue
-        block, length = tokens[active], counts[active]
-        starts = width - n + 1
-        tail = np.take_along_axis(block, length[:, None] - n + np.arange(n), axis=1)  # [m, n]
-        # a match must have a token after it: it starts before length - n
-        hit = np.arange(starts) < (length - n)[:, None]
-        for i in range(n):
-            hit &= block[:, i:i + starts] == tail[:, i:i + 1]
-        has = hit.any(axis=1)
-        start = hit.argmax(axis=1) + n  # the first token after the earliest match
-        for i in np.flatnonzero(has):
-            b = active[i]
-            take = int(num_tokens[b])
-            period = int(length[i] - start[i])  # past the row's end, the row goes on repeating itself
-            out[b, :take] = block[i, start[i] + np.arange(take) % period]
-            found[b] = take
-        todo[active[has]] = False
-        if not todo.any():
+    length = counts[todo]
+    max_ngram = np.broadcast_to(max_ngram, counts.shape)[todo]
+    block = tokens[todo, :int(length.max())]
+    best = np.zeros(len(todo), np.int64)  # the first token after the chosen match (0: none)
+    # alive[b, e]: the n tokens before e equal the row's last n (e < length: a token follows).
+    # Narrowed from n = 1 up, one compare a token: O(max_ngram * W) at most, not O(max_ngram ** 2 * W)
+    column, at = np.arange(block.shape[1]), np.arange(len(todo))
+    alive = (column >= 1) & (column < length[:, None])
+    for n in range(1, int(max_ngram.max()) + 1):
+        alive[:, n - 1] = False
+        alive[:, n:] &= block[:, :block.shape[1] - n] == block[at, np.maximum(length - n, 0)][:, None]
+        alive[max_ngram < n] = False
+        held = np.flatnonzero(alive.any(axis=1))
+        if not held.size:
             break
+        best[held] = alive[held].argmax(axis=1)  # the earliest match of the longest n so far
+    hit = np.flatnonzero(best > 0)
+    if hit.size:
+        start, period = best[hit], length[hit] - best[hit]  # past the row's end, the row goes on repeating itself
+        take = num_tokens[todo[hit]]
+        at = np.arange(k)
+        ids = block[hit[:, None], start[:, None] + at % period[:, None]]
+        out[todo[hit]] = np.where(at < take[:, None], ids, -1)
+        found[todo[hit]] = take
     return out, found
 
 
@@ -104,9 +106,9 @@ class PromptLookup:
     max_ngram: int = 2
 
     def __post_init__(self):
-        for name, value in (("prompt_lookup_num_tokens", self.num_tokens), ("max_matching_ngram_size", self.max_ngram)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+        check_integer("prompt_lookup_num_tokens", self.num_tokens, 1, limits.MAX_LOOKUP_TOKENS, " (null: off)",
+                      null=True)
+        check_integer("max_matching_ngram_size", self.max_ngram, 1, limits.MAX_MATCHING_NGRAM_SIZE)
 
     def propose(self, state, rows: np.ndarray, room: np.ndarray, allowed=None) -> tuple[np.ndarray, np.ndarray, None]:
         """Candidates [n, K] and counts [n] of live `rows` (at most `room` each), none that the

@@ -36,11 +36,12 @@ class PromptCache:
 
 def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: list[int], pad: int,
               max_position: int, past: dict[str, np.ndarray] | None = None, offset: int = 0,
-              embed=None, images=None):
+              embed=None, images=None, on_logits=None):
     """Run `prompts` from token `offset` in steps of `widths`; past holds the first `offset`
     tokens of each row. Returns (last logits [n, V] of rows whose prompt ended here, presents).
     A graph that takes inputs_embeds embeds each piece with `embed`, the image features of
-    `images` (vision.PromptImages, one row per prompt) in place of its image tokens."""
+    `images` (vision.PromptImages, one row per prompt) in place of its image tokens.
+    `on_logits(logits [n, width, V], offset)` sees every piece's logits before they go."""
     n = len(prompts)
     lengths = np.array([len(p) for p in prompts])
     if past is None:
@@ -65,6 +66,8 @@ def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: li
         logits, *presents = session.run(names, feeds)
         ends = np.flatnonzero((lengths > offset) & (lengths <= offset + width))
         last[ends] = logits[ends, lengths[ends] - offset - 1]
+        if on_logits is not None:
+            on_logits(logits, offset)
         del logits  # all-position logits are large: drop them before the next piece
         past = {e.past: p for e, p in zip(graph.cache, presents)}
         offset += width

@@ -84,13 +84,17 @@ def _unsort(sorted_values: np.ndarray, order: np.ndarray) -> np.ndarray:
 def _kth_largest(scores: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Each row's k[i]-th largest score (1 <= k[i] <= V)."""
     vocab, kmax = scores.shape[1], int(k.max())
+    if kmax == 1:  # the largest: one pass, where a partition moves the whole row (nan, as there, wins)
+        return scores.max(axis=1)
     largest = np.sort(np.partition(scores, vocab - kmax, axis=1)[:, vocab - kmax:], axis=1)  # ascending
     return largest[np.arange(len(scores)), kmax - k]
 
 
 def temperature(scores: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """scores [n, V] / t [n], as TemperatureLogitsWarper."""
-    return scores / t[:, None].astype(scores.dtype)
+    """scores [n, V] / t [n], as TemperatureLogitsWarper (float32's lowest, from
+    remove_invalid_values, may go to -inf, as in torch)."""
+    with np.errstate(over="ignore"):
+        return scores / t[:, None].astype(scores.dtype)
 
 
 def top_k(scores: np.ndarray, k: np.ndarray, min_keep: np.ndarray | None = None) -> np.ndarray:
@@ -113,17 +117,33 @@ def top_k(scores: np.ndarray, k: np.ndarray, min_keep: np.ndarray | None = None)
 
 def top_p(scores: np.ndarray, p: np.ndarray, min_keep: np.ndarray | None = None) -> np.ndarray:
     """Keep the smallest set of most likely tokens whose probability exceeds p, as TopPLogitsWarper:
-    sort ascending, remove tokens whose cumulative probability is <= 1 - p, keep the top min_keep."""
+    sort ascending, remove tokens whose cumulative probability is <= 1 - p, keep the top min_keep.
+
+    The removed tokens are the m smallest (cumulative probabilities only grow), ties going
+    lower ids first as transformers' sort does; m needs only the sorted values, which a plain
+    sort gives as a stable argsort would, at a tenth of its cost (no permutation to undo)."""
     active = p < 1.0
     if not active.any():
         return scores
     keep = np.ones(len(scores), np.int64) if min_keep is None else min_keep
-    order = np.argsort(scores, axis=1, kind="stable")
-    ordered = np.take_along_axis(scores, order, axis=1)
+    ordered = np.sort(scores, axis=1)
     cumulative = np.cumsum(softmax(ordered), axis=1)
-    remove_sorted = cumulative <= (1.0 - p)[:, None].astype(cumulative.dtype)
-    remove = _unsort(_sort_keep(remove_sorted, keep, at_end=True), order) & active[:, None]
-    return np.where(remove, -np.inf, scores).astype(scores.dtype, copy=False)
+    removed = (cumulative <= (1.0 - p)[:, None].astype(cumulative.dtype)).sum(axis=1)
+    removed = np.where(active, np.clip(np.minimum(removed, scores.shape[1] - keep), 0, None), 0)
+    return np.where(_smallest(scores, ordered, removed), -np.inf, scores).astype(scores.dtype, copy=False)
+
+
+def _smallest(values: np.ndarray, ordered: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """[n, V] mask of each row's `count[i]` smallest values in stable ascending order (among
+    equal values the lower ids first); `ordered` is `values` sorted ascending along rows."""
+    mask = np.zeros(values.shape, bool)
+    for i in np.flatnonzero(count > 0).tolist():
+        edge = ordered[i, count[i] - 1]  # the largest value taken
+        np.less(values[i], edge, out=mask[i])
+        need = int(count[i] - np.count_nonzero(mask[i]))  # how many of the values equal to it are taken
+        if need > 0:
+            mask[i, np.flatnonzero(values[i] == edge)[:need]] = True
+    return mask
 
 
 def min_p(scores: np.ndarray, p: np.ndarray, min_keep: np.ndarray) -> np.ndarray:
@@ -144,7 +164,10 @@ def min_p(scores: np.ndarray, p: np.ndarray, min_keep: np.ndarray) -> np.ndarray
 
 def typical_p(scores: np.ndarray, mass: np.ndarray, min_keep: np.ndarray) -> np.ndarray:
     """TypicalLogitsWarper: keep the tokens whose surprise is closest to the entropy, up to
-    `mass` of probability; mass 1 is off."""
+    `mass` of probability; mass 1 is off.
+
+    The cumulative probability needs the scores in the stable order of the surprise gap
+    (`_stable_argsort`); the cut is made on the values, so nothing is unsorted."""
     active = mass < 1.0
     if not active.any():
         return scores
@@ -153,13 +176,27 @@ def typical_p(scores: np.ndarray, mass: np.ndarray, min_keep: np.ndarray) -> np.
     with np.errstate(invalid="ignore"):
         entropy = -np.nansum(normalized * p, axis=1, keepdims=True)
     shifted = np.abs(-normalized - entropy)
-    order = np.argsort(shifted, axis=1, kind="stable")
+    order = _stable_argsort(shifted)
     sorted_shifted = np.take_along_axis(shifted, order, axis=1)
-    cumulative = np.cumsum(softmax(np.take_along_axis(scores, order, axis=1)), axis=1)
+    sorted_scores = np.take_along_axis(scores, order, axis=1)
+    cumulative = np.cumsum(softmax(sorted_scores), axis=1)
     last = np.minimum((cumulative < mass[:, None]).sum(axis=1), scores.shape[1] - 1)
-    remove_sorted = sorted_shifted > sorted_shifted[np.arange(len(scores)), last][:, None]
-    remove = _unsort(_sort_keep(remove_sorted, min_keep, at_end=False), order) & active[:, None]
-    return np.where(remove, -np.inf, scores).astype(scores.dtype, copy=False)
+    remove = shifted > sorted_shifted[np.arange(len(scores)), last][:, None]
+    remove &= ~_smallest(shifted, sorted_shifted, np.minimum(min_keep, scores.shape[1]))
+    return np.where(remove & active[:, None], -np.inf, scores).astype(scores.dtype, copy=False)
+
+
+def _stable_argsort(values: np.ndarray) -> np.ndarray:
+    """argsort(values, axis=1, kind="stable") of float32 rows, at a third of its cost: each value
+    as an order-keeping 32-bit key above its 32-bit id, one sort of the uint64 (a SIMD sort in
+    numpy), the ids back. -0.0 sorts as 0.0 and every nan last, ids ascending, as numpy's."""
+    if values.dtype != np.float32 or values.shape[1] >= 1 << 32:
+        return np.argsort(values, axis=1, kind="stable")
+    bits = (values + np.float32(0)).view(np.uint32).astype(np.uint64)  # + 0: -0.0 becomes 0.0
+    key = np.where(bits >> np.uint64(31), ~bits & np.uint64(0xFFFFFFFF), bits | np.uint64(1 << 31))
+    key[np.isnan(values)] = 0xFFFFFFFF
+    key = np.sort((key << np.uint64(32)) | np.arange(values.shape[1], dtype=np.uint64), axis=1)
+    return (key & np.uint64(0xFFFFFFFF)).astype(np.int64)
 
 
 def _cutoff(scores: np.ndarray, threshold: np.ndarray, active: np.ndarray, min_keep: np.ndarray) -> np.ndarray:

@@ -1,13 +1,20 @@
 """Generation settings: generation_config.json, config.json and the caller's overrides.
 
-Settings are validated once, when they are built; each error names the field, the value and
-the allowed range. Defaults are those of transformers 4.57 `GenerationConfig` (top_k 50 when
-sampling, max_length 20, ...), so a model behaves as it does under `generate()`.
+Settings are validated once, when they are built; each error is a `SettingError` naming the
+field, the value and the allowed range. Every setting is bounded (token ids by the model's
+vocabulary, lengths by its context, the rest by `limits.py`; floats finite), so no request can
+make the engine overflow a numpy array or a row's per-step work grow past the model's step.
+Defaults are those of transformers 4.57 `GenerationConfig` (top_k 50 when sampling, max_length
+20, ...), so a model behaves as it does under `generate()`.
 """
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass, fields, replace
+
+from . import limits
 
 # Settings that change the output and that this engine does not apply: refused rather than
 # silently ignored. Value = the setting's no-op default in transformers 4.57.
@@ -98,147 +105,238 @@ class Settings:
 
 
 _FIELDS = {f.name for f in fields(Settings)}
+ANY_TOKEN_ID = 2**31 - 1  # the bounds when no model is given (make_settings without vocab, context)
+ANY_LENGTH = 2**30  # as Context.max_position for a model whose config gives no context
 
 
-def _token_ids(name: str, value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, int) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):
-        raise ValueError(f"{name} must be a token id or a list of token ids, not {value!r}")
-    return tuple(items)
+class SettingError(ValueError):
+    """A generation setting (or a request's prompt or seed) outside its allowed range. `setting`
+    is the engine's name for it ("top_k", "stop_strings", "prompt", "seed", ...), so serving
+    code maps it to the request's field without reading the message."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
+
+    def __reduce__(self):  # Ray pickles errors between processes
+        return SettingError, (self.setting, str(self))
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+class _Short(reprlib.Repr):
+    """repr with long values cut short; never raises on a JSON-like value (an integer of
+    100000 digits has no repr in Python 3.11; a list nested 10000 deep overflows repr)."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict, self.maxset = 3, 8, 8, 4, 4
+        self.maxstring, self.maxother, self.maxlong = 80, 80, 40
+
+    def repr_int(self, x, level):
+        if x.bit_length() > 128:
+            return f"{'-' if x < 0 else ''}an integer of about {int(x.bit_length() * 0.30103) + 1} digits"
+        return super().repr_int(x, level)
+
+
+_short = _Short()
+
+
+def shown(value) -> str:
+    """`value` as an error message shows it: its repr, shortened when long."""
+    try:
+        return _short.repr(value)
+    except Exception:  # noqa: BLE001 - a message must never fail
+        return f"a {type(value).__name__}"
 
 
 def _integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _number(value) -> bool:
+    """An int or a finite float (not a bool)."""
+    return _integer(value) or isinstance(value, float) and math.isfinite(value)
+
+
+def _text(x: float) -> str:
+    return f"{x:g}"
+
+
+def check_integer(name: str, value, low: int, high: int, note: str = "", null: bool = False) -> None:
+    """SettingError unless `value` is an integer in [low, high] (or None, with `null`)."""
+    if null and value is None:
+        return
+    if not _integer(value) or not low <= value <= high:
+        raise SettingError(name, f"{name} must be an integer from {low} to {high}{note}"
+                                 f"{', or null' if null else ''}, not {shown(value)}")
+
+
+def check_number(name: str, value, low: float, high: float, *, open_low: bool = False, open_high: bool = False,
+                 note: str = "") -> None:
+    """SettingError unless `value` is a finite number in the interval (open at either end)."""
+    ok = _number(value) and (low < value if open_low else low <= value)
+    ok = ok and (value < high if open_high else value <= high)
+    if not ok:
+        interval = f"{'(' if open_low else '['}{_text(low)}, {_text(high)}{')' if open_high else ']'}"
+        raise SettingError(name, f"{name} must be a number in {interval}{note}, not {shown(value)}")
+
+
+def _token_ids(name: str, value, most: int = limits.MAX_TOKEN_IDS) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    items = [value] if _integer(value) else value
+    if isinstance(items, (list, tuple)) and len(items) > most:
+        raise SettingError(name, f"{name} holds {len(items)} token ids; at most {most} are allowed")
+    if not isinstance(items, (list, tuple)) or not all(_integer(v) and v >= 0 for v in items):
+        raise SettingError(name, f"{name} must be a token id or a list of token ids, not {shown(value)}")
+    return tuple(items)
+
+
 def _sequences(name: str, value, with_bias: bool):
     """bad_words_ids ([[ids], ...]) or sequence_bias ([[ids, bias], ...] or {(ids): bias}) as
     tuples; a repeated sequence_bias entry keeps its first place and its last bias, as the dict
-    transformers builds."""
+    transformers builds. At most MAX_SEQUENCES entries of MAX_SEQUENCE_LENGTH tokens, biases
+    within +-MAX_BIAS."""
     if value is None:
         return None
     if with_bias and isinstance(value, dict):
         value = [[list(k) if isinstance(k, (tuple, list)) else k, v] for k, v in value.items()]
     form = "[[token ids], bias] pairs" if with_bias else "lists of token ids"
     if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"{name} must be a non-empty list of {form}, not {value!r}")
+        raise SettingError(name, f"{name} must be a non-empty list of {form}, not {shown(value)}")
+    if len(value) > limits.MAX_SEQUENCES:
+        raise SettingError(name, f"{name} holds {len(value)} entries; at most {limits.MAX_SEQUENCES} are allowed")
     out: dict = {}
     for j, entry in enumerate(value):
         ids, bias = (entry[0], entry[1]) if with_bias and isinstance(entry, (list, tuple)) and len(entry) == 2 else (entry, 0.0)
+        if isinstance(ids, (list, tuple)) and len(ids) > limits.MAX_SEQUENCE_LENGTH:
+            raise SettingError(name, f"{name}[{j}] holds {len(ids)} token ids; at most "
+                                     f"{limits.MAX_SEQUENCE_LENGTH} are allowed")
         if (not isinstance(ids, (list, tuple)) or not ids or not all(_integer(t) and t >= 0 for t in ids)
-                or not _number(bias)):
-            raise ValueError(f"{name}[{j}] = {entry!r} is not one of {form} (token ids >= 0)")
+                or not (_integer(bias) or isinstance(bias, float))):
+            raise SettingError(name, f"{name}[{j}] = {shown(entry)} is not one of {form} (token ids >= 0)")
+        if with_bias and not (_number(bias) and abs(bias) <= limits.MAX_BIAS):
+            raise SettingError(name, f"{name}[{j}] has bias {shown(bias)}; a bias must be a number in "
+                                     f"[-{_text(limits.MAX_BIAS)}, {_text(limits.MAX_BIAS)}]")
         out[tuple(ids)] = float(bias)
     return tuple(out.items()) if with_bias else tuple(out)
 
 
-def _id_list(name: str, value):
-    return None if value is None else _token_ids(name, value)
-
-
-def _normalize(s: Settings) -> Settings:
-    """List-valued settings as tuples (settings are frozen and hashable), in one spelling."""
-    decay = s.exponential_decay_length_penalty
-    if decay is not None:
-        if (not isinstance(decay, (list, tuple)) or len(decay) != 2 or not _integer(decay[0]) or decay[0] < 0
-                or not _number(decay[1]) or not decay[1] > 0):
-            raise ValueError("exponential_decay_length_penalty must be [start_index >= 0, decay_factor > 0], "
-                             f"not {decay!r}")
-        decay = (int(decay[0]), float(decay[1]))
-    forced_eos = s.forced_eos_token_id
-    return replace(
-        s, exponential_decay_length_penalty=decay,
-        sequence_bias=_sequences("sequence_bias", s.sequence_bias, True),
-        bad_words_ids=_sequences("bad_words_ids", s.bad_words_ids, False),
-        forced_eos_token_id=_id_list("forced_eos_token_id", forced_eos) or None,
-        suppress_tokens=_id_list("suppress_tokens", s.suppress_tokens) or None,
-        begin_suppress_tokens=_id_list("begin_suppress_tokens", s.begin_suppress_tokens) or None,
-        stop_strings=_stop_strings(s.stop_strings))
+def _id_list(name: str, value, most: int = limits.MAX_TOKEN_IDS):
+    return None if value is None else _token_ids(name, value, most)
 
 
 def _stop_strings(value):
     if value is None:
         return None
     items = [value] if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)) and len(items) > limits.MAX_STOP_STRINGS:
+        raise SettingError("stop_strings", f"stop_strings holds {len(items)} strings; at most "
+                                           f"{limits.MAX_STOP_STRINGS} are allowed")
     if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) and v for v in items):
-        raise ValueError(f"stop_strings must be a string or a list of non-empty strings, not {value!r}")
+        raise SettingError("stop_strings", f"stop_strings must be a string or a list of non-empty strings, "
+                                           f"not {shown(value)}")
+    for j, stop in enumerate(items):
+        if len(stop) > limits.MAX_STOP_LENGTH:
+            raise SettingError("stop_strings", f"stop_strings[{j}] has {len(stop)} characters; at most "
+                                               f"{limits.MAX_STOP_LENGTH} are allowed")
     return tuple(items) or None
 
 
-def check_vocabulary(s: Settings, vocab: int) -> None:
-    """ValueError naming the setting whose token id is outside the vocabulary [0, vocab)."""
+def _decay(value, context: int, where: str):
+    if value is None:
+        return None
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2 and _integer(value[0]) and 0 <= value[0] <= context
+          and _number(value[1]) and 0 < value[1] <= limits.MAX_FLOAT)
+    if not ok:
+        raise SettingError("exponential_decay_length_penalty",
+                           f"exponential_decay_length_penalty must be [start_index from 0 to {context}{where}, "
+                           f"decay_factor in (0, {_text(limits.MAX_FLOAT)}]], not {shown(value)}")
+    return int(value[0]), float(value[1])
+
+
+def _normalize(s: Settings, context: int, where: str, vocab: int) -> Settings:
+    """List-valued settings as tuples (settings are frozen and hashable), in one spelling."""
+    return replace(
+        s, exponential_decay_length_penalty=_decay(s.exponential_decay_length_penalty, context, where),
+        sequence_bias=_sequences("sequence_bias", s.sequence_bias, True),
+        bad_words_ids=_sequences("bad_words_ids", s.bad_words_ids, False),
+        forced_eos_token_id=_id_list("forced_eos_token_id", s.forced_eos_token_id) or None,
+        suppress_tokens=_id_list("suppress_tokens", s.suppress_tokens, vocab) or None,
+        begin_suppress_tokens=_id_list("begin_suppress_tokens", s.begin_suppress_tokens, vocab) or None,
+        stop_strings=_stop_strings(s.stop_strings))
+
+
+def check_vocabulary(s: Settings, vocab: int | None) -> None:
+    """SettingError naming the setting whose token id is outside the vocabulary [0, vocab)
+    (any id below 2**31 when no vocabulary is given)."""
+    top, what = (vocab - 1, "this model's vocabulary") if vocab else (ANY_TOKEN_ID, "the token ids")
     for name, ids in s.token_ids().items():
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad and name != "pad_token_id":
-            raise ValueError(f"{name} names token id {bad[0]}, outside this model's vocabulary (0 to {vocab - 1})")
+        bad = [t for t in ids if not 0 <= t <= top]
+        if bad:
+            raise SettingError(name, f"{name} names token id {shown(bad[0])}, outside {what} (0 to {top})")
 
 
-def _check(s: Settings) -> Settings:
+def _check(s: Settings, vocab: int | None = None, context: int | None = None) -> Settings:
+    vocab_note = " (this model's vocabulary)" if vocab else ""
+    length, where = (context, " (this model's context)") if context else (ANY_LENGTH, "")
+    big = limits.MAX_FLOAT
     if not isinstance(s.do_sample, bool):
-        raise ValueError(f"do_sample must be true or false, not {s.do_sample!r}")
-    if not isinstance(s.temperature, (int, float)) or isinstance(s.temperature, bool):
-        raise ValueError(f"temperature must be a number, not {s.temperature!r}")
-    if s.do_sample and not s.temperature > 0:  # greedy rows never use it, as in transformers
-        raise ValueError(f"temperature must be > 0 when sampling, not {s.temperature!r} "
-                         "(for greedy decoding set do_sample=False)")
-    if not isinstance(s.top_k, int) or isinstance(s.top_k, bool) or s.top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), not {s.top_k!r}")
+        raise SettingError("do_sample", f"do_sample must be true or false, not {shown(s.do_sample)}")
+    if s.do_sample and not (_number(s.temperature) and s.temperature > 0):  # greedy rows never use it, as transformers
+        raise SettingError("temperature", f"temperature must be > 0 when sampling, not {shown(s.temperature)} "
+                                          "(for greedy decoding set do_sample=False)")
+    check_number("temperature", s.temperature, 0, big, note=" (> 0 when sampling)")
+    check_integer("top_k", s.top_k, 0, vocab or ANY_TOKEN_ID, vocab_note)
     if not _number(s.top_p) or not 0.0 < s.top_p <= 1.0:
-        raise ValueError(f"top_p must be a number in (0, 1] (1 turns it off), not {s.top_p!r}")
+        raise SettingError("top_p", f"top_p must be a number in (0, 1] (1 turns it off), not {shown(s.top_p)}")
     for name in ("repetition_penalty", "encoder_repetition_penalty"):
-        if not _number(getattr(s, name)) or not getattr(s, name) > 0:
-            raise ValueError(f"{name} must be a number > 0 (1 turns it off), not {getattr(s, name)!r}")
-    for name in ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "min_length"):
-        if not _integer(getattr(s, name)) or getattr(s, name) < 0:
-            raise ValueError(f"{name} must be an integer >= 0 (0 turns it off), not {getattr(s, name)!r}")
-    if s.min_new_tokens is not None and (not _integer(s.min_new_tokens) or s.min_new_tokens < 0):
-        raise ValueError(f"min_new_tokens must be an integer >= 0, not {s.min_new_tokens!r}")
+        check_number(name, getattr(s, name), 0, big, open_low=True, note=" (1 turns it off)")
+    for name in ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size"):
+        check_integer(name, getattr(s, name), 0, limits.MAX_NGRAM_SIZE, " (0 turns it off)")
+    check_integer("min_length", s.min_length, 0, length, where)
+    check_integer("min_new_tokens", s.min_new_tokens, 0, length, where, null=True)
     if s.min_p is not None and (not _number(s.min_p) or not 0.0 <= s.min_p <= 1.0):
-        raise ValueError(f"min_p must be a number in [0, 1], not {s.min_p!r}")
+        raise SettingError("min_p", f"min_p must be a number in [0, 1], not {shown(s.min_p)}")
     if not _number(s.typical_p) or not 0.0 < s.typical_p <= 1.0:
-        raise ValueError(f"typical_p must be a number in (0, 1] (1 turns it off), not {s.typical_p!r}")
+        raise SettingError("typical_p", f"typical_p must be a number in (0, 1] (1 turns it off), "
+                                        f"not {shown(s.typical_p)}")
     for name in ("epsilon_cutoff", "eta_cutoff"):
-        if not _number(getattr(s, name)) or not 0.0 <= getattr(s, name) < 1.0:
-            raise ValueError(f"{name} must be a number in [0, 1) (0 turns it off), not {getattr(s, name)!r}")
+        check_number(name, getattr(s, name), 0, 1, open_high=True, note=" (0 turns it off)")
     for name in ("remove_invalid_values", "renormalize_logits"):
         if not isinstance(getattr(s, name), bool):
-            raise ValueError(f"{name} must be true or false, not {getattr(s, name)!r}")
+            raise SettingError(name, f"{name} must be true or false, not {shown(getattr(s, name))}")
     if not _integer(s.num_beams) or s.num_beams < 1:
-        raise ValueError(f"num_beams must be an integer >= 1, not {s.num_beams!r}")
+        raise SettingError("num_beams", f"num_beams must be an integer >= 1, not {shown(s.num_beams)} "
+                                        f"(from 1 to {limits.MAX_BEAMS})")
+    check_integer("num_beams", s.num_beams, 1, limits.MAX_BEAMS)
     if not _integer(s.num_return_sequences) or not 1 <= s.num_return_sequences <= s.num_beams:
-        raise ValueError(f"num_return_sequences must be an integer from 1 to num_beams ({s.num_beams}), "
-                         f"not {s.num_return_sequences!r} (for several samples of one prompt, send it with "
-                         "several seeds)")
-    if not _number(s.length_penalty):
-        raise ValueError(f"length_penalty must be a number, not {s.length_penalty!r}")
+        raise SettingError("num_return_sequences",
+                           f"num_return_sequences must be an integer from 1 to num_beams ({s.num_beams}), "
+                           f"not {shown(s.num_return_sequences)} (for several samples of one prompt, send it with "
+                           "several seeds)")
+    check_number("length_penalty", s.length_penalty, -big, big)
     if s.early_stopping not in (True, False, "never") or s.early_stopping in (0, 1) and not isinstance(s.early_stopping, bool):
-        raise ValueError(f"early_stopping must be true, false or \"never\", not {s.early_stopping!r}")
+        raise SettingError("early_stopping", f"early_stopping must be true, false or \"never\", "
+                                             f"not {shown(s.early_stopping)}")
     if s.num_beams > 1 and s.stop_strings:
-        raise ValueError("stop_strings with num_beams > 1 is not supported yet; use eos_token_id or one beam")
-    if not _integer(s.num_assistant_tokens) or s.num_assistant_tokens < 1:
-        raise ValueError(f"num_assistant_tokens must be an integer >= 1, not {s.num_assistant_tokens!r}")
+        raise SettingError("stop_strings", "stop_strings with num_beams > 1 is not supported yet; "
+                                           "use eos_token_id or one beam")
+    check_integer("num_assistant_tokens", s.num_assistant_tokens, 1, limits.MAX_LOOKUP_TOKENS)
     if s.num_assistant_tokens_schedule not in ("constant", "heuristic"):
-        raise ValueError("num_assistant_tokens_schedule must be \"constant\" or \"heuristic\", "
-                         f"not {s.num_assistant_tokens_schedule!r}")
-    for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):
-        value = getattr(s, name)
-        if value is not None and (not _integer(value) or value < 1):
-            raise ValueError(f"{name} must be an integer >= 1 (or null: off), not {value!r}")
+        raise SettingError("num_assistant_tokens_schedule",
+                           "num_assistant_tokens_schedule must be \"constant\" or \"heuristic\", "
+                           f"not {shown(s.num_assistant_tokens_schedule)}")
+    check_integer("prompt_lookup_num_tokens", s.prompt_lookup_num_tokens, 1, limits.MAX_LOOKUP_TOKENS, " (null: off)",
+                  null=True)
+    check_integer("max_matching_ngram_size", s.max_matching_ngram_size, 1, limits.MAX_MATCHING_NGRAM_SIZE, null=True)
     if s.forced_bos_token_id is not None and (not _integer(s.forced_bos_token_id) or s.forced_bos_token_id < 0):
-        raise ValueError(f"forced_bos_token_id must be a token id >= 0, not {s.forced_bos_token_id!r}")
+        raise SettingError("forced_bos_token_id", f"forced_bos_token_id must be a token id >= 0, "
+                                                  f"not {shown(s.forced_bos_token_id)}")
     for name in ("max_new_tokens", "max_length"):
-        value = getattr(s, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"{name} must be an integer >= 0, not {value!r}")
-    if not isinstance(s.pad_token_id, int) or isinstance(s.pad_token_id, bool) or s.pad_token_id < 0:
-        raise ValueError(f"pad_token_id must be a token id >= 0, not {s.pad_token_id!r}")
-    s = _normalize(s)
+        check_integer(name, getattr(s, name), 0, length, where, null=True)
+    if not _integer(s.pad_token_id) or s.pad_token_id < 0:  # ids above the vocabulary: check_vocabulary
+        raise SettingError("pad_token_id", f"pad_token_id must be a token id >= 0, not {shown(s.pad_token_id)}")
+    s = _normalize(s, length, where, vocab or ANY_TOKEN_ID + 1)
     return replace(s, temperature=float(s.temperature), top_p=float(s.top_p),
                    repetition_penalty=float(s.repetition_penalty),
                    encoder_repetition_penalty=float(s.encoder_repetition_penalty),
@@ -247,35 +345,46 @@ def _check(s: Settings) -> Settings:
                    epsilon_cutoff=float(s.epsilon_cutoff), eta_cutoff=float(s.eta_cutoff))
 
 
-def model_settings(config: dict, generation_config: dict) -> dict:
+def model_settings(config: dict, generation_config: dict, context: int | None = None,
+                   vocab: int | None = None) -> dict:
     """The settings a model folder asks for, as transformers reads them: generation_config.json,
-    with eos and pad taken from config.json where it is silent."""
+    with eos and pad taken from config.json where it is silent. A max_length or max_new_tokens
+    past the `context`, and a top_k (50 by default) past the `vocab`, come down to them: a row
+    never outgrows the context, and a top_k of the whole vocabulary keeps it all (transformers
+    takes min(top_k, vocab)), so this changes no token, and such a folder still loads."""
     merged = {k: v for k, v in generation_config.items() if k not in _IGNORED}
     for key in ("eos_token_id", "pad_token_id"):
         if merged.get(key) is None and config.get(key) is not None:
             merged[key] = config[key]
+    for key, most in (("max_length", context), ("max_new_tokens", context), ("top_k", vocab)):
+        value = merged.get(key, Settings.top_k if key == "top_k" else None)
+        if most and _integer(value) and value > most:
+            merged[key] = most
     return merged
 
 
-def make_settings(base: dict, overrides: dict) -> Settings:
-    """Settings from a model's `base` dict and the caller's `overrides`; unknown or unsupported
-    fields raise ValueError naming them."""
+def make_settings(base: dict, overrides: dict, vocab: int | None = None, context: int | None = None) -> Settings:
+    """Settings from a model's `base` dict and the caller's `overrides`, for a model of `vocab`
+    token ids and a context of `context` tokens (None: unknown, then ids below 2**31 and lengths
+    up to 2**30); unknown, unsupported or out-of-range fields raise SettingError naming them."""
     values = {**base, **overrides}
     for key, value in values.items():
         off = value is None or value == [] or value == {}
         if key in _UNSUPPORTED:
             if value != _UNSUPPORTED[key] and not off:
-                raise ValueError(f"{key}={value!r} is not supported by raymuter (see README, 'Settings'); "
-                                 f"remove it (or set it to {_UNSUPPORTED[key]!r}) to generate")
+                raise SettingError(key, f"{key}={shown(value)} is not supported by raymuter (see README, 'Settings'); "
+                                        f"remove it (or set it to {_UNSUPPORTED[key]!r}) to generate")
         elif key in _NOT_YET:
             if value != _NOT_YET[key] and not off:
-                raise ValueError(f"{key}={value!r} is not supported by this engine yet; "
-                                 f"remove it (or set it to {_NOT_YET[key]!r}) to generate")
+                raise SettingError(key, f"{key}={shown(value)} is not supported by this engine yet; "
+                                        f"remove it (or set it to {_NOT_YET[key]!r}) to generate")
         elif key not in _FIELDS and key in overrides:
-            raise ValueError(f"unknown generation setting '{key}'")
+            raise SettingError(str(key), f"unknown generation setting {shown(key)}")
     kwargs = {k: v for k, v in values.items() if k in _FIELDS}
     eos = _token_ids("eos_token_id", kwargs.pop("eos_token_id", None))
     pad = kwargs.pop("pad_token_id", None)
     if pad is None:
         pad = eos[0] if eos else 0
-    return _check(Settings(eos_token_id=eos, pad_token_id=pad, **kwargs))
+    settings = _check(Settings(eos_token_id=eos, pad_token_id=pad, **kwargs), vocab, context)
+    check_vocabulary(settings, vocab)
+    return settings

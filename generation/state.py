@@ -14,7 +14,8 @@ state (seed and draw count). Buffers are reused in place from step to step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from .processors import RowSettings, apply
 from .prompts import PromptCache, run_prompts
 from .seq2seq import run_first_steps
 from .selection import LogProbs, SamplingRows, logprobs, pick
-from .settings import Settings
+from .settings import SettingError, Settings
 from .stops import StopMatcher
 from .vision import check_images
 
@@ -32,7 +33,10 @@ from .vision import check_images
 @dataclass(slots=True)
 class StepTokens:
     """What one step gave: per row, the new token (-1 where the row has none: no live row, or
-    an eos token) and whether the row finished at this step."""
+    an eos token) and whether the row finished at this step. `failed` maps the rows whose own
+    part of the step raised (their processors, warpers or draw, their stop strings) to the
+    exception: such a row is finished, has no token, and the other rows went on as if it had
+    not been there (a failure of the model's run raises instead: it is every row's)."""
 
     token: np.ndarray  # [B] int64
     finished: np.ndarray  # [B] bool
@@ -40,12 +44,14 @@ class StepTokens:
     logprob: np.ndarray | None = None  # [B] float32, nan where no token (with token_logprobs)
     top_ids: np.ndarray | None = None  # [B, k] the step's k most likely tokens (with top_logprobs)
     top: np.ndarray | None = None  # [B, k] their log-probabilities
+    failed: dict = field(default_factory=dict)  # row -> the exception that ended it
 
 
 @dataclass
 class Prefix:
     """Prefilled rows, ready to insert: prompts, caches, first tokens, settings, random state.
-    A row whose first token ended it (eos, or a one-token budget) is `finished` and needs no slot."""
+    A row whose first token ended it (eos, or a one-token budget), or whose selection failed
+    (`first.failed`), is `finished` and needs no slot."""
 
     prompts: list[list[int]]
     cache: PromptCache
@@ -93,6 +99,7 @@ class DecodeState:
     fast: bool = False  # every slot live, greedy, unprocessed, at most one eos id: the lean step applies
     any_stops: bool = False  # a live row has stop strings
     lean: bool = True  # the context allows the lean step (no log-probabilities, no custom processors)
+    _settings_of: int = -1  # the settings.version live_settings was taken at
 
     @property
     def eos(self) -> np.ndarray:
@@ -108,10 +115,12 @@ class DecodeState:
 
     def refresh(self) -> None:
         """Recompute the derived fields after rows entered or left."""
-        self.live_rows = np.flatnonzero(self.live)
-        rows = self.live_rows
-        self.live_settings = self.settings.take(rows)
-        self.processes = self.live_settings.processes()
+        rows = np.flatnonzero(self.live)
+        if (self.live_settings is None or self._settings_of != self.settings.version
+                or not np.array_equal(rows, self.live_rows)):  # a step that ended no row keeps them (and their tables)
+            self.live_settings, self._settings_of = self.settings.take(rows), self.settings.version
+            self.processes = self.live_settings.processes()
+        self.live_rows = rows
         self.greedy = not self.settings.do_sample[rows].any()
         self.steps_to_limit = int((self.limit[rows] - self.lengths[rows] - 1).min()) if rows.size else 0
         eos = self.eos[rows]
@@ -153,33 +162,96 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
     return state
 
 
-def _ends(tokens: np.ndarray, eos: np.ndarray, count: np.ndarray, limit: np.ndarray, stops: list):
+def _ends(tokens: np.ndarray, eos: np.ndarray, count: np.ndarray, limit: np.ndarray, stops: list,
+          failed: dict | None = None):
     """(is_eos, finished) for rows that now hold `count` tokens, the last being `tokens`;
-    `stops` are the rows' StopMatchers (or None), which see every token but an eos."""
+    `stops` are the rows' StopMatchers (or None), which see every token but an eos. A row in
+    `failed` (index -> exception) is finished; a matcher that raises adds its row there (or
+    raises, without `failed`)."""
     is_eos = (tokens[:, None] == eos).any(axis=1)
     finished = is_eos | (count >= limit)
     for i, matcher in enumerate(stops):  # empty when no row has stop strings
-        if matcher is not None and not is_eos[i] and matcher.add(int(tokens[i])):
-            finished[i] = True
+        if matcher is None or is_eos[i] or (failed and i in failed):
+            continue
+        try:
+            if matcher.add(int(tokens[i])):
+                finished[i] = True
+        except Exception as e:  # noqa: BLE001 - the row's own text: it ends that row alone
+            if failed is None:
+                raise
+            failed[i] = e
+    if failed:
+        finished[list(failed)] = True
     return is_eos, finished
 
 
 def _select(ctx: Context, scores: np.ndarray, rows: RowSettings, processes: bool, history: np.ndarray,
-            length: np.ndarray, prompt_length: np.ndarray, seeds: np.ndarray, draws: np.ndarray
-            ) -> tuple[np.ndarray, LogProbs | None]:
+            length: np.ndarray, prompt_length: np.ndarray, seeds: np.ndarray, draws: np.ndarray,
+            keep_scores: bool = False) -> tuple[np.ndarray, LogProbs | None]:
     """The next token of each row from its logits [n, V] (a copy the step owns: the processors
-    work in it), and its log-probabilities when the context asks: the processors, the warpers of
-    sampling rows, then greedy or a seeded draw. history [n, W] holds each row's `length`
-    tokens (prompt first)."""
+    work in it, unless `keep_scores`), and its log-probabilities when the context asks: the
+    processors, the warpers of sampling rows, then greedy or a seeded draw. history [n, W] holds
+    each row's `length` tokens (prompt first)."""
     processed = scores
     of_processed = ctx.token_logprobs and ctx.logprobs_of == "processed"
     if processes or ctx.processors:  # `scores` are this step's own copy; raw log-probabilities still read them
         processed = apply(scores, rows, history, length, ctx.processors, prompt_length,
-                          inplace=not (ctx.token_logprobs and not of_processed))
+                          inplace=not keep_scores and not (ctx.token_logprobs and not of_processed))
     tokens, lp = pick(processed, SamplingRows.of(rows), seeds, draws, of_processed, ctx.top_logprobs)
     if ctx.token_logprobs and not of_processed:
         lp = logprobs(scores, tokens, ctx.top_logprobs)
     return tokens, lp
+
+
+def select_rows(ctx: Context, scores: np.ndarray, rows: RowSettings, processes: bool, history: np.ndarray | None,
+                length: np.ndarray, prompt_length: np.ndarray, seeds: np.ndarray, draws: np.ndarray
+                ) -> tuple[np.ndarray, LogProbs | None, dict]:
+    """`_select`, where a row's failure stays that row's: when the batch raises, each row is
+    selected alone on the same logits (so the batch keeps its scores: one copy, where the
+    processors would have written into them). Returns the tokens (the pad token for a failed
+    row: it still runs as a padding row until released), the log-probabilities and the failed
+    rows {index: exception}. A token outside the vocabulary (scores that left nothing to
+    draw) fails its row too."""
+    try:
+        tokens, lp = _select(ctx, scores, rows, processes, history, length, prompt_length, seeds, draws,
+                             keep_scores=True)
+        failed = {}
+    except Exception:  # noqa: BLE001 - redone row by row below, and only the culprits fail
+        tokens, lp, failed = _select_alone(ctx, scores, rows, processes, history, length, prompt_length, seeds, draws)
+    for i in np.flatnonzero((tokens < 0) | (tokens >= scores.shape[1])).tolist():
+        failed.setdefault(i, RuntimeError("the processed scores left no token to choose (nan or -inf everywhere)"))
+    if failed:
+        tokens[list(failed)] = ctx.settings.pad_token_id
+    return tokens, lp, failed
+
+
+def _select_alone(ctx: Context, scores, rows: RowSettings, processes, history, length, prompt_length, seeds, draws):
+    """select_rows' fallback: each row on its own."""
+    n = len(scores)
+    tokens = np.full(n, ctx.settings.pad_token_id, np.int64)
+    lp = None
+    if ctx.token_logprobs:
+        lp = LogProbs(np.full(n, np.nan, np.float32))
+        if ctx.top_logprobs:
+            lp.top_ids = np.full((n, ctx.top_logprobs), -1, np.int64)
+            lp.top = np.full((n, ctx.top_logprobs), np.nan, np.float32)
+    failed = {}
+    for i in range(n):
+        one = slice(i, i + 1)
+        try:
+            token, row_lp = _select(ctx, scores[one], rows.take(np.array([i])), processes,
+                                    None if history is None else history[one], length[one], prompt_length[one],
+                                    seeds[one], draws[one], keep_scores=True)
+        except Exception as e:  # noqa: BLE001 - this row's own failure
+            failed[i] = e
+            continue
+        tokens[i] = token[0]
+        if lp is not None:
+            lp.token[i] = row_lp.token[0]
+            if lp.top is not None:
+                width = row_lp.top.shape[1]
+                lp.top_ids[i, :width], lp.top[i, :width] = row_lp.top_ids[0], row_lp.top[0]
+    return tokens, lp, failed
 
 
 def _row_settings(ctx: Context, prompts, settings: list[Settings], limit: np.ndarray, encoder_ids) -> RowSettings:
@@ -210,13 +282,22 @@ def prompt_inputs(model, prompts, encoder) -> tuple:
     return model.embed if model.graph.has_inputs_embeds else None, check_images(model, prompts, encoder)
 
 
-def _stop_matchers(ctx: Context, prompts, settings: list[Settings]) -> list:
+def _stop_matchers(ctx: Context, prompts, settings: list[Settings], failed: dict) -> list:
+    """Each row's StopMatcher (None without stop strings); a row whose matcher cannot be built
+    goes into `failed`."""
+    stops = [None] * len(prompts)
     if not any(s.stop_strings for s in settings):
-        return [None] * len(prompts)
+        return stops
     from .text import model_tokenizer
 
     tokenizer = model_tokenizer(ctx.model)
-    return [StopMatcher(tokenizer, s.stop_strings, p) if s.stop_strings else None for p, s in zip(prompts, settings)]
+    for j, (prompt, s) in enumerate(zip(prompts, settings)):
+        if s.stop_strings and j not in failed:
+            try:
+                stops[j] = StopMatcher(tokenizer, s.stop_strings, prompt)
+            except Exception as e:  # noqa: BLE001 - this row's prompt or strings
+                failed[j] = e
+    return stops
 
 
 def with_logprobs(out: StepTokens, rows, size: int, lp: LogProbs | None) -> StepTokens:
@@ -246,11 +327,12 @@ def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits, 
     history = np.zeros((len(prompts), max(1, int(lengths.max()))), np.int64)
     for j, prompt in enumerate(prompts):
         history[j, :len(prompt)] = prompt
-    tokens, lp = _select(ctx, last_logits, rows, rows.processes(), history, lengths, lengths, seeds,
-                         np.zeros(len(prompts), np.uint64))
-    stops = _stop_matchers(ctx, prompts, settings)
-    is_eos, finished = _ends(tokens, rows.eos, lengths + 1, limit, stops)
-    first = StepTokens(np.where(is_eos, -1, tokens), finished, bool(finished.any()))
+    tokens, lp, failed = select_rows(ctx, last_logits, rows, rows.processes(), history, lengths, lengths, seeds,
+                                     np.zeros(len(prompts), np.uint64))
+    stops = _stop_matchers(ctx, prompts, settings, failed)
+    is_eos, finished = _ends(tokens, rows.eos, lengths + 1, limit, stops, failed)
+    first = StepTokens(np.where(is_eos, -1, tokens), finished, bool(finished.any()), failed=failed)
+    first.token[list(failed)] = -1
     first = with_logprobs(first, np.arange(len(prompts)), len(prompts), lp)
     return Prefix(list(prompts), None, first, list(settings), seeds, limit, stops, list(encoder_ids))
 
@@ -285,7 +367,8 @@ def _check_slots(state: DecodeState, prompts: list[list[int]], slots: list[int])
         if not 0 <= slot < state.slots or state.used[slot] or slot in slots[:j]:
             raise ValueError(f"slots[{j}] = {slot} is not a free slot of this state")
         if len(prompts[j]) + 1 > state.capacity:
-            raise ValueError(f"prompt {j} has {len(prompts[j])} tokens; this state's rows hold {state.capacity}")
+            raise SettingError("prompt", f"prompt {j} has {len(prompts[j])} tokens; this state's rows hold "
+                                         f"{state.capacity}")
 
 
 def _occupy(state: DecodeState, slot: int, prefix: Prefix, j: int) -> None:
@@ -311,12 +394,29 @@ def insert(ctx: Context, prefix: Prefix, state: DecodeState, slots) -> DecodeSta
     finished at prefill stay free)."""
     slots = [int(s) for s in slots]
     _check_slots(state, prefix.prompts, slots)
-    for j, slot in enumerate(slots):
-        if not prefix.first.finished[j]:
-            state.cache.insert(slot, prefix.cache.rows[j], len(prefix.prompts[j]))
-            _occupy(state, slot, prefix, j)
+    with _undone_on_error(ctx, state, slots):
+        for j, slot in enumerate(slots):
+            if not prefix.first.finished[j]:
+                state.cache.insert(slot, prefix.cache.rows[j], len(prefix.prompts[j]))
+                _occupy(state, slot, prefix, j)
     state.refresh()
     return state
+
+
+@contextmanager
+def _undone_on_error(ctx: Context, state: DecodeState, slots: list[int]):
+    """Admission is all or nothing: when it raises, the `slots` (free before it) are freed again,
+    whether the cache took their rows or not, and the rows already running are as they were."""
+    try:
+        yield
+    except BaseException:
+        for slot in slots:
+            if state.used[slot]:
+                release(ctx, state, slot)
+            else:
+                state.cache.release(slot)
+        state.refresh()
+        raise
 
 
 def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], seeds,
@@ -330,13 +430,15 @@ def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], see
         prefix = prefill(ctx, prompts, seeds, settings, max_new, encoder)
         return insert(ctx, prefix, state, slots), prefix.first
     _check_slots(state, prompts, slots)
-    last = state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id)
-    prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, last, _encoder_ids(ctx, prompts, encoder))
-    for j, slot in enumerate(slots):
-        if prefix.first.finished[j]:
-            state.cache.release(slot)  # it ended at its first token: the slot stays free
-        else:
-            _occupy(state, slot, prefix, j)
+    encoder_ids = _encoder_ids(ctx, prompts, encoder)
+    with _undone_on_error(ctx, state, slots):
+        last = state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id)
+        prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, last, encoder_ids)
+        for j, slot in enumerate(slots):
+            if prefix.first.finished[j]:
+                state.cache.release(slot)  # it ended at its first token (or failed): the slot stays free
+            else:
+                _occupy(state, slot, prefix, j)
     state.refresh()
     return state, prefix.first
 
@@ -354,8 +456,8 @@ def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
     scores = state.cache.decode(state.lengths)[rows]  # [n, V]
     position = state.lengths[rows] + 1  # the new token's index in the row
     history = state.tokens if rows.size == state.slots else state.tokens[rows]
-    tokens, lp = _select(ctx, scores, state.live_settings, state.processes, history, position,
-                         state.prompt_length[rows], state.seeds[rows], state.draws[rows])
+    tokens, lp, failed = select_rows(ctx, scores, state.live_settings, state.processes, history, position,
+                                     state.prompt_length[rows], state.seeds[rows], state.draws[rows])
     if not state.greedy:
         state.draws[rows] += np.uint64(1)
     state.tokens[rows, position] = tokens
@@ -365,7 +467,7 @@ def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
             state.top_ids[rows, position], state.top[rows, position] = lp.top_ids, lp.top
     state.lengths[rows] = position
     state.next_input[rows] = tokens
-    return state, with_logprobs(_settle(state, rows, tokens, position), rows, state.slots, lp)
+    return state, with_logprobs(_settle(state, rows, tokens, position, failed), rows, state.slots, lp)
 
 
 def advance(ctx: Context, state: DecodeState, max_steps: int) -> tuple[DecodeState, StepTokens]:
@@ -397,13 +499,19 @@ def _greedy_steps(state: DecodeState, max_steps: int) -> tuple[DecodeState, Step
     return state, _settle(state, rows, tokens, lengths)
 
 
-def _settle(state: DecodeState, rows: np.ndarray, tokens: np.ndarray, position: np.ndarray) -> StepTokens:
-    """The step's output, and the rows it ended (an eos token, or the row's limit)."""
+def _settle(state: DecodeState, rows: np.ndarray, tokens: np.ndarray, position: np.ndarray,
+            failed: dict | None = None) -> StepTokens:
+    """The step's output, and the rows it ended (an eos token, the row's limit, or a failure of
+    its own: `failed`, by index into `rows`)."""
     out = StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
+    failed = {} if failed is None else failed
     is_eos, finished = _ends(tokens, state.eos[rows], position + 1, state.limit[rows],
-                             [state.stops[r] for r in rows.tolist()] if state.any_stops else ())
+                             [state.stops[r] for r in rows.tolist()] if state.any_stops else (), failed)
     out.token[rows] = np.where(is_eos, -1, tokens)
     out.finished[rows] = finished
+    if failed:
+        out.token[rows[list(failed)]] = -1
+        out.failed = {int(rows[i]): e for i, e in failed.items()}
     if finished.any():
         state.live[rows[finished]] = False
         out.any_finished = True

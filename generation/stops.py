@@ -26,15 +26,17 @@ class StopMatcher:
         self.tokenizer, self.stops = tokenizer, tuple(stop_strings)
         self.window = max(len(s) for s in self.stops) + 1  # tokens of text that can hold a match
         self.ids = list(prompt)[-self.window:]
+        self._decoded = self._text(self.ids)  # the text of self.ids: the next token's `before`
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def add(self, token: int) -> bool:
-        """Whether `token` completes one of the stop strings."""
-        before = self._text(self.ids)
+        """Whether `token` completes one of the stop strings. A step decodes the window once (and
+        the token alone): the window before the token is the text the previous step decoded."""
+        before = self._decoded
         self.ids = (self.ids + [int(token)])[-self.window - 1:]
-        text = self._text(self.ids)
+        text = self._decoded = self._text(self.ids)
         start = len(before) if text.startswith(before) else len(text) - len(self._text([int(token)]))
         for stop in self.stops:
             if stop in text[max(0, start - len(stop) + 1):]:

@@ -27,6 +27,7 @@ from .context import Context
 from .generate import Generated, check_seeds, generate
 from .longform import Segment, decode_windows, run_encoder, window_frames
 from .seq2seq import EncoderOutputs, encode_audio, encode_pixels, encode_text
+from .settings import SettingError
 from .text import model_tokenizer
 
 
@@ -119,21 +120,23 @@ def whisper_prompts(ctx: Context, encoder: EncoderOutputs, language=None, task: 
         else:
             languages = [language] * len(encoder) if isinstance(language, str) else list(language)
             if len(languages) != len(encoder):
-                raise ValueError(f"language: give one language, or one per clip ({len(encoder)}), not {len(languages)}")
+                raise SettingError("language", f"language: give one language, or one per clip ({len(encoder)}), "
+                                               f"not {len(languages)}")
             chosen = []
             for name in languages:
                 token = name if name in lang_to_id else f"<|{str(name).lower()}|>"
                 if token not in lang_to_id:
-                    raise ValueError(f"language {name!r} is not one of this model's: "
-                                     f"{', '.join(k.strip('<|>') for k in lang_to_id)}")
+                    raise SettingError("language", f"language {name!r:.40} is not one of this model's: "
+                                                   f"{', '.join(k.strip('<|>') for k in lang_to_id)}")
                 chosen.append(lang_to_id[token])
         task = task or "transcribe"
         if task not in task_to_id:
-            raise ValueError(f"task must be one of {', '.join(task_to_id)}, not {task!r}")
+            raise SettingError("task", f"task must be one of {', '.join(task_to_id)}, not {task!r:.40}")
         for prompt, lang in zip(prompts, chosen):
             prompt += [int(lang), int(task_to_id[task])]
     elif language is not None or task not in (None, "transcribe"):
-        raise ValueError(f"{ctx.model.folder} is an English-only model: language and task do not apply")
+        raise SettingError("language", f"{ctx.model.folder.name} is an English-only model: language and task do "
+                                       "not apply")
     no_timestamps = config.get("no_timestamps_token_id")
     if no_timestamps is not None and not timestamps:
         for prompt in prompts:

@@ -183,12 +183,13 @@ def chat_images(conversations) -> list[list]:
     return out
 
 
-def chat_ids(model, conversations, images: Images | None, add_generation_prompt: bool = True) -> list[list[int]]:
+def chat_ids(model, conversations, images: Images | None, add_generation_prompt: bool = True,
+             variables: dict | None = None) -> list[list[int]]:
     """Each conversation's token ids as transformers 4.57 `processor.apply_chat_template(...,
     tokenize=True)`: the folder's template rendered, each image placeholder replaced by its
     image's expansion text (in order over the batch; images None: no images), the whole text
     tokenized with the tokenizer's special tokens unless it starts with the bos token (the
-    processor's rule)."""
+    processor's rule). `variables`: more of the template's variables (render_chat)."""
     from .chat import chat_template, render_chat, special_tokens
 
     template, names = chat_template(model.folder), special_tokens(model.folder)
@@ -197,7 +198,7 @@ def chat_ids(model, conversations, images: Images | None, add_generation_prompt:
     texts = images.texts if images is not None else []
     out, index = [], 0
     for c, messages in enumerate(conversations):
-        text = render_chat(template, list(messages), names, add_generation_prompt)
+        text = render_chat(template, list(messages), names, add_generation_prompt, variables)
         pieces = text.split(placeholder) if placeholder else [text]
         text = pieces[0]
         for piece in pieces[1:]:

@@ -188,6 +188,15 @@ class ServeApps:
 
 
 @pytest.fixture(scope="session")
+def engine(serve_apps, load_model):
+    """(model, tokenizer) of the real app's model, loaded here: the engine alone, to compare with."""
+    from generation.text import model_tokenizer
+
+    model = load_model(serve_apps.real_model)
+    return model, model_tokenizer(model)
+
+
+@pytest.fixture(scope="session")
 def serve_apps(test_models):
     """One Ray instance for the whole session (RAY.md: ~9 s to start): three applications."""
     import os

@@ -189,7 +189,7 @@ def test_prompt_lookup_requests_equal_plain_decoding_in_fewer_steps(monkeypatch)
     from test_assisted import GREEDY, grounded
 
     for plan in ("plan_rows", "plan_shared"):
-        monkeypatch.setattr(budget, plan, lambda gain, counts, slots, a, b: counts)
+        monkeypatch.setattr(budget, plan, lambda gain, counts, slots, a, b, most=None: counts)
 
     model = generation.load(default_model_path(), threads=1)
     ctx = generation.context(model, max_new_tokens=30, **GREEDY)

@@ -60,11 +60,12 @@ def test_chat_prompt_and_logprobs(fake):
     (dict(prompt=""), "prompt", "prompt is empty"),
     (dict(prompt=[10**6]), "prompt", "not a token id"),
     (dict(prompt="a", logprobs=9), "logprobs", "at most 5 alternatives"),
-    (dict(prompt="a", settings={"max_new_tokens": 5000}), "max_tokens", "exceed the context of 4096"),
-    (dict(prompt="a", settings={"temperature": -1}), "temperature", "temperature must be a positive number"),
+    (dict(prompt="a", settings={"max_new_tokens": 5000}), "settings.max_new_tokens", "exceed the context of 4096"),
+    (dict(prompt="a", settings={"temperature": -1}), "settings.temperature", "temperature must be a positive number"),
+    (dict(prompt="a", stop_token_ids=[10**6]), "stop_token_ids", "stop_token_ids names token id"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages.0.content.0", "text parts only"),
 ])
-def test_refusals_name_the_field(fake, request_, field, message):
+def test_refusals_name_the_generate_requests_field(fake, request_, field, message):
     with pytest.raises(RequestError, match=message) as info:
         collect(fake, **request_)
     assert info.value.field == field

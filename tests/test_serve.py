@@ -21,22 +21,14 @@ import numpy as np
 import pytest
 
 import generation
-from deployments.fake import CharTokenizer, fake_tokens
+from deployments.fake import fake_tokens
 from deployments.schema import GenerateChunk, GenerateRequest, GenerateResponse
-from generation.text import model_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 def fake_text(prompt: str, seed: int = 0, **settings) -> str:
     return "".join(map(chr, fake_tokens([ord(c) for c in prompt], seed, settings)))
-
-
-@pytest.fixture(scope="module")
-def engine(serve_apps, load_model):
-    """The engine alone, with the real app's settings."""
-    model = load_model(serve_apps.real_model)
-    return model, model_tokenizer(model)
 
 
 def alone(engine, prompt: str, seed: int, **settings) -> str:

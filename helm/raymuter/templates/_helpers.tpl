@@ -111,6 +111,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   value: "1"
 - name: RAY_SERVE_USE_GRPC_BY_DEFAULT
   value: "1"
+- name: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH   # requests up to app.args.max_body_bytes between deployments
+  value: "67108864"
 {{- end }}
 {{- if .Values.app.apiKeySecret.name }}
 - name: RAYMUTER_API_KEY

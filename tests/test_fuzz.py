@@ -1,0 +1,68 @@
+"""A schema fuzz of the served OpenAPI document (schemathesis): whatever a client sends that the
+document allows (positive) or nearly allows (negative), the server answers without a 5xx and
+within a time limit, and its answers match the document's response schemas. Bounded examples
+per route and mode, so it fits the CI budget; `bench/fuzz.py` runs a longer fuzz (every phase,
+every check) against any running server.
+
+The real app (the tiny llama-genai model, 4 slots) takes the JSON routes. The cases come from
+schemathesis' strategies and run under hypothesis directly: its pytest plugin reads node
+internals that pytest 9.2 no longer has.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.generation.modes import GenerationMode
+from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
+
+EXAMPLES = 25  # per route, method and mode
+TIMEOUT = 30  # seconds an answer may take
+
+
+@pytest.fixture(scope="module")
+def operations(serve_apps):
+    document = httpx.get(serve_apps.real + "/openapi.json", timeout=30).json()
+    # the one model this server serves, so that valid bodies get past the model check and run
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+        document["components"]["schemas"][name]["properties"]["model"] = {"const": "tiny"}
+    schema = schemathesis.openapi.from_dict(document)
+    found = {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if operation.path.startswith("/v1/audio"):
+            continue  # multipart: the speech app's, fuzzed by bench/fuzz.py
+        found[f"{operation.method.upper()} {operation.path}"] = operation
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
+            "GET /v1/models", "GET /v1/models/{model_id}", "GET /health", "GET /version", "GET /metrics"} <= set(found)
+    return found
+
+
+ROUTES = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
+          "GET /v1/models/{model_id}"]
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+@pytest.mark.parametrize("route", ROUTES)
+def test_no_request_near_the_document_gets_a_server_error(operations, serve_apps, route, mode):
+    if mode == GenerationMode.NEGATIVE and route == "GET /v1/models/{model_id}":
+        pytest.skip("a path parameter is any text: there is no request the document does not allow")
+    operation = operations[route]
+    seen = []
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def check(case):
+        response = case.call(base_url=serve_apps.real, timeout=TIMEOUT)
+        seen.append(response.status_code)
+        case.validate_response(response, checks=[not_a_server_error, response_schema_conformance,
+                                                 content_type_conformance])
+
+    check()
+    assert seen and all(status < 500 for status in seen)
+    if mode == GenerationMode.POSITIVE and route != "GET /v1/models/{model_id}":
+        assert any(status == 200 for status in seen) or route == "POST /detokenize", seen

@@ -1,0 +1,87 @@
+"""deployments/haproxy.py: the wrapper Ray Serve runs as its HAProxy binary, on the configuration
+Ray Serve itself writes (no Ray started: its HAProxyApi renders the file).
+
+Invariant: the wrapper binds the stats page and the Prometheus frontend to the serving host,
+makes the admin socket mode 600 and its folder 700, and the real HAProxy accepts the result
+(`haproxy -c`); it runs the real binary with Ray's arguments unchanged; a configuration it does
+not know stops it with a message, before any HAProxy runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from deployments import haproxy
+
+STATS, METRICS = 18404, 19101
+
+
+def ray_config(folder: Path, host: str) -> Path:
+    """The HAProxy configuration Ray Serve 2.60 writes for Serve on `host`, no application yet."""
+    from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
+    from ray.serve.config import HTTPOptions
+
+    cfg = HAProxyConfig(http_options=HTTPOptions(host=host, port=8123), socket_path=str(folder / "admin.sock"),
+                        metrics_socket_path=str(folder / "metrics.sock"), server_state_file=str(folder / "server-state"),
+                        stats_port=STATS, metrics_port=METRICS)
+    HAProxyApi(cfg=cfg, config_file_path=str(folder / "haproxy.cfg"))._generate_config_file_internal()
+    return folder / "haproxy.cfg"
+
+
+def wrapped(args, host: str, binary: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **haproxy.environment(host, binary)}
+    return subprocess.run([env["RAY_SERVE_HAPROXY_BINARY_PATH"], *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=30)
+
+
+@pytest.mark.parametrize("host, bound", [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "*")])
+def test_stats_and_metrics_listen_on_the_serving_host_and_the_sockets_are_private(tmp_path, host, bound):
+    config = ray_config(tmp_path / "node", host)
+    assert "mode 666" in config.read_text()  # guard: what Ray writes
+    done = wrapped(["-c", "-f", config], host, haproxy.real_binary())
+    assert done.returncode == 0, done.stdout + done.stderr  # the real HAProxy takes the rewritten file
+    text = config.read_text()
+    assert re.search(rf"^listen stats\n\s*bind {re.escape(bound)}:{STATS}$", text, re.M)
+    assert re.search(rf"^frontend prometheus\n\s*bind {re.escape(bound)}:{METRICS}$", text, re.M)
+    assert re.search(r"^\s*stats socket \S+ mode 600 level admin", text, re.M) and "mode 666" not in text
+    assert stat.S_IMODE(config.parent.stat().st_mode) == 0o700
+    again = wrapped(["-c", "-f", config], host, haproxy.real_binary())  # a reload rewrites a rewritten file
+    assert again.returncode == 0 and config.read_text() == text
+
+
+def test_the_real_binary_gets_ray_s_arguments(tmp_path):
+    config = ray_config(tmp_path / "node", "127.0.0.1")
+    fake = tmp_path / "haproxy"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    args = ["-db", "-f", str(config), "-dR", "-sf", "123", "456"]
+    done = wrapped(args, "127.0.0.1", str(fake))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == args  # CONFIG stays in the command line, where Ray looks for it
+
+
+def test_a_configuration_it_does_not_know_stops_it(tmp_path):
+    config = tmp_path / "haproxy.cfg"
+    config.write_text("global\n    stats socket /tmp/x.sock mode 666 level admin\nfrontend f\n    bind :80\n")
+    before = config.read_text()
+    ran = tmp_path / "ran"
+    fake = tmp_path / "haproxy"
+    fake.write_text(f"#!/bin/sh\ntouch {ran}\n")
+    fake.chmod(0o755)
+    done = wrapped(["-db", "-f", config], "127.0.0.1", str(fake))
+    assert done.returncode == 1
+    assert "a Ray Serve template deployments/haproxy.py does not know" in done.stderr
+    assert config.read_text() == before and not ran.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["haproxy", "haproxy.cfg"]  # no temporary file left
+
+
+def test_the_host_must_be_an_address():
+    assert haproxy.bind_host("::") == "*" and haproxy.bind_host("::1") == "::1"
+    with pytest.raises(ValueError, match="--host must be an IP address or a host name, not 'a b'"):
+        haproxy.bind_host("a b")
