@@ -44,12 +44,17 @@ def wrapped(args, host: str, binary: str) -> subprocess.CompletedProcess:
 def test_stats_and_metrics_listen_on_the_serving_host_and_the_sockets_are_private(tmp_path, host, bound):
     config = ray_config(tmp_path / "node", host)
     assert "mode 666" in config.read_text()  # guard: what Ray writes
+    # an application's backend, as Ray writes one per app (none without apps)
+    config.write_text(config.read_text() + "backend demo\n    log global\n    http-reuse always\n")
     done = wrapped(["-c", "-f", config], host, haproxy.real_binary())
     assert done.returncode == 0, done.stdout + done.stderr  # the real HAProxy takes the rewritten file
     text = config.read_text()
     assert re.search(rf"^listen stats\n\s*bind {re.escape(bound)}:{STATS}$", text, re.M)
     assert re.search(rf"^frontend prometheus\n\s*bind {re.escape(bound)}:{METRICS}$", text, re.M)
     assert re.search(r"^\s*stats socket \S+ mode 600 level admin", text, re.M) and "mode 666" not in text
+    # each request its own server connection: a client's close reaches the replica (a leaving client cancels)
+    assert "http-reuse always" not in text and re.search(r"^\s*http-reuse never$", text, re.M)
+    assert len(re.findall(r"^\s*timeout client-fin 1s$", text, re.M)) == 1
     assert stat.S_IMODE(config.parent.stat().st_mode) == 0o700
     again = wrapped(["-c", "-f", config], host, haproxy.real_binary())  # a reload rewrites a rewritten file
     assert again.returncode == 0 and config.read_text() == text
