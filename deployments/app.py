@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from generation.cli import version
+
 from .decoder import Overloaded, RequestError
 from .http import (RETRY_AFTER_SECONDS, answers, body_limit, body_of, check_length, client_gone, install_error_handlers,
                    merged_streams, openapi_document, read_json, request_id, server_error)
@@ -269,16 +271,7 @@ class Decoder:
 
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("raymuter")
-    except PackageNotFoundError:  # a checkout run without installing
-        return "0+unknown"
-
-
-api = FastAPI(title="Raymuter", version=_version(), docs_url=None, redoc_url=None, openapi_url=None,
+api = FastAPI(title="Raymuter", version=version(), docs_url=None, redoc_url=None, openapi_url=None,
               description="OpenAI-style generation over ONNX models on Ray Serve. Every route but /health "
                           "needs the API key (Authorization: Bearer KEY) when the server has one.")
 install_error_handlers(api)

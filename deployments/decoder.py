@@ -59,13 +59,10 @@ def fingerprint(*configuration) -> str:
     """OpenAI's system_fingerprint: Raymuter's version and what the model runs with, hashed."""
     import hashlib
     import json
-    from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        release = version("raymuter")
-    except PackageNotFoundError:
-        release = "unknown"
-    digest = hashlib.sha256(json.dumps([release, *configuration], default=str).encode()).hexdigest()
+    from generation.cli import version
+
+    digest = hashlib.sha256(json.dumps([version(), *configuration], default=str).encode()).hexdigest()
     return f"fp_{digest[:12]}"
 
 
@@ -223,9 +220,6 @@ class TextGenerator:
                 raise RequestError(f"{name}: this server gives at most {self.max_logprobs} alternatives per token "
                                    f"(asked {asked})" if self.max_logprobs >= 0 else
                                    f"{name}: this server runs without log-probabilities", name)
-        if request.prompt_logprobs is not None and (self.is_seq2seq or self.takes_images):
-            raise RequestError("prompt_logprobs: the prompt's log-probabilities are given for decoder-only text "
-                               "models", "prompt_logprobs")
         settings = dict(request.settings)
         if request.stop_token_ids:
             settings["eos_token_id"] = [*self._eos(settings), *request.stop_token_ids]

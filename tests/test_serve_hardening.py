@@ -280,3 +280,13 @@ def test_echo_with_logprobs_streams_and_token_id_prompts(serve_apps):
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
     offsets = [o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
     assert offsets == [0, 1, 2, 3, 4]  # they run on across chunks
+
+
+def test_echo_is_refused_by_name_where_the_prompt_is_not_the_completions_start(serve_apps):
+    out = httpx.post(serve_apps.translate + "/v1/completions", json=dict(model="marian", prompt="a b", echo=True),
+                     timeout=30)
+    assert out.status_code == 400 and out.json()["error"]["param"] == "echo"
+    out = httpx.post(serve_apps.vision + "/v1/completions", json=dict(model="qwen", prompt="a b", echo=True,
+                                                                      logprobs=1, max_tokens=2), timeout=30)
+    assert out.status_code == 400 and out.json()["error"]["param"] == "echo", out.text
+    assert "echo with logprobs" in out.json()["error"]["message"]
