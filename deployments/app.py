@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import time
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -88,7 +89,7 @@ def _typed(request) -> GenerateRequest:
     try:
         return GenerateRequest.model_validate(request)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e.errors(include_url=False)) from None
 
 
 def _refusal(error: Exception) -> dict:
@@ -344,7 +345,7 @@ class Ingress:
             try:
                 request = TranscriptionRequest.model_validate(request or {})
             except ValidationError as e:
-                raise validation_error(e) from None
+                raise validation_error(e.errors(include_url=False)) from None
         if self.encoder is None:
             card = await self._model_card()
             raise ApiError(400, f"model: '{card['id']}' does not take audio", param="model")
@@ -456,8 +457,7 @@ class Ingress:
         return await self._audio(request, "translate")
 
     async def _audio(self, request: Request, task: str):
-        route = request.url.path
-        try:
+        with self._counted(request):
             self._authorize(request)
             check_length(request, self.max_body)
             try:
@@ -488,10 +488,6 @@ class Ingress:
                 raise ApiError(413, f"the file has {len(data)} bytes; this server takes at most {self.max_body}",
                                code="body_too_large")
             result = await self.transcribe(data, fields, getattr(upload, "filename", None) or "file")
-            self.metrics.requests.labels(route=route, status="200").inc()
-        except ApiError as e:
-            self.metrics.requests.labels(route=route, status=str(e.status)).inc()
-            raise
         if response_format == "text":
             return PlainTextResponse(result.text)
         if response_format == "verbose_json":
@@ -527,19 +523,24 @@ class Ingress:
     async def _route(self, request: Request, kind, run, prefix: str = "req-"):
         """A JSON route: authorized, its body validated into `kind`, the model checked when
         named, then `run(body, card, request id)`; counted in the metrics."""
-        route, rid = request.url.path, request_id(prefix)
-        try:
+        with self._counted(request):
             self._authorize(request)
             body = parse(kind, await read_json(request, self.max_body))
             card = await self._model_card()
             if getattr(body, "model", None) is not None:
                 self._check_model(body.model, card)
-            out = await run(body, card, rid)
+            return await run(body, card, request_id(prefix))
+
+    @contextmanager
+    def _counted(self, request: Request):
+        """The request in raymuter:http_requests_total by route and status (an ApiError's, else 200)."""
+        route = request.url.path
+        try:
+            yield
         except ApiError as e:
             self.metrics.requests.labels(route=route, status=str(e.status)).inc()
             raise
         self.metrics.requests.labels(route=route, status="200").inc()
-        return out
 
     async def _openai(self, request: Request, kind, chat: bool):
         async def run(body, card, rid):

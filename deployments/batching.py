@@ -45,7 +45,7 @@ import numpy as np
 from generation import assisted, limits
 from generation.generate import check_prompts, check_seeds
 from generation.prompt_logprobs import prompt_logprobs
-from generation.settings import SettingError
+from generation.settings import SettingError, check_integer
 from generation.state import row_tokens
 
 log = logging.getLogger(__name__)
@@ -262,9 +262,7 @@ class ContinuousBatcher:
         if max_new < 1:
             raise SettingError("prompt", f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
         if prompt_logprobs is not None:
-            if not _integer(prompt_logprobs) or not 0 <= prompt_logprobs <= limits.MAX_LOGPROBS:
-                raise SettingError("prompt_logprobs", f"prompt_logprobs must be an integer from 0 to "
-                                                      f"{limits.MAX_LOGPROBS}, not {prompt_logprobs!r:.40}")
+            check_integer("prompt_logprobs", prompt_logprobs, 0, limits.MAX_LOGPROBS)
             if self.ctx.model.is_seq2seq or self.ctx.model.graph.has_inputs_embeds:
                 raise SettingError("prompt_logprobs", "prompt_logprobs: the prompt's log-probabilities are given "
                                                       "for decoder-only text models")
@@ -520,10 +518,6 @@ def _logprobs_of(out, row: int) -> tuple:
         return None, None
     top = None if out.top is None else list(zip(out.top_ids[row].tolist(), out.top[row].tolist()))
     return float(out.logprob[row]), top
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class QueueFull(RuntimeError):

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .openai_api import ApiError, check_json, field_path
+from .openai_api import ApiError, check_json, validation_error
 
 logger = logging.getLogger("ray.serve")  # into the replica's log, with Serve's request id
 RETRY_AFTER_SECONDS = 1
@@ -55,10 +55,8 @@ def server_error(request_id_: str, what: str, error: BaseException | str | None 
                          f"under request id {request_id_}", kind="server_error", code=request_id_)
 
 
-def error_response(error: ApiError, request_id_: str | None = None) -> JSONResponse:
+def error_response(error: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 503 else {}
-    if request_id_:
-        headers["x-request-id"] = request_id_
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -89,9 +87,9 @@ def install_error_handlers(api: FastAPI) -> None:
 
     @api.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError):
-        first = error.errors()[0]
-        field = field_path([p for p in first["loc"] if p not in ("body", "path", "query")])
-        return error_response(ApiError(400, f"{field}: {first['msg']}" if field else first["msg"], param=field))
+        where = ("body", "path", "query")  # FastAPI's parts of a request, not its fields
+        return error_response(validation_error([{**e, "loc": [p for p in e["loc"] if p not in where]}
+                                                for e in error.errors()]))
 
     @api.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception):

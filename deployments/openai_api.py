@@ -428,11 +428,10 @@ def field_path(loc) -> str | None:
     return ".".join(parts) or None
 
 
-def validation_error(error: ValidationError) -> ApiError:
-    """The first problem of a pydantic error as an ApiError naming its field. Where a union
-    failed on every member, a member's specific complaint (a string too long) beats "not a
-    valid string"; where all are type mismatches, they are listed together."""
-    errors = error.errors(include_url=False)
+def validation_error(errors: list[dict]) -> ApiError:
+    """The first problem of pydantic's errors (`ValidationError.errors()`) as an ApiError naming
+    its field. Where a union failed on every member, a member's specific complaint (a string too
+    long) beats "not a valid string"; where all are type mismatches, they are listed together."""
     field = field_path(errors[0]["loc"])
     same = [e for e in errors if field_path(e["loc"]) == field or
             (field_path(e["loc"]) or "").startswith(f"{field}.")]
@@ -454,7 +453,7 @@ def parse(kind: type[BaseModel], body: dict):
     try:
         return kind.model_validate(body)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e.errors(include_url=False)) from None
 
 
 # -- the engine's settings ------------------------------------------------------------------------------
