@@ -10,9 +10,9 @@ The decode-state verbs (`new_state`, `prefill`, `insert`, `step`, `release`) are
 builds continuous batching on.
 """
 
-from .beam import Hypothesis, beam_search
+from .beam import Hypothesis
 from .context import Context, compile, context
-from .generate import Generated, generate
+from .generate import Generated, beam_search, generate
 from .model import Model, ModelError, load
 from .settings import SettingError, Settings
 from .state import DecodeState, Prefix, StepTokens, admit, advance, insert, new_state, prefill, release, step

@@ -1,8 +1,10 @@
-"""Beam search as transformers 4.57 `_beam_search`, over a batch of prompts in every cache mode.
+"""Beam search as transformers 4.57 `_beam_search`, as rows of a shared decode state.
 
-The beams of prompt p are rows p, P + p, 2P + p, ... of the batch (P prompts, B = num_beams
-rows each: the first beams are rows 0..P-1, so the prompts prefill as one batch); all start from
-that prefill, copied, and only the first beam counts at first (the others score -1e9). Each step, per prompt (`_step` below, written as transformers' helpers):
+A beam request (`BeamGroup`) holds num_beams = B slots of the scheduler's DecodeState; its
+prompt is prefilled once, copied into the other slots, and only the first beam counts at first
+(the others score -1e9). Its rows run in the same model run as every other row of the batch;
+`advance_groups` then takes each group's logits through one step (`_step` below, written as
+transformers' helpers), per request:
 
   1. scores = processors(log_softmax(logits)) per row (the sampling warpers too, when
      sampling, keeping 1 + the eos count tokens), plus the row's running score;
@@ -16,7 +18,7 @@ that prefill, copied, and only the first beam counts at first (the others score 
   5. a prompt stops when no running beam can beat its worst hypothesis (early_stopping False:
      at the current length; "never": at the longest length for a positive length_penalty), when
      it has B hypotheses (early_stopping True), or when every candidate ended. A stopped
-     prompt's rows run as padding until every prompt stops.
+     request's slots are freed at once.
 
 Scores are float32 as in transformers; the per-token log-probabilities are those of the step's
 processed scores before the beam's score is added (compute_transition_scores with beam_indices).
@@ -24,19 +26,14 @@ processed scores before the beam's score is added (compute_transition_scores wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cache import new_cache
-from .context import Context
-from .processors import RowSettings, apply
-from .prompts import run_prompts
-from .seq2seq import run_first_steps
+from .processors import apply
 from .rng import uniforms
 from .selection import SamplingRows, log_softmax, top_k_candidates, warp
 from .settings import Settings
-from .state import _encoder_ids, prompt_inputs
 
 LOST = np.float32(-1e9)  # transformers' score of a beam or hypothesis that must not be chosen
 FLOOR = np.finfo(np.float32).min  # a removed token's score, in place of -inf
@@ -97,119 +94,143 @@ def check_beam_settings(settings: list[Settings]) -> int:
     return beams.pop()
 
 
-def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],
-                settings: list[Settings] | None = None, encoder=None) -> list[list[Hypothesis]]:
-    """The best `num_return_sequences` hypotheses of each prompt, best first (empty prompts: []).
+@dataclass(eq=False)
+class BeamGroup:
+    """One beam request in a DecodeState: its B slots (local row r is `slots[r]`), where its
+    prompt ends and its rows stop, its random state, and the search's host side. `phys` [1, B]
+    gives the local row of each beam, best first; its rows hold `cur` tokens."""
 
-    prompts and seeds as `generate` checks them; settings: one per prompt (default: the
-    context's), all with the same num_beams; encoder: an encoder-decoder model's EncoderOutputs,
-    one row per prompt (a prompt's beams share its source, whose cross cache never moves), or
-    a vision-language model's vision.PromptImages."""
-    settings = settings or [ctx.settings] * len(prompts)
-    beams = check_beam_settings(settings)
-    results: list[list[Hypothesis]] = [[] for _ in prompts]
-    order = [i for i, p in enumerate(prompts) if p and settings[i].new_tokens_for(len(p)) > 0]
-    if not order:
-        return results
-    size = ctx.batch_size or len(order)
-    for start in range(0, len(order), size):  # more prompts than the compiled batch: one batch after another
-        chunk = order[start:start + size]
-        part = None if encoder is None else encoder.take(chunk)
-        for i, hypotheses in zip(chunk, _search(ctx, [prompts[i] for i in chunk], [seeds[i] for i in chunk],
-                                                [settings[i] for i in chunk], beams, part)):
-            results[i] = hypotheses
-    return results
+    slots: np.ndarray  # [B] int64
+    settings: Settings
+    prompt_length: int
+    limit: int
+    seed: np.ndarray  # [1] uint64
+    beams: _Beams
+    phys: np.ndarray  # [1, B]
+    cur: int
+    draws: np.ndarray = field(default_factory=lambda: np.zeros(1, np.uint64))
+
+    @property
+    def width(self) -> int:
+        return len(self.slots)
+
+    def hypotheses(self) -> list[Hypothesis]:
+        """The best num_return_sequences finished hypotheses, best first."""
+        count = min(self.settings.num_return_sequences, self.width)
+        return [_hypothesis(self.beams.finished[0][b], float(self.beams.finished_scores[0, b]), self.settings)
+                for b in range(count)]
 
 
-def _search(ctx: Context, run: list[list[int]], seeds: list[int], run_settings: list[Settings],
-            beams: int, encoder=None) -> list[list[Hypothesis]]:
-    """beam_search over non-empty prompts that each may get a token."""
-    model, vocab = ctx.model, ctx.model.vocab_size
-    count, rows = len(run), len(run) * beams
-    length = np.array([len(p) for p in run], np.int64)
-    limit = np.minimum(length + np.array([s.new_tokens_for(len(p)) for s, p in zip(run_settings, run)]),
-                       ctx.max_position)
-    capacity = int(limit.max())
-    cache = new_cache(model, ctx.cache_mode, rows, capacity, ctx.max_position)
-    first = np.arange(count)  # beam 0 of each prompt
-    owner = np.tile(np.arange(count), beams)  # the prompt of each row
-    encoder_ids = _encoder_ids(ctx, run, encoder)
-    if hasattr(cache, "prefill"):
-        last = cache.prefill(first.tolist(), run, ctx.prompt_steps, ctx.settings.pad_token_id)
-    elif model.is_seq2seq:
-        last, prompt_rows = run_first_steps(model, run, encoder)
-        for p, slot in enumerate(first.tolist()):
-            cache.insert(slot, prompt_rows[p], len(run[p]))
-    else:
-        prompt_cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, run,
-                                   ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, run, encoder))
-        last = prompt_cache.last_logits
-        for p, slot in enumerate(first.tolist()):
-            cache.insert(slot, prompt_cache.rows[p], len(run[p]))
-    for b in range(1, beams):
-        cache.copy_rows((first + b * count).tolist(), first.tolist(), int(length.max()))
+def new_group(slots, settings: Settings, prompt_length: int, limit: int, seed: int) -> BeamGroup:
+    """A search that starts from a prompt of `prompt_length` tokens in `slots` (all hold it)."""
+    width = len(slots)
+    running = np.where(np.arange(width) == 0, np.float32(0), LOST)[None].astype(np.float32)
+    beams = _Beams(running=running, finished_scores=np.full((1, width), LOST, np.float32),
+                   finished_flags=np.zeros((1, width), bool), finished=[[None] * width],
+                   improvable=np.ones(1, bool), live=np.ones(1, bool))
+    return BeamGroup(np.asarray(slots, np.int64), settings, prompt_length, limit, np.array([seed], np.uint64),
+                     beams, np.arange(width)[None], prompt_length)
 
-    row_settings = RowSettings(rows, vocab)
-    tokens = np.zeros((rows, capacity), np.int64)
-    for p, (prompt, s) in enumerate(zip(run, run_settings)):
-        for b in range(beams):
-            row_settings.set_row(b * count + p, s, len(prompt), int(limit[p]), encoder_ids=encoder_ids[p])
-            tokens[b * count + p, :len(prompt)] = prompt
-    row_settings.min_keep[:] = np.maximum(2, 1 + (row_settings.eos >= 0).sum(axis=1))  # beams keep a non-eos token
-    sampling = SamplingRows.of(row_settings)
-    keep_logprobs = ctx.token_logprobs
-    logprob = np.zeros((rows, capacity), np.float32) if keep_logprobs else None
-    seeds_p = np.array(seeds, np.uint64)
-    draws = np.zeros(count, np.uint64)
-    state = _Beams(running=np.where(np.arange(beams) == 0, np.float32(0), LOST)[None].repeat(count, 0).astype(np.float32),
-                   finished_scores=np.full((count, beams), LOST, np.float32),
-                   finished_flags=np.zeros((count, beams), bool),
-                   finished=[[None] * beams for _ in range(count)],
-                   improvable=np.ones(count, bool), live=np.ones(count, bool))
-    logits = np.tile(last, (beams, 1))
-    phys = np.arange(beams)[None, :] * count + first[:, None]  # [P, B] the row of each prompt's j-th best beam
-    cur = length.copy()  # tokens in each prompt's rows
-    lengths = length[owner]  # valid cache rows of each row
-    while state.live.any():
-        processed = apply(log_softmax(logits.astype(np.float32, copy=False)), row_settings, tokens, cur[owner],
-                          ctx.processors, length[owner], inplace=True)
-        if sampling.do_sample.any():
-            processed = np.where(sampling.do_sample[:, None], warp(processed, sampling), processed)
-        if sampling.renormalize.any():
-            processed = np.where(sampling.renormalize[:, None], log_softmax(processed), processed)
-        np.maximum(processed, FLOOR, out=processed)
-        step_logprob = log_softmax(processed) if keep_logprobs else None
-        was_live = state.live.copy()
-        source, new_tokens, new_logprobs = _step(state, processed, phys, run_settings, row_settings, cur, length,
-                                                 limit, beams, tokens, logprob, step_logprob, seeds_p, draws)
-        draws += np.uint64(beams * vocab)
-        for slot in np.flatnonzero((was_live & ~state.live)[owner]).tolist():
-            cache.release(slot)  # a stopped prompt's rows run as padding from now on
-        if not state.live.any():
-            break
-        phys, dst, src = _place(phys, source.reshape(count, beams), state.live)
-        if dst:
-            if model.is_seq2seq:  # a prompt's beams share its source: the cross cache stays
-                cache.copy_rows(dst, src, int(cur.max()), shared_cross=True)
-            else:
-                cache.copy_rows(dst, src, int(cur.max()))
-            tokens[dst] = tokens[src]
-            if logprob is not None:
-                logprob[dst] = logprob[src]
-        live = np.repeat(state.live, beams)
-        where, at = phys.reshape(-1)[live], np.repeat(cur, beams)[live]
-        tokens[where, at] = new_tokens[live]
+
+def beam_min_keep(settings: Settings) -> int:
+    """The tokens a beam row's warpers keep at least: one that is not an eos token."""
+    return max(2, 1 + len(settings.eos_token_id))
+
+
+def advance_groups(ctx, state, groups: list[BeamGroup], logits: list[np.ndarray]
+                   ) -> tuple[list[BeamGroup], dict]:
+    """One step of each group from its rows' logits ([B, V] each, in local row order), in place
+    on `state` (a DecodeState): its new tokens, its rows moved to their beams' sources (only
+    the rows that move, only their valid part), its next inputs. Returns the groups that stopped
+    and those whose own part failed ({group: exception}); the slots of both still hold their
+    rows (the caller frees them). A group's failure (its processors, warpers or draw) leaves
+    the other groups as if it had not been there."""
+    try:
+        parts = _scores(ctx, state, groups, logits)
+    except Exception:  # noqa: BLE001 - someone's settings: each group on its own finds out whose
+        parts = []
+        for group, group_logits in zip(groups, logits):
+            try:
+                parts += _scores(ctx, state, [group], [group_logits])
+            except Exception as e:  # noqa: BLE001 - this group's own failure
+                parts.append(e)
+    stopped, failed = [], {}
+    for group, part in zip(groups, parts):
+        if isinstance(part, Exception):
+            failed[group] = part
+            continue
+        try:
+            if _advance(ctx, state, group, *part):
+                stopped.append(group)
+        except Exception as e:  # noqa: BLE001 - this group's own failure
+            failed[group] = e
+    return stopped, failed
+
+
+def _scores(ctx, state, groups: list[BeamGroup], logits: list[np.ndarray]) -> list[tuple]:
+    """Each group's (processed scores [B, V], their log-softmax or None, eos [1, E], sampled):
+    the processors over log_softmax(logits), then the sampling warpers, for all groups' rows
+    at once (no state changes)."""
+    rows = np.concatenate([g.slots for g in groups])
+    key = (rows.tobytes(), state.settings.version)
+    if state.beam_settings is None or state.beam_settings[0] != key:  # taken again only when rows moved
+        state.beam_settings = (key, state.settings.take(rows))
+    settings = state.beam_settings[1]
+    cur = np.concatenate([np.full(g.width, g.cur, np.int64) for g in groups])
+    prompt_length = np.concatenate([np.full(g.width, g.prompt_length, np.int64) for g in groups])
+    scores = np.concatenate(logits).astype(np.float32, copy=False)
+    processed = apply(log_softmax(scores), settings, state.tokens[rows], cur, ctx.processors, prompt_length,
+                      inplace=True)
+    sampling = SamplingRows.of(settings)
+    if sampling.do_sample.any():
+        processed = np.where(sampling.do_sample[:, None], warp(processed, sampling), processed)
+    if sampling.renormalize.any():
+        processed = np.where(sampling.renormalize[:, None], log_softmax(processed), processed)
+    np.maximum(processed, FLOOR, out=processed)
+    step_logprob = log_softmax(processed) if state.logprob is not None else None
+    parts, at = [], 0
+    for g in groups:
+        local = slice(at, at + g.width)
+        parts.append((processed[local], None if step_logprob is None else step_logprob[local],
+                      settings.eos[at:at + 1], bool(settings.do_sample[at])))
+        at += g.width
+    return parts
+
+
+def _advance(ctx, state, g: BeamGroup, processed: np.ndarray, step_logprob, eos: np.ndarray, sampled: bool) -> bool:
+    """`advance_groups` for one group; True when its search stopped."""
+    slots, width = g.slots, g.width
+    logprob = state.logprob
+
+    def prefix(row: int):  # the new tokens (and their log-probabilities) of a local row so far
+        slot = slots[row]
+        tokens = state.tokens[slot, g.prompt_length:g.cur].tolist()
+        return tokens, None if logprob is None else logprob[slot, g.prompt_length:g.cur].tolist()
+
+    source, new_tokens, new_logprobs = _step(
+        g.beams, processed, g.phys, [g.settings], eos, np.array([sampled]), np.array([g.cur]),
+        np.array([g.prompt_length]), np.array([g.limit]), width, prefix, step_logprob, g.seed, g.draws)
+    g.draws += np.uint64(width * processed.shape[1])
+    if not g.beams.live[0]:
+        return True
+    g.phys, dst, src = _place(g.phys, source.reshape(1, width), g.beams.live)
+    if dst:
+        to, fro = slots[dst], slots[src]
+        if ctx.model.is_seq2seq:  # a request's beams share its source: the cross cache stays
+            state.cache.copy_rows(to.tolist(), fro.tolist(), g.cur, shared_cross=True)
+        else:
+            state.cache.copy_rows(to.tolist(), fro.tolist(), g.cur)
+        state.tokens[to] = state.tokens[fro]
         if logprob is not None:
-            logprob[where, at] = new_logprobs[live]
-        cache.token_input[:] = ctx.settings.pad_token_id
-        cache.token_input[where] = new_tokens[live]
-        lengths = np.zeros(rows, np.int64)
-        lengths[where] = at
-        cur = cur + state.live
-        logits = cache.decode(lengths)
-
-    return [[_hypothesis(state.finished[p][b], float(state.finished_scores[p, b]), run_settings[p])
-             for b in range(min(run_settings[p].num_return_sequences, beams))] for p in range(count)]
+            logprob[to] = logprob[fro]
+    where = slots[g.phys[0]]  # the slot of each beam, best first
+    state.tokens[where, g.cur] = new_tokens
+    if logprob is not None:
+        logprob[where, g.cur] = new_logprobs
+    state.next_input[where] = new_tokens
+    state.lengths[where] = g.cur
+    g.cur += 1
+    return False
 
 
 def _place(phys: np.ndarray, source: np.ndarray, live: np.ndarray):
@@ -241,20 +262,20 @@ def _hypothesis(entry, score: float, settings: Settings) -> Hypothesis:
     return Hypothesis(new, score, logprobs)
 
 
-def _step(state: _Beams, processed: np.ndarray, phys: np.ndarray, settings: list[Settings], rows: RowSettings,
-          cur: np.ndarray, prompt_length: np.ndarray, limit: np.ndarray, beams: int, tokens: np.ndarray, logprob,
+def _step(state: _Beams, processed: np.ndarray, phys: np.ndarray, settings: list[Settings], eos: np.ndarray,
+          sampled: np.ndarray, cur: np.ndarray, prompt_length: np.ndarray, limit: np.ndarray, beams: int, prefix,
           step_logprob, seeds: np.ndarray, draws: np.ndarray):
     """One step of every live prompt, in place on `state`; returns the source row, the token and
-    its log-probability of each next beam, [P * B] in beam order. `phys` [P, B]: each beam's row.
+    its log-probability of each next beam, [P * B] in beam order. `phys` [P, B]: each beam's row
+    of `processed`; eos [P, E] and sampled [P] per prompt; prefix(row) -> (new tokens, their
+    log-probabilities or None) of a row so far.
     Written after transformers' _get_top_k_continuations, _get_running_beams_for_next_iteration,
     _update_finished_beams and _check_early_stop_heuristic."""
     count, vocab = len(cur), processed.shape[1]
-    eos = rows.eos[phys[:, 0]]  # per prompt (its rows share settings)
     eos_count = (eos >= 0).sum(axis=1)
     keep = int(np.max(np.maximum(2, 1 + eos_count))) * beams
     accumulated = (processed[phys.reshape(-1)].reshape(count, beams, vocab)
                    + state.running[:, :, None]).reshape(count, beams * vocab)
-    sampled = rows.do_sample[phys[:, 0]]
     pick = _best(accumulated, keep)
     if sampled.any():
         where = np.flatnonzero(sampled)
@@ -294,10 +315,10 @@ def _step(state: _Beams, processed: np.ndarray, phys: np.ndarray, settings: list
                 kept.append(state.finished[p][j])
             elif just_finished[p, j - beams]:
                 c, row = j - beams, int(source_row[p, j - beams])
-                new = tokens[row, prompt_length[p]:cur[p]].tolist() + [int(token[p, c])]
-                lps = None
+                new, lps = prefix(row)
+                new = new + [int(token[p, c])]
                 if step_logprob is not None:
-                    lps = logprob[row, prompt_length[p]:cur[p]].tolist() + [float(step_logprob[row, token[p, c]])]
+                    lps = lps + [float(step_logprob[row, token[p, c]])]
                 kept.append((new, lps))
             else:
                 kept.append(None)

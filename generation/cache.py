@@ -489,7 +489,8 @@ class GrowCache(_Cache):
         that holds no row yet joins the group of its source."""
         def join(group, joining):  # placeholder rows, written below
             group["slots"] = group["slots"] + [d for d, _ in joining]
-            group["past"] = {name: np.concatenate([array, array[:len(joining)]]) for name, array in group["past"].items()}
+            fill = np.zeros(len(joining), np.int64)  # any row of the group's shape
+            group["past"] = {name: np.concatenate([array, array[fill]]) for name, array in group["past"].items()}
 
         for group, into, take in moves_by_group(self.groups, dst, src, join):
             for array in group["past"].values():

@@ -19,16 +19,15 @@ transformers' returned sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
 
 from .context import Context
-from .generate import Generated, generate
 from .rng import derived_seed
 from .seq2seq import EncoderOutputs
-from .whisper import TIME_PRECISION, split_segments, timestamp_processor
+from .whisper import TIME_PRECISION, split_segments
 
 INPUT_STRIDE = 2  # log-mel frames per encoder position (Whisper's second convolution has stride 2)
 
@@ -54,9 +53,9 @@ def window_frames(ctx: Context) -> int:
     return INPUT_STRIDE * positions
 
 
-def timestamp_context(ctx: Context) -> Context:
-    """`ctx` with Whisper's timestamp rules as the first custom processor: after the suppress
-    processors and before the user's, where Whisper's generate puts them."""
+def timestamp_rules(ctx: Context) -> tuple[int, int, int]:
+    """The model's (no_timestamps_token_id, eos, max_initial_timestamp_index or -1): what a
+    timestamped row's `Settings.timestamp_rules` holds (processors.timestamps applies them)."""
     config = ctx.model.generation_config
     no_timestamps, eos = config.get("no_timestamps_token_id"), config.get("eos_token_id", config.get("bos_token_id"))
     if not isinstance(no_timestamps, int):
@@ -64,14 +63,83 @@ def timestamp_context(ctx: Context) -> Context:
                          "timestamps need it (return_timestamps)")
     if not isinstance(eos, int):
         raise ValueError(f"{ctx.model.folder}: timestamps need a single eos_token_id, not {eos!r}")
-    rules = timestamp_processor(no_timestamps, eos, config.get("max_initial_timestamp_index"))
-    return replace(ctx, processors=(rules,) + tuple(ctx.processors), spare_states=[])
+    max_initial = config.get("max_initial_timestamp_index")
+    return no_timestamps, eos, max_initial if isinstance(max_initial, int) else -1
+
+
+def timestamp_settings(ctx: Context, settings=None):
+    """`settings` (default: the context's) with Whisper's timestamp rules on."""
+    return replace(settings or ctx.settings, timestamp_rules=timestamp_rules(ctx))
+
+
+@dataclass
+class ClipWindows:
+    """One clip decoded window after window (the module docstring's loop, for one clip): the
+    next window's input frames, and `take`, which applies the seek rule to a decoded window.
+    features [n_mels, T]; max_frames: where this clip's decoding ends."""
+
+    features: np.ndarray
+    max_frames: int
+    window: int
+    begin: int  # the first timestamp token
+    prompt: list[int]
+    seed: int
+    seek: int = 0
+    count: int = 0  # windows decoded
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.seek >= self.max_frames
+
+    @property
+    def frames(self) -> int:
+        """The clip's frames in the next window (the rest is zeros)."""
+        return min(self.max_frames - self.seek, self.window)
+
+    @property
+    def window_seed(self) -> int:
+        """The next window's seed: the clip's k-th window samples from derived_seed(seed, k)."""
+        return derived_seed(self.seed, self.count)
+
+    def inputs(self) -> np.ndarray:
+        """[n_mels, window] the next window's features, zeros past the clip's end."""
+        out = np.zeros((self.features.shape[0], self.window), np.float32)
+        part = self.features[:, self.seek:self.seek + self.frames]
+        out[:, :part.shape[-1]] = part
+        return out
+
+    def take(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
+        """The decoded window's segments; seek moves past them."""
+        offset = float(self.seek) * TIME_PRECISION / INPUT_STRIDE  # in float64, in transformers' order
+        pieces, advance = split_segments(tokens, self.begin, offset, self.frames, INPUT_STRIDE)
+        for p in pieces:
+            self.segments.append(Segment(p.start, p.end, tokens[p.lo:p.hi],
+                                         None if logprobs is None else logprobs[p.lo:p.hi]))
+        self.seek += advance
+        self.count += 1
+
+
+def clip_windows(ctx: Context, features: np.ndarray, num_frames, prompts: list[list[int]],
+                 seeds: list[int]) -> list[ClipWindows]:
+    """The ClipWindows of a batch of clips (arguments as `decode_windows`)."""
+    window, total = window_frames(ctx), features.shape[-1]
+    begin = ctx.model.generation_config["no_timestamps_token_id"] + 1
+    count = len(prompts)
+    # transformers: batched long-form reads each clip's length from the attention mask; one clip,
+    # or a batch within one window, runs to the end of the features
+    long_batch = count > 1 and total > window
+    max_frames = np.asarray(num_frames, np.int64) if long_batch else np.full(count, total, np.int64)
+    return [ClipWindows(features[b], int(max_frames[b]), window, begin, list(prompts[b]), int(seeds[b]))
+            for b in range(count)]
 
 
 def decode_windows(ctx: Context, features: np.ndarray, num_frames, prompts: list[list[int]],
                    encode: Callable[[np.ndarray], EncoderOutputs], seeds: list[int],
                    first: EncoderOutputs | None = None) -> list[list[Segment]]:
-    """Each clip's segments, decoded window after window (see the module docstring).
+    """Each clip's segments, decoded window after window (see the module docstring). A window
+    is a row of one Scheduler: a clip's next window is admitted when its row ends, the seek
+    rule applied in between, so the clips' windows interleave.
 
     features: [B, n_mels, T] log-mel features (T >= one window: `audio.whisper_features`, long
     form when a clip is longer than the window); num_frames: [B] frames of each clip (its
@@ -81,37 +149,35 @@ def decode_windows(ctx: Context, features: np.ndarray, num_frames, prompts: list
     features[..., :window], when already computed (language detection): a clip whose first
     window is those frames reuses them.
     """
-    window, total = window_frames(ctx), features.shape[-1]
-    begin = ctx.model.generation_config["no_timestamps_token_id"] + 1
-    decoding = timestamp_context(ctx)
-    count = len(prompts)
-    # transformers: batched long-form reads each clip's length from the attention mask; one clip,
-    # or a batch within one window, runs to the end of the features
-    long_batch = count > 1 and total > window
-    max_frames = np.asarray(num_frames, np.int64) if long_batch else np.full(count, total, np.int64)
-    seek = np.zeros(count, np.int64)
-    windows = np.zeros(count, np.int64)
-    segments: list[list[Segment]] = [[] for _ in range(count)]
-    while (seek < max_frames).any():
-        active = np.flatnonzero(seek < max_frames)
-        frames = np.minimum(max_frames - seek, window)[active]
-        inputs = np.zeros((len(active), features.shape[1], window), np.float32)  # zeros past a clip's end
-        for j, b in enumerate(active):
-            part = features[b, :, seek[b]:seek[b] + frames[j]]
-            inputs[j, :, :part.shape[-1]] = part
-        encoder = _encode(encode, inputs, active, frames == window, None if windows.any() else first)
-        rows = generate(decoding, [prompts[b] for b in active],
-                        seeds=[derived_seed(seeds[b], int(windows[b])) for b in active], encoder=encoder)
-        for j, b in enumerate(active):
-            tokens, logprobs = (rows[j].tokens, rows[j].logprobs) if isinstance(rows[j], Generated) else (rows[j], None)
-            offset = float(seek[b]) * TIME_PRECISION / INPUT_STRIDE  # in float64, in transformers' order
-            pieces, advance = split_segments(tokens, begin, offset, int(frames[j]), INPUT_STRIDE)
-            for p in pieces:
-                segments[b].append(Segment(p.start, p.end, tokens[p.lo:p.hi],
-                                           None if logprobs is None else logprobs[p.lo:p.hi]))
-            seek[b] += advance
-        windows[active] += 1
-    return segments
+    from .scheduler import Job, Scheduler
+
+    clips = clip_windows(ctx, features, num_frames, prompts, seeds)
+    settings = timestamp_settings(ctx)
+    budget = max(settings.new_tokens_for(len(c.prompt)) for c in clips)
+    capacity = max(len(c.prompt) for c in clips) + budget
+    if ctx.model.max_context:
+        capacity = min(capacity, ctx.model.max_context)
+    slots = min(ctx.batch_size or len(clips), len(clips)) * settings.num_beams
+    scheduler = Scheduler(ctx, slots, capacity, stream=False)
+    ready = [b for b, c in enumerate(clips) if not c.done]
+    while ready or scheduler.busy:
+        if ready:  # the next windows of the clips whose last one just ended, encoded together
+            inputs = np.stack([clips[b].inputs() for b in ready])
+            whole = np.array([clips[b].frames == clips[b].window for b in ready])
+            reuse = first if first is not None and all(clips[b].count == 0 for b in ready) else None
+            encoder = _encode(encode, inputs, np.array(ready), whole, reuse)
+            for j, b in enumerate(ready):
+                clip = clips[b]
+                scheduler.add(Job(clip.prompt, clip.window_seed, settings, settings.new_tokens_for(len(clip.prompt)),
+                                  encoder.take([j]), key=b))
+            ready = []
+        for job in scheduler.step()[1]:
+            if job.error is not None:
+                raise job.error
+            clips[job.key].take(job.tokens, job.logprobs)
+            if not clips[job.key].done:
+                ready.append(job.key)
+    return [c.segments for c in clips]
 
 
 def run_encoder(encode: Callable[[np.ndarray], EncoderOutputs], windows: np.ndarray) -> EncoderOutputs:

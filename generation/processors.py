@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .settings import Settings
+from .whisper import apply_timestamp_rules, timestamp_history
 
 NEG_INF = np.float32(-np.inf)
 
@@ -316,6 +317,7 @@ class RowSettings:
         self.remove_invalid = np.zeros(n, bool)
         self.decay_start, self.decay_factor = np.full(n, -1, i64), np.ones(n, np.float64)
         self.begin_index = np.full(n, -1, i64)
+        self.timestamp_rules = np.full((n, 3), -1, i64)  # Whisper's (no_timestamps, eos, max_initial); -1: off
         self.eos = np.full((n, 1), -1, i64)
         self.limit = np.zeros(n, i64)
         self.lookup_tokens = np.zeros(n, i64)  # prompt_lookup_num_tokens (0: off); assisted.py
@@ -351,6 +353,7 @@ class RowSettings:
         self.min_p[i] = 0 if s.min_p is None else s.min_p
         self.typical_p[i], self.epsilon[i], self.eta[i] = s.typical_p, s.epsilon_cutoff, s.eta_cutoff
         self.renormalize[i] = s.renormalize_logits
+        self.min_keep[i] = 1  # a beam search raises its rows' (beam.beam_min_keep)
         self.repetition_penalty[i] = s.repetition_penalty
         self.encoder_repetition_penalty[i] = s.encoder_repetition_penalty
         self.no_repeat_ngram[i], self.encoder_no_repeat_ngram[i] = s.no_repeat_ngram_size, s.encoder_no_repeat_ngram_size
@@ -379,6 +382,7 @@ class RowSettings:
         self._set_mask("begin_mask", i, s.begin_suppress_tokens)
         first = prompt_length + (1 if prompt_length == 1 and s.forced_bos_token_id is not None else 0)
         self.begin_index[i] = first if s.begin_suppress_tokens else -1
+        self.timestamp_rules[i] = s.timestamp_rules or (-1, -1, -1)
 
     def _set_mask(self, name: str, i: int, tokens) -> None:
         if tokens:
@@ -439,7 +443,22 @@ class RowSettings:
                     or (self.minimum > 0).any() or (self.forced_bos >= 0).any() or (self.forced_eos >= 0).any()
                     or self.remove_invalid.any() or (self.decay_start >= 0).any() or (self.begin_index >= 0).any()
                     or self.one_token_bias is not None or self.bad_mask is not None
-                    or self.suppress_mask is not None or any(self.bias_rules) or any(self.bad_rules))
+                    or self.suppress_mask is not None or any(self.bias_rules) or any(self.bad_rules)
+                    or (self.timestamp_rules[:, 0] >= 0).any())
+
+
+def timestamps(scores: np.ndarray, rules: np.ndarray, history: np.ndarray, length: np.ndarray,
+               prompt_length: np.ndarray, inplace: bool = False) -> np.ndarray:
+    """WhisperTimeStampLogitsProcessor on the rows whose `rules` [n, 3] (no_timestamps_token_id,
+    eos, max_initial_timestamp_index or -1) are on (first entry >= 0; one model's, so alike);
+    each row's new tokens are history[i, prompt_length[i]:length[i]]."""
+    out = scores if inplace else scores.copy()
+    on = np.flatnonzero(rules[:, 0] >= 0)
+    no_timestamps, eos, max_initial = rules[on[0]].tolist()
+    states = np.stack([timestamp_history(history[i, prompt_length[i]:length[i]].tolist(), no_timestamps + 1)
+                       for i in on.tolist()])
+    out[on] = apply_timestamp_rules(out[on], states, no_timestamps, eos, None if max_initial < 0 else max_initial)
+    return out
 
 
 def row_views(history: np.ndarray, length: np.ndarray, prompt_length: np.ndarray, vocab: int) -> list[dict]:
@@ -483,6 +502,8 @@ def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np
         suppress(out, rows.suppress_mask, inplace=True)
     if rows.begin_mask is not None:
         suppress(out, rows.begin_mask, length == rows.begin_index, inplace=True)
+    if (rows.timestamp_rules[:, 0] >= 0).any():  # where Whisper's generate puts them: before the user's
+        timestamps(out, rows.timestamp_rules, history, length, prompt_length, inplace=True)
     if custom:
         views = row_views(history, length, prompt_length, rows.vocab)
         for state, process in custom:

@@ -10,6 +10,9 @@ state (seed and draw count). Buffers are reused in place from step to step.
     state = insert(ctx, prefix, state, slots)    # into free slots of a running batch
     state, out = step(ctx, state)                # one token for every live slot
     state = release(ctx, state, slot)            # free a finished or cancelled slot
+
+A beam search request holds num_beams slots as one group (`admit_beams`); `step` runs its rows
+in the same model run as the others and moves them as transformers' `_beam_search` does.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .beam import BeamGroup, advance_groups, beam_min_keep, new_group
 from .cache import new_cache
 from .context import Context
 from .processors import RowSettings, apply
@@ -33,8 +37,8 @@ from .vision import check_images
 @dataclass(slots=True)
 class StepTokens:
     """What one step gave: per row, the new token (-1 where the row has none: no live row, or
-    an eos token) and whether the row finished at this step. `failed` maps the rows whose own
-    part of the step raised (their processors, warpers or draw, their stop strings) to the
+    an eos token) and whether the row finished at this step. `failed` maps the rows (and the
+    first slots of beam searches, which leave the state at once) whose own part of the step raised (their processors, warpers or draw, their stop strings) to the
     exception: such a row is finished, has no token, and the other rows went on as if it had
     not been there (a failure of the model's run raises instead: it is every row's)."""
 
@@ -45,6 +49,7 @@ class StepTokens:
     top_ids: np.ndarray | None = None  # [B, k] the step's k most likely tokens (with top_logprobs)
     top: np.ndarray | None = None  # [B, k] their log-probabilities
     failed: dict = field(default_factory=dict)  # row -> the exception that ended it
+    beams: dict = field(default_factory=dict)  # first slot -> the BeamGroup of a beam search that stopped
 
 
 @dataclass
@@ -99,6 +104,8 @@ class DecodeState:
     fast: bool = False  # every slot live, greedy, unprocessed, at most one eos id: the lean step applies
     any_stops: bool = False  # a live row has stop strings
     lean: bool = True  # the context allows the lean step (no log-probabilities, no custom processors)
+    groups: dict = field(default_factory=dict)  # first slot -> BeamGroup: beam searches (their slots are used, not live)
+    beam_settings: tuple | None = None  # (key, RowSettings) of the groups' rows, taken once per change
     _settings_of: int = -1  # the settings.version live_settings was taken at
 
     @property
@@ -411,8 +418,11 @@ def _undone_on_error(ctx: Context, state: DecodeState, slots: list[int]):
         yield
     except BaseException:
         for slot in slots:
-            if state.used[slot]:
-                release(ctx, state, slot)
+            group = state.groups.get(slot)
+            if group is not None:
+                _free_group(ctx, state, group)
+            elif state.used[slot]:
+                _free(ctx, state, slot)
             else:
                 state.cache.release(slot)
         state.refresh()
@@ -443,17 +453,79 @@ def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], see
     return state, prefix.first
 
 
+def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: list[list[int]], encoder=None
+                 ) -> np.ndarray:
+    """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
+    token is chosen (the caller's search does that)."""
+    model = ctx.model
+    if hasattr(state.cache, "prefill"):
+        return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id)
+    if model.is_seq2seq:
+        last, rows = run_first_steps(model, prompts, encoder)
+    else:
+        cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
+                            ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, prompts, encoder))
+        last, rows = cache.last_logits, cache.rows
+    for j, slot in enumerate(slots):
+        state.cache.insert(slot, rows[j], len(prompts[j]))
+    return last
+
+
+def admit_beams(ctx: Context, state: DecodeState, slots, prompt: list[int], seed: int, settings: Settings,
+                max_new: int, encoder=None) -> tuple[DecodeState, BeamGroup | None]:
+    """Start a beam search of `settings.num_beams` beams over free `slots` (one per beam): the
+    prompt runs once, its cache is copied into the other slots, and the search takes its first
+    step on the prompt's last logits. Returns the state and the group when it stopped at that
+    first step (its slots are free again; `group.hypotheses()` are its results), else None:
+    the group then steps with every `step` until a step reports it in `StepTokens.beams`.
+    encoder: the request's EncoderOutputs or PromptImages (one row)."""
+    slots = [int(s) for s in slots]
+    if len(slots) != settings.num_beams:
+        raise ValueError(f"slots: a search of {settings.num_beams} beams needs as many slots, not {len(slots)}")
+    _check_slots(state, [prompt] * len(slots), slots)
+    length = len(prompt)
+    limit = min(length + max_new, ctx.max_position, state.capacity)
+    encoder_ids = _encoder_ids(ctx, [prompt], encoder)[0]
+    with _undone_on_error(ctx, state, slots):
+        last = fill_prompts(ctx, state, slots[:1], [prompt], encoder)
+        if len(slots) > 1:
+            state.cache.copy_rows(slots[1:], slots[:1] * (len(slots) - 1), length)
+        for slot in slots:
+            state.tokens[slot, :length] = prompt
+            state.lengths[slot], state.prompt_length[slot], state.limit[slot] = length, length, limit
+            state.used[slot] = True
+            state.settings.set_row(slot, settings, length, limit, encoder_ids=encoder_ids)
+            state.settings.min_keep[slot] = beam_min_keep(settings)
+            if state.logprob is not None:
+                state.logprob[slot] = np.nan
+        group = new_group(slots, settings, length, limit, seed)
+        state.groups[slots[0]] = group
+        stopped, failed = advance_groups(ctx, state, [group], [np.repeat(last[:1], len(slots), axis=0)])
+        if failed:
+            raise failed[group]
+        if stopped:
+            _free_group(ctx, state, group)
+    state.refresh()
+    return state, group if stopped else None
+
+
 def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
     """One token for every live slot: run the decoder on each row's last token, choose the next.
 
     The returned StepTokens are over all slots; free and finished slots run as padding rows.
     """
     rows = state.live_rows
-    if not rows.size:
+    if not rows.size and not state.groups:
         return state, StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
     if state.fast:
         return _greedy_steps(state, 1)
-    scores = state.cache.decode(state.lengths)[rows]  # [n, V]
+    logits = state.cache.decode(state.lengths)
+    stopped, lost = _step_groups(ctx, state, logits) if state.groups else ({}, {})
+    if not rows.size:
+        state.refresh()
+        return state, StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool), failed=lost,
+                                 beams=stopped)
+    scores = logits[rows]  # [n, V]
     position = state.lengths[rows] + 1  # the new token's index in the row
     history = state.tokens if rows.size == state.slots else state.tokens[rows]
     tokens, lp, failed = select_rows(ctx, scores, state.live_settings, state.processes, history, position,
@@ -467,7 +539,21 @@ def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
             state.top_ids[rows, position], state.top[rows, position] = lp.top_ids, lp.top
     state.lengths[rows] = position
     state.next_input[rows] = tokens
-    return state, with_logprobs(_settle(state, rows, tokens, position, failed), rows, state.slots, lp)
+    out = with_logprobs(_settle(state, rows, tokens, position, failed), rows, state.slots, lp)
+    out.beams = stopped
+    out.failed.update(lost)
+    return state, out
+
+
+def _step_groups(ctx: Context, state: DecodeState, logits: np.ndarray) -> tuple[dict, dict]:
+    """The beam groups' step on their rows of this run's `logits` [B, V]. The groups that
+    stopped, and those whose own part failed, leave the state (their slots are free): returns
+    ({first slot: stopped group}, {first slot: exception})."""
+    groups = list(state.groups.values())
+    stopped, failed = advance_groups(ctx, state, groups, [logits[g.slots] for g in groups])
+    for g in stopped + list(failed):
+        _free_group(ctx, state, g)
+    return {int(g.slots[0]): g for g in stopped}, {int(g.slots[0]): e for g, e in failed.items()}
 
 
 def advance(ctx: Context, state: DecodeState, max_steps: int) -> tuple[DecodeState, StepTokens]:
@@ -523,13 +609,26 @@ def release(ctx: Context, state: DecodeState, slot: int) -> DecodeState:
     """Free `slot` (a finished row, or a live one whose client went away)."""
     if not 0 <= slot < state.slots:
         raise ValueError(f"slot {slot} is outside this state's {state.slots} slots")
+    if slot in state.groups:  # a beam search's first slot: all its slots
+        _free_group(ctx, state, state.groups[slot])
+    else:
+        _free(ctx, state, slot)
+    state.refresh()
+    return state
+
+
+def _free(ctx: Context, state: DecodeState, slot: int) -> None:
     state.cache.release(slot)
     state.live[slot] = state.used[slot] = False
     state.stops[slot] = None
     state.lengths[slot] = 0
     state.next_input[slot] = ctx.settings.pad_token_id
-    state.refresh()
-    return state
+
+
+def _free_group(ctx: Context, state: DecodeState, group: BeamGroup) -> None:
+    state.groups.pop(int(group.slots[0]), None)
+    for slot in group.slots.tolist():
+        _free(ctx, state, slot)
 
 
 def row_logprobs(state: DecodeState, slot: int):

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .context import Context
-from .generate import Generated, check_seeds, generate
+from .generate import Generated, generate
+from .inputs import check_seeds
 from .longform import Segment, decode_windows, run_encoder, window_frames
 from .seq2seq import EncoderOutputs, encode_audio, encode_pixels, encode_text
 from .settings import SettingError

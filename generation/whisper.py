@@ -26,7 +26,7 @@ FRAME_PRECISION = 0.01  # seconds per log-mel frame
 
 def timestamp_history(generated: list[int], begin: int) -> np.ndarray:
     """What the rules read of a row's new tokens (oldest first): [count, last, penultimate, last
-    timestamp], -1 where there is none. The custom processor's per-row state."""
+    timestamp], -1 where there is none (what processors.timestamps reads per row)."""
     stamps = [t for t in generated if t >= begin]
     return np.array([len(generated), generated[-1] if generated else -1,
                      generated[-2] if len(generated) > 1 else -1, stamps[-1] if stamps else -1], np.int64)
@@ -72,18 +72,6 @@ def apply_timestamp_rules(scores: np.ndarray, history: np.ndarray, no_timestamps
         text_best = logp[:, :begin].max(axis=1)
         out[stamp_logp > text_best, :begin] = NEG_INF
     return out
-
-
-def timestamp_processor(no_timestamps: int, eos: int, max_initial: int | None = None):
-    """The rules as a context's custom processor (state, process): `processors.CustomProcessor`."""
-    begin = no_timestamps + 1
-
-    def state(row: dict) -> np.ndarray:
-        return timestamp_history(row["generated"][::-1], begin)
-
-    def process(scores: np.ndarray, states: np.ndarray) -> np.ndarray:
-        return apply_timestamp_rules(scores, states, no_timestamps, eos, max_initial)
-    return state, process
 
 
 @dataclass(frozen=True)

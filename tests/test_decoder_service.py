@@ -165,7 +165,7 @@ def test_a_generator_with_a_draft_model(test_models, load_model):
     generator = TextGenerator.from_model(args["model"], slots=2, threads=1, draft=args["draft"], max_new_tokens=12,
                                          **args["settings"])
     try:
-        assert generator.batcher.ctx.draft is not None and generator.batcher._draft.num_tokens == 3
+        assert generator.batcher.ctx.draft is not None and generator.batcher.scheduler.assistant.num_tokens == 3
         chunks = collect(generator, prompt="The list")
         model = load_model(test_models["llama-genai"])
         ids = model_tokenizer(model).encode("The list").ids

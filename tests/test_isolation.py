@@ -225,6 +225,8 @@ def test_prompt_lookup_rows_fail_alone_in_a_verify_step(test_models, load_model,
 def test_a_failed_model_run_ends_that_steps_rows_and_the_loop_goes_on(test_models, load_model, monkeypatch):
     model = load_model(test_models["llama-genai"])
     ctx = generation.context(model, max_new_tokens=30, eos_token_id=[])
+    from generation import scheduler
+
     real, calls = generation.step, []
 
     def step(ctx, state):
@@ -233,7 +235,7 @@ def test_a_failed_model_run_ends_that_steps_rows_and_the_loop_goes_on(test_model
             raise Boom("the run")
         return real(ctx, state)
 
-    monkeypatch.setattr(generation, "step", step)
+    monkeypatch.setattr(scheduler, "step", step)  # the scheduler's model run
     batcher = ContinuousBatcher(ctx, slots=4, capacity=64)
     try:
         running = [batcher.submit(p, seed=i) for i, p in enumerate(PROMPTS[:2])]
@@ -251,6 +253,8 @@ class Fatal(BaseException):
 
 
 def test_every_request_gets_an_answer_even_when_the_loop_dies(test_models, load_model, monkeypatch):
+    from generation import scheduler
+
     model = load_model(test_models["llama-genai"])
     ctx = generation.context(model, max_new_tokens=200, eos_token_id=[])
     batcher = ContinuousBatcher(ctx, slots=1, capacity=256)
@@ -259,7 +263,7 @@ def test_every_request_gets_an_answer_even_when_the_loop_dies(test_models, load_
         running = batcher.submit([5, 6, 7])
         next(running.stream(timeout=30))
         waiting = batcher.submit([8, 9])
-        monkeypatch.setattr(generation, "step", lambda ctx, state: (_ for _ in ()).throw(Fatal()))
+        monkeypatch.setattr(scheduler, "step", lambda ctx, state: (_ for _ in ()).throw(Fatal()))
         for request in (running, waiting):
             done = request.result(timeout=30)
             assert (done.finish_reason, done.status) == ("error", 500), done
