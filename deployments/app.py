@@ -30,7 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from generation.cli import version
 
-from .decoder import Overloaded, RequestError
+from .errors import Overloaded, RequestError
 from .http import (RETRY_AFTER_SECONDS, answers, body_limit, body_of, check_length, client_gone, install_error_handlers,
                    merged_streams, openapi_document, read_json, request_id, server_error)
 from .metrics import IngressMetrics

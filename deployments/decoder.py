@@ -24,24 +24,13 @@ from generation.stops import cut_at_stop
 from generation.text import Detokenizer
 
 from .batching import ContinuousBatcher, QueueFull
+from .errors import Overloaded, RequestError
 from .metrics import DecoderMetrics
 from .schema import (GenerateChunk, GenerateRequest, GenerateResponse, ModelCard, Segment, TokenLogprob, Tokenized,
                      Transcription, TranscriptionRequest)
 
 
 logger = logging.getLogger("ray.serve")  # into the replica's log, with Serve's request id
-
-
-class RequestError(ValueError):
-    """A request the decoder refuses: `field` names the GenerateRequest's field that was wrong
-    ("prompt", "messages.0.content.1", "settings.top_k"; HTTP 400)."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-    def __reduce__(self):  # crosses Ray's process boundary intact
-        return type(self), (str(self), self.field)
 
 
 def refusal(error: ValueError, request: GenerateRequest) -> RequestError:
@@ -77,10 +66,6 @@ def request_field(request: GenerateRequest, setting: str | None) -> str | None:
     if setting == "eos_token_id" and request.stop_token_ids and "eos_token_id" not in request.settings:
         return "stop_token_ids"
     return f"settings.{setting}"
-
-
-class Overloaded(RuntimeError):
-    """The decoder's queue is full (HTTP 503 with Retry-After)."""
 
 
 class TextGenerator:

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .decoder import RequestError
-from .encoder import FeatureCache
+from .errors import RequestError
+from .feature_cache import FeatureCache
 from .metrics import EncoderMetrics
 
 
