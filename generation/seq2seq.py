@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import _Cache, moves_by_group
+from .cache_base import BaseCache, moves_by_group
 from .graph import ORT_TYPES, DecoderGraph
 
 
@@ -131,7 +131,7 @@ def run_first_steps(model, prompts: list[list[int]], encoder: EncoderOutputs):
     return last, rows
 
 
-class Seq2SeqCache(_Cache):
+class Seq2SeqCache(BaseCache):
     """The decoder cache of an encoder-decoder model, in groups of rows of one decoder length
     (as the grow mode): each group holds its decoder cache, its cross cache and encoder hidden
     states padded to the group's longest source, and the source mask. The cross cache never
