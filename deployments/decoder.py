@@ -97,6 +97,7 @@ class TextGenerator:
         (num_assistant_tokens and its schedule from `settings`)."""
         import generation
         from generation.chat import chat_template, special_tokens
+        from generation.model import config_texts
         from generation.text import model_tokenizer
 
         spin_wait = draft is None  # the draft's runs come between the model's (generation.load)
@@ -113,9 +114,7 @@ class TextGenerator:
                         "encoder-decoder" if model.is_seq2seq else "decoder", stream_interval)
         generator.defaults = dict(settings)
         generator.takes_images = model.vision_session is not None
-        generator.fingerprint = fingerprint(name, batcher.capacity, slots, dict(settings), *(
-            (Path(model.folder) / f).read_text() for f in ("config.json", "generation_config.json")
-            if (Path(model.folder) / f).is_file()))
+        generator.fingerprint = fingerprint(name, batcher.capacity, slots, dict(settings), *config_texts(model))
         return generator
 
     takes_images = False
