@@ -1,5 +1,5 @@
-"""Encoder and vision replies by content hash, so a repeated source, clip window or image is
-encoded once; shared by the encoder and vision replicas (deployments/encoder.py, vision.py)."""
+"""The encoder and vision replicas' cache (deployments/encoder.py, vision.py), in a module of its
+own so that neither replica's module imports the other's."""
 
 from __future__ import annotations
 
