@@ -31,7 +31,7 @@ def start_server(model: str | None, api_key: str | None) -> tuple[subprocess.Pop
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "generation.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "deployments.cli", "serve", "--port", str(port)]
     command += ["--model", model] if model else []
     command += ["--api-key", api_key] if api_key else []
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}

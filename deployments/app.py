@@ -30,7 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from generation.cli import version
 
-from .decoder import Overloaded, RequestError
+from .errors import Overloaded, RequestError
 from .http import (RETRY_AFTER_SECONDS, answers, body_limit, body_of, check_length, client_gone, install_error_handlers,
                    merged_streams, openapi_document, read_json, request_id, server_error)
 from .metrics import IngressMetrics
@@ -775,14 +775,13 @@ def app_kind(cfg: AppConfig) -> str:
 
 
 def model_kind(cfg: AppConfig) -> str:
-    """text, encoder-decoder or vision: what the model folder (or hub repository) holds."""
-    if cfg.engine != "onnx":
+    """text, encoder-decoder or vision: what the model folder (or hub repository) holds, as the
+    engine reads it (generation.model.model_kind); the fake engine and the default model: text."""
+    if cfg.engine != "onnx" or cfg.model is None:
         return "text"
-    if _is_encoder_decoder(cfg.model):
-        return "encoder-decoder"
-    if _has_vision_encoder(cfg.model):
-        return "vision"
-    return "text"
+    import generation.model
+
+    return generation.model.model_kind(cfg.model)
 
 
 def application(cfg: AppConfig, kind: str):
@@ -797,36 +796,6 @@ def application(cfg: AppConfig, kind: str):
     if kind == "vision":
         return Ingress.bind(decoder.bind(config), config, None, Vision.bind(config))
     return Ingress.bind(decoder.bind(config), config)
-
-
-def _has_vision_encoder(model: str | None) -> bool:
-    """A vision-language folder (onnx-community layout): onnx/vision_encoder*.onnx."""
-    from pathlib import Path
-
-    if model is None:
-        return False
-    if not Path(model).is_dir():
-        from huggingface_hub import list_repo_files
-
-        return any(Path(f).name.startswith("vision_encoder") for f in list_repo_files(model))
-    return any(Path(model).glob("onnx/vision_encoder*.onnx")) or any(Path(model).glob("vision_encoder*.onnx"))
-
-
-def _is_encoder_decoder(model: str | None) -> bool:
-    """config.json's is_encoder_decoder (for a hub id, config.json alone is fetched)."""
-    if model is None:
-        return False
-    from pathlib import Path
-
-    path = Path(model) / "config.json"
-    if Path(model).is_dir():
-        if not path.is_file():
-            return False  # an onnxruntime-genai folder: decoder-only
-    else:
-        from huggingface_hub import hf_hub_download
-
-        path = Path(hf_hub_download(model, "config.json"))
-    return bool(json.loads(path.read_text()).get("is_encoder_decoder"))
 
 
 def _cluster_has_gpu() -> bool:

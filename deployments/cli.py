@@ -1,4 +1,6 @@
-"""`raymuter serve`: a local Ray, the application on it, the URL printed, Ctrl-C to stop.
+"""The `raymuter` command: `raymuter generate` (the engine's, generation/cli.py) and `raymuter
+serve`: a local Ray, the application on it, the URL printed, Ctrl-C to stop. It lives here, in the
+serving layer, because it composes both; the engine never imports deployments.
 
 The model and the port are checked before Ray starts; SIGINT and SIGTERM stop it however it was
 launched; with a loopback --host, nothing of it listens beyond loopback (deployments/loopback.py,
@@ -7,8 +9,10 @@ deployments/haproxy.py). On a cluster, use cluster/serve.yaml with `serve run` /
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
+import logging
 import os
 import signal
 import socket
@@ -51,8 +55,6 @@ def port_number(text: str) -> int:
     except ValueError:
         port = 0
     if not 1 <= port <= 65535:
-        import argparse
-
         raise argparse.ArgumentTypeError(f"a port is an integer in 1-65535, not {text!r}")
     return port
 
@@ -119,8 +121,6 @@ def use_serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1") -> 
 
 
 def argparse_hidden():
-    import argparse
-
     return argparse.SUPPRESS
 
 
@@ -288,3 +288,42 @@ def start(args, config: dict, local_only: bool) -> None:
           f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{name}\", \"prompt\": \"The list type\", \"max_tokens\": 40}}'",
           file=sys.stderr)
+
+
+def parser() -> argparse.ArgumentParser:
+    """`raymuter`'s arguments: --version, `generate` (generation.cli's), `serve` (add_arguments)."""
+    from generation.cli import HelpFormatter, add_generate_command, version
+
+    root = argparse.ArgumentParser(prog="raymuter", description="Generate with ONNX models, exactly as transformers.")
+    root.add_argument("--version", action="version", version=f"raymuter {version()}")
+    commands = root.add_subparsers(dest="command", required=True)
+    add_generate_command(commands)
+    add_arguments(commands.add_parser("serve", help="serve a model over HTTP (OpenAI-style routes) on a local Ray",
+                                      formatter_class=HelpFormatter))
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `raymuter` console script (pyproject.toml): exit status 2 with the message for bad input."""
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="[raymuter] %(message)s")
+    try:
+        if args.command == "serve":
+            from importlib.util import find_spec
+
+            # find_spec, not import: serve_command first sets the environment Ray reads at import
+            if find_spec("ray") is None:
+                print("raymuter: error: serving needs the serve extra (pip install 'raymuter[cpu,serve]')",
+                      file=sys.stderr)
+                return 2
+            return serve_command(args)
+        from generation.cli import generate_command
+
+        return generate_command(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"raymuter: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

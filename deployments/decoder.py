@@ -24,24 +24,13 @@ from generation.stops import cut_at_stop
 from generation.text import Detokenizer
 
 from .batching import ContinuousBatcher, QueueFull
+from .errors import Overloaded, RequestError
 from .metrics import DecoderMetrics
 from .schema import (GenerateChunk, GenerateRequest, GenerateResponse, ModelCard, Segment, TokenLogprob, Tokenized,
                      Transcription, TranscriptionRequest)
 
 
 logger = logging.getLogger("ray.serve")  # into the replica's log, with Serve's request id
-
-
-class RequestError(ValueError):
-    """A request the decoder refuses: `field` names the GenerateRequest's field that was wrong
-    ("prompt", "messages.0.content.1", "settings.top_k"; HTTP 400)."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-    def __reduce__(self):  # crosses Ray's process boundary intact
-        return type(self), (str(self), self.field)
 
 
 def refusal(error: ValueError, request: GenerateRequest) -> RequestError:
@@ -79,10 +68,6 @@ def request_field(request: GenerateRequest, setting: str | None) -> str | None:
     return f"settings.{setting}"
 
 
-class Overloaded(RuntimeError):
-    """The decoder's queue is full (HTTP 503 with Retry-After)."""
-
-
 class TextGenerator:
     """A model's generation service: tokenizer in front of a ContinuousBatcher.
 
@@ -112,6 +97,7 @@ class TextGenerator:
         (num_assistant_tokens and its schedule from `settings`)."""
         import generation
         from generation.chat import chat_template, special_tokens
+        from generation.model import config_texts
         from generation.text import model_tokenizer
 
         spin_wait = draft is None  # the draft's runs come between the model's (generation.load)
@@ -128,9 +114,7 @@ class TextGenerator:
                         "encoder-decoder" if model.is_seq2seq else "decoder", stream_interval)
         generator.defaults = dict(settings)
         generator.takes_images = model.vision_session is not None
-        generator.fingerprint = fingerprint(name, batcher.capacity, slots, dict(settings), *(
-            (Path(model.folder) / f).read_text() for f in ("config.json", "generation_config.json")
-            if (Path(model.folder) / f).is_file()))
+        generator.fingerprint = fingerprint(name, batcher.capacity, slots, dict(settings), *config_texts(model))
         return generator
 
     takes_images = False

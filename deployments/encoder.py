@@ -11,49 +11,12 @@ decoder (Ray moves the arrays between the replicas through its object store):
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections import OrderedDict
 from pathlib import Path
 
-from .decoder import RequestError
+from .errors import RequestError
+from .feature_cache import FeatureCache
 from .metrics import EncoderMetrics
-
-
-class FeatureCache:
-    """Encoder outputs by content hash, least recently used out first, bounded in bytes: a
-    repeated source, clip window or image is encoded once."""
-
-    def __init__(self, max_bytes: int = 256 * 2**20):
-        self.max_bytes, self.bytes = max_bytes, 0
-        self._items: OrderedDict[str, tuple] = OrderedDict()
-
-    @staticmethod
-    def key(*parts) -> str:
-        digest = hashlib.sha256()
-        for part in parts:
-            digest.update(part if isinstance(part, bytes) else repr(part).encode())
-            digest.update(b"\x00")
-        return digest.hexdigest()
-
-    def get(self, key: str):
-        item = self._items.get(key)
-        if item is not None:
-            self._items.move_to_end(key)
-            return item[0]
-        return None
-
-    def put(self, key: str, value, size: int) -> None:
-        if size > self.max_bytes or key in self._items:
-            return
-        self._items[key] = (value, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, (_, dropped) = self._items.popitem(last=False)
-            self.bytes -= dropped
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 class EncoderService:
@@ -85,48 +48,36 @@ class EncoderService:
     def encode_features(self, windows):
         """Whisper's encoder over log-mel windows (one row each; windows seen before come from
         the cache)."""
-        import numpy as np
-
-        from generation.seq2seq import EncoderOutputs, encode_audio
+        from generation.seq2seq import encode_audio_cached
 
         started = time.perf_counter()
-        windows = np.ascontiguousarray(windows, np.float32)
-        keys = [self.cache.key(w.shape, w.tobytes()) for w in windows]
-        hidden = [self.cache.get(k) for k in keys]
-        todo = [i for i, h in enumerate(hidden) if h is None]
-        if todo:
-            out = encode_audio(self.model, windows[todo])
-            for i, h in zip(todo, out.hidden):
-                hidden[i] = h
-                self.cache.put(keys[i], h, h.nbytes)
-        self._count(len(windows), len(todo), started)
-        return EncoderOutputs(hidden)
+        out, computed = encode_audio_cached(self.model, windows, *self._cache_by(lambda window: self.cache.key(*window)))
+        self._count(len(out), computed, started)
+        return out
+
+    def encode_text(self, sources: list):
+        """A text encoder over texts or token id lists; a source longer than the encoder's
+        positions is a RequestError naming the prompt."""
+        import generation
+        from generation.tasks import encode_sources_cached
+
+        started = time.perf_counter()
+        try:
+            out, computed = encode_sources_cached(generation.context(self.model), sources,
+                                                  *self._cache_by(lambda source: self.cache.key("text", source)))
+        except ValueError as e:
+            raise RequestError(f"prompt: {e}", "prompt") from None
+        self._count(len(sources), computed, started)
+        return out
+
+    def _cache_by(self, key):
+        """The (lookup, store) callbacks the engine's cached encoders take, over this replica's
+        cache, an item filed under `key(content)`."""
+        return (lambda content: self.cache.get(key(content)),
+                lambda content, value, size: self.cache.put(key(content), value, size))
 
     def _count(self, inputs: int, computed: int, started: float) -> None:
         self.metrics.latency.observe(time.perf_counter() - started)
         self.metrics.items.inc(inputs)
         self.metrics.cache_misses.inc(computed)
         self.metrics.cache_hits.inc(inputs - computed)
-
-    def encode_text(self, sources: list):
-        """A text encoder over texts or token id lists; a source longer than the encoder's
-        positions is a RequestError naming the prompt."""
-        import generation
-        from generation.tasks import encode_sources
-
-        from generation.seq2seq import EncoderOutputs
-
-        started = time.perf_counter()
-        keys = [self.cache.key("text", s) for s in sources]
-        cached = [self.cache.get(k) for k in keys]
-        todo = [i for i, c in enumerate(cached) if c is None]
-        if todo:
-            try:
-                out = encode_sources(generation.context(self.model), [sources[i] for i in todo])
-            except ValueError as e:
-                raise RequestError(f"prompt: {e}", "prompt") from None
-            for j, i in enumerate(todo):
-                cached[i] = (out.hidden[j], out.source_ids[j])
-                self.cache.put(keys[i], cached[i], out.hidden[j].nbytes)
-        self._count(len(sources), len(todo), started)
-        return EncoderOutputs([c[0] for c in cached], [list(c[1]) for c in cached])

@@ -17,8 +17,6 @@ import queue
 import threading
 import time
 
-import numpy as np
-
 from generation.settings import SettingError
 
 from .batching import QueueFull, Request
@@ -104,12 +102,11 @@ class FakeBatcher:
         request = Request(next(self._ids), list(prompt), seed, resolved, int(resolved.raw.get("max_new_tokens") or 8))
         request.planned = fake_tokens(prompt, seed, resolved.raw)
         if prompt_logprobs is not None:  # each prompt token after the first at -0.5, its own best alternative
-            from generation.prompt_logprobs import PromptLogprobs
+            from generation.prompt_logprobs import from_lists
 
-            rest = np.array(prompt[1:], np.int64)
+            rest = list(prompt[1:])
             request.prompt_top = prompt_logprobs
-            request.prompt_logprobs = PromptLogprobs(np.full(len(rest), -0.5, np.float32), rest[:, None],
-                                                     np.full((len(rest), 1), -0.5, np.float32))
+            request.prompt_logprobs = from_lists([-0.5] * len(rest), [[t] for t in rest], [[-0.5]] * len(rest))
         self._waiting.put(request)
         self.waiting = self._waiting.qsize()
         return request

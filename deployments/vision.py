@@ -3,7 +3,8 @@
 A vision-language model's image preprocessing and vision encoder run in their own deployment,
 scaled apart from the decoder. The ingress hands it each image of a chat request (the bytes of
 a data URL or a fetched file) and passes the reply, unopened, to the decoder, which places the
-features in the prompt (`prompt_images`). The same image twice is encoded once.
+features in the prompt (`prompt_images`). The same image twice is encoded once. The features and
+their layout are the engine's (`generation.vl_prompts.ImageFeatures`); this module only moves them.
 
     encode_image(bytes) -> ImageFeatures(the image's layout in a prompt, features [tokens, hidden])
 """
@@ -11,21 +12,11 @@ features in the prompt (`prompt_images`). The same image twice is encoded once.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from .decoder import RequestError
-from .encoder import FeatureCache
+from .errors import RequestError
+from .feature_cache import FeatureCache
 from .metrics import EncoderMetrics
-
-
-@dataclass
-class ImageFeatures:
-    """One image through the vision encoder: its layout in a prompt (a `vl_prompts.Images` of
-    one image, without its pixels) and its features (one row per image token)."""
-
-    images: object
-    features: object  # np.ndarray [tokens, hidden]
 
 
 class VisionService:
@@ -40,13 +31,11 @@ class VisionService:
         self.metrics = EncoderMetrics(self.name, "vision")
         self.cache = FeatureCache(cache_bytes)
 
-    def encode_image(self, data: bytes, name: str = "image") -> ImageFeatures:
+    def encode_image(self, data: bytes, name: str = "image"):
         """An image file's features, preprocessed as the model's transformers processor does
         (Qwen2-VL or Idefics3); the same bytes again come from the cache."""
-        import numpy as np
-
         from generation.images import load_image
-        from generation.vl_prompts import preprocess
+        from generation.vl_prompts import encode_image, preprocess
 
         started = time.perf_counter()
         self.metrics.items.inc()
@@ -60,44 +49,26 @@ class VisionService:
             images = preprocess(self.model, [load_image(bytes(data), name)])
         except ValueError as e:
             raise RequestError(f"{name}: not an image this server reads: {e}", name) from None
-        features = images.encode(self.model)
-        images.pixel_values = np.zeros(0, np.float32)  # the decoder needs the layout, not the pixels
-        out = ImageFeatures(images, features)
-        self.cache.put(key, out, features.nbytes)
+        out = encode_image(self.model, images)
+        self.cache.put(key, out, out.nbytes)
         self.metrics.cache_misses.inc()
         self.metrics.latency.observe(time.perf_counter() - started)
         return out
 
 
-def prompt_images(model, messages: list[dict], images: list[ImageFeatures], add_generation_prompt: bool = True,
+def prompt_images(model, messages: list[dict], images: list, add_generation_prompt: bool = True,
                   variables: dict | None = None):
-    """A chat prompt's token ids and its PromptImages (None without images): the model's chat
-    template rendered with `{"type": "image"}` parts (and `variables`), each placeholder replaced
-    by its image's expansion, as transformers' processor.apply_chat_template does
-    (`generation.vl_prompts`)."""
-    import numpy as np
+    """A chat prompt's token ids and its PromptImages (None without images; `images`: the
+    vl_prompts.ImageFeatures of its image parts, in order): the model's chat template rendered
+    with `{"type": "image"}` parts (and `variables`), each placeholder replaced by its image's
+    expansion, as transformers' processor.apply_chat_template does (`generation.vl_prompts`)."""
+    from generation.vl_prompts import chat_ids, join_images, placed_images
 
-    from generation.vl_prompts import chat_ids, image_inputs
-
-    joined = _joined([image.images for image in images]) if images else None
+    joined = join_images(images) if images else None
     try:
         ids = chat_ids(model, [messages], joined, add_generation_prompt, variables)[0]
     except ValueError as e:
         raise RequestError(f"messages: {e}", "messages") from None
     if joined is None:
         return ids, None
-    features = np.concatenate([image.features for image in images])
-    return ids, image_inputs(model, [ids], joined, encode=lambda *_: features)
-
-
-def _joined(parts: list):
-    """Several one-image `vl_prompts.Images` as one, in order."""
-    import numpy as np
-
-    from generation.vl_prompts import Images
-
-    first = parts[0]
-    grids = (np.concatenate([np.asarray(p.grids) for p in parts]) if first.family == "qwen2_vl"
-             else [g for p in parts for g in p.grids])
-    return Images(first.family, first.pixel_values, grids, [i for p in parts for i in p.ids],
-                  [t for p in parts for t in p.texts], first.token, sum(p.features for p in parts))
+    return ids, placed_images(model, ids, joined, images)

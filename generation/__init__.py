@@ -11,11 +11,12 @@ builds continuous batching on.
 """
 
 from .beam import Hypothesis
-from .context import Context, compile, context
+from .context import Context, context
 from .generate import Generated, beam_search, generate
 from .model import Model, ModelError, load
 from .settings import SettingError, Settings
 from .state import DecodeState, Prefix, StepTokens, admit, advance, insert, new_state, prefill, release, step
+from .warm import compile
 
 __all__ = [
     "Context", "DecodeState", "Generated", "Hypothesis", "beam_search", "Model", "ModelError", "Prefix", "SettingError", "Settings", "StepTokens", "admit", "advance", "compile",

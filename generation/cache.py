@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cache_base import BaseCache, moves_by_group
 from .feeds import Binding, pieces, prompt_widths, step_inputs
 from .graph import DecoderGraph
+from .seq2seq import Seq2SeqCache
 
 
 class _Inputs:
@@ -90,34 +92,7 @@ class _Inputs:
             self.offsets[slot] = int(cache.get("position_delta", 0))
 
 
-def moves_by_group(groups: list[dict], dst, src, join) -> list[tuple[dict, list[int], list[int]]]:
-    """The copies dst <- src between slots of grouped caches (grow, seq2seq: each group is
-    {"slots": [slot or -1], ...}), per group holding a source: (group, rows to write, rows to
-    read). A dst slot new to its source's group joins it first through `join(group, [(dst, src)])`."""
-    out = []
-    for group in groups:
-        where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
-        moves = [(int(d), int(s)) for d, s in zip(dst, src) if int(s) in where]
-        if not moves:
-            continue
-        joining = [(d, s) for d, s in moves if d not in where]
-        if joining:
-            join(group, joining)
-            where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
-        out.append((group, [where[d] for d, _ in moves], [where[s] for _, s in moves]))
-    return out
-
-
-class _Cache:
-    def decode_steps(self, lengths: np.ndarray, count: int):
-        """Up to `count` decodes, the k-th (from 0) at `lengths + k`, yielding each step's logits;
-        the caller writes each step's tokens into `token_input` before asking for the next, and
-        advances its lengths by the steps it took. `lengths` is not changed."""
-        for k in range(count):
-            yield self.decode(lengths + k)
-
-
-class InPlaceCache(_Cache):
+class InPlaceCache(BaseCache):
     """One buffer [slots, heads, capacity, head_dim] per cache input, bound as both the past
     input and the present output of GroupQueryAttention, which writes the new rows in place at
     each row's length (the sum of its mask row, minus one).
@@ -260,11 +235,11 @@ class InPlaceCache(_Cache):
         return decode
 
     def decode_steps(self, lengths: np.ndarray, count: int):
-        """Up to `count` decodes from `lengths` on; see `_Cache.decode_steps`. The mask entries
+        """Up to `count` decodes from `lengths` on; see `BaseCache.decode_steps`. The mask entries
         of all steps are indexed up front, so a step is one numpy write and the run: on the
         tiny models a step's Python work is a tenth of the step, and every microsecond shows."""
         if self.inputs.positions is not None:
-            yield from _Cache.decode_steps(self, lengths, count)
+            yield from BaseCache.decode_steps(self, lengths, count)
             return
         width = self.mask.shape[1]
         where = (self.rows * width + lengths)[None, :] + np.arange(count)[:, None]
@@ -275,7 +250,7 @@ class InPlaceCache(_Cache):
             yield logits
 
 
-class AppendCache(_Cache):
+class AppendCache(BaseCache):
     """A fixed buffer whose free rows the attention mask hides, for graphs with position_ids.
 
     The graph returns present = past + the new row, so the buffer is kept twice: the past is a
@@ -364,12 +339,12 @@ class AppendCache(_Cache):
             bind_output(present_name, device, dtype, present_shape, present + offset)
 
     def decode_steps(self, lengths: np.ndarray, count: int):
-        """Up to `count` decodes (see `_Cache.decode_steps`). Rows that all sit at the buffer's
+        """Up to `count` decodes (see `BaseCache.decode_steps`). Rows that all sit at the buffer's
         width (one prompt length, or batch 1) stay so: their mask is all ones and no new row
         moves, so a step is the binds of the new width and the run; other batches step as
         `decode` does."""
         if not (lengths == self.width).all() or self.width + count > self.capacity:
-            yield from _Cache.decode_steps(self, lengths, count)
+            yield from BaseCache.decode_steps(self, lengths, count)
             return
         self._mask[:] = 1
         shape = [self.slots, self.heads, 0, self.head_dim]
@@ -456,7 +431,7 @@ class AppendCache(_Cache):
         """Nothing to do: the mask of the next run is a function of the lengths."""
 
 
-class GrowCache(_Cache):
+class GrowCache(BaseCache):
     """Exact-length caches, one per group of rows of equal length: the graph takes the cache
     length as every row's position, so only rows of one length can share a run. Each group's
     present becomes its next past; one run per group per step."""
@@ -560,8 +535,6 @@ class GrowCache(_Cache):
             logits[slots[live]] = out[live, 0]
         return logits
 
-
-from .seq2seq import Seq2SeqCache  # noqa: E402  (defined over _Cache above: imported last)
 
 CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache, "seq2seq": Seq2SeqCache}
 

@@ -1,14 +1,17 @@
-"""The `raymuter` command: generate text from a model folder or hub id, or serve it (`raymuter serve`)."""
+"""`raymuter generate`: generate text from a model folder or hub id, streamed as it comes.
+
+The `raymuter` command itself (this subcommand beside `raymuter serve`) is deployments/cli.py's
+`main`: the serving layer composes the engine's command, the engine never imports the serving
+layer."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 
 
-class _HelpFormatter(argparse.HelpFormatter):
+class HelpFormatter(argparse.HelpFormatter):
     """argparse.ArgumentDefaultsHelpFormatter without its noise: no default for a flag (--greedy),
     an unset option ("None") or an empty list, and none added where the help says it already."""
 
@@ -37,12 +40,10 @@ def version() -> str:
             return "unknown (not installed)"
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raymuter", description="Generate with ONNX models, exactly as transformers.")
-    parser.add_argument("--version", action="version", version=f"raymuter {version()}")
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_generate_command(commands) -> None:
+    """The `generate` subcommand, on `commands` (an argparse parser's add_subparsers())."""
     gen = commands.add_parser("generate", help="generate text after one or more prompts, streamed as it comes",
-                              formatter_class=_HelpFormatter)
+                              formatter_class=HelpFormatter)
     gen.add_argument("prompts", nargs="+", help="prompt text; several prompts run as one batch")
     gen.add_argument("--model", help="model folder (Hugging Face layout) or hub id (default: the model that ships "
                      "with Raymuter, a small Llama trained on the Python documentation)")
@@ -71,15 +72,6 @@ def _parser() -> argparse.ArgumentParser:
                      help="run the prompt in one step, or in power-of-two pieces")
     gen.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all CPUs)")
     gen.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
-    srv = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-style routes) on a local Ray",
-                              formatter_class=_HelpFormatter)
-    try:
-        from deployments.cli import add_arguments
-    except ImportError:  # a wheel without deployments/: generate still works
-        srv.set_defaults(unavailable=True)
-    else:
-        add_arguments(srv)
-    return parser
 
 
 def _overrides(args) -> dict:
@@ -143,28 +135,3 @@ def generate_command(args) -> int:
     count = int(np.sum([len(r) for r in rows]))
     print(f"[raymuter] {count} tokens in {elapsed:.2f} s ({count / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="[raymuter] %(message)s")
-    try:
-        if args.command == "serve":
-            from importlib.util import find_spec
-
-            # find_spec, not import: serve_command first sets the environment Ray reads at import
-            if getattr(args, "unavailable", False) or find_spec("ray") is None:
-                print("raymuter: error: serving needs the serve extra (pip install 'raymuter[cpu,serve]')",
-                      file=sys.stderr)
-                return 2
-            from deployments.cli import serve_command
-
-            return serve_command(args)
-        return generate_command(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"raymuter: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

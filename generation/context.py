@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .graph import CACHE_MODES
 from .model import Model
@@ -107,15 +107,3 @@ def _draft_context(model: Model, draft, cache_mode: str | None, prompt_steps: st
                    min_length=0, min_new_tokens=None, suppress_tokens=None, begin_suppress_tokens=None,
                    forced_bos_token_id=None, forced_eos_token_id=None, exponential_decay_length_penalty=None,
                    encoder_repetition_penalty=1.0, encoder_no_repeat_ngram_size=0)
-
-
-def compile(ctx: Context, batch_size: int) -> Context:  # noqa: A001 - the public verb of the seed
-    """Size `ctx` for batches of `batch_size` rows (the decode state's slots) and warm the session
-    up with one run of that many rows, so the first request does not pay onnxruntime's set-up."""
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, not {batch_size!r}")
-    from .state import warm_up
-
-    compiled = replace(ctx, batch_size=batch_size, spare_states=[])
-    warm_up(compiled)
-    return compiled

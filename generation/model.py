@@ -150,6 +150,35 @@ def resolve_folder(source: str | os.PathLike, variant: str | None = None) -> Pat
             f"(hub unreachable, offline, or no such repository): {type(e).__name__}: {e}") from None
 
 
+def model_kind(source: str | os.PathLike) -> str:
+    """What a model folder or hub repository holds, without loading it: "encoder-decoder"
+    (config.json's is_encoder_decoder: Whisper, Marian, T5, BART), "vision" (a vision encoder
+    beside the decoder: onnx/vision_encoder*.onnx) or "text" (a decoder-only text model). For a
+    hub id, config.json alone is fetched and the repository's file names listed."""
+    path = Path(source)
+    if path.is_dir():
+        config = path / "config.json"
+        if config.is_file() and json.loads(config.read_text()).get("is_encoder_decoder"):
+            return "encoder-decoder"  # (no config.json: an onnxruntime-genai folder, decoder-only)
+        if any(path.glob("onnx/vision_encoder*.onnx")) or any(path.glob("vision_encoder*.onnx")):
+            return "vision"
+        return "text"
+    from huggingface_hub import hf_hub_download, list_repo_files
+
+    if json.loads(Path(hf_hub_download(str(source), "config.json")).read_text()).get("is_encoder_decoder"):
+        return "encoder-decoder"
+    if any(Path(f).name.startswith("vision_encoder") for f in list_repo_files(str(source))):
+        return "vision"
+    return "text"
+
+
+def config_texts(model: "Model") -> list[str]:
+    """config.json and generation_config.json as the model's folder holds them (those present),
+    for what identifies a model's configuration (a server's system_fingerprint)."""
+    folder = Path(model.folder)
+    return [(folder / f).read_text() for f in ("config.json", "generation_config.json") if (folder / f).is_file()]
+
+
 def _genai_decoder(folder: Path, genai: dict) -> tuple[Path, dict, dict]:
     model = genai.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("decoder"), dict):

@@ -29,6 +29,16 @@ class PromptLogprobs:
     top: np.ndarray | None = None
 
 
+def from_lists(logprob: list[float], top_ids: list[list[int]] | None = None,
+               top: list[list[float]] | None = None) -> PromptLogprobs:
+    """A PromptLogprobs from plain lists (a fake engine's, a test's), as the arrays and dtypes
+    `prompt_logprobs` gives: [n - 1] and [n - 1, k]."""
+    n, k = len(logprob), len(top_ids[0]) if top_ids else 0
+    return PromptLogprobs(np.asarray(logprob, np.float32),
+                          None if top_ids is None else np.asarray(top_ids, np.int64).reshape(n, k),
+                          None if top is None else np.asarray(top, np.float32).reshape(n, k))
+
+
 def prompt_logprobs(ctx, prompt: list[int], top: int = 0) -> PromptLogprobs:
     """The prompt tokens' log-probabilities (the raw logits' log-softmax: no processor runs on
     a prompt), and the `top` best tokens at each position: for a prompt [a, b, c], logprob is

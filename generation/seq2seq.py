@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import _Cache, moves_by_group
+from .cache_base import BaseCache, moves_by_group
 from .graph import ORT_TYPES, DecoderGraph
 
 
@@ -66,6 +66,34 @@ def encode_audio(model, features: np.ndarray) -> EncoderOutputs:
         raise ValueError(f"{model.folder} has no audio encoder (encoder inputs: {encoder and encoder.input_names})")
     hidden = encoder.session.run([encoder.output_name], {"input_features": np.asarray(features, np.float32)})[0]
     return EncoderOutputs(list(hidden))
+
+
+def encode_cached(contents: list, lookup, store, encode) -> tuple[list, int]:
+    """Each item's encoding, an item seen before taken from a cache the caller keeps (a server's
+    encoder replica): `lookup(content)` gives an item's value or None, `store(content, value,
+    nbytes)` keeps one, `encode(rows)` gives the missing rows' (value, nbytes) pairs. Returns the
+    values in order and how many were encoded."""
+    values = [lookup(c) for c in contents]
+    todo = [i for i, v in enumerate(values) if v is None]
+    if todo:
+        for i, (value, nbytes) in zip(todo, encode(todo)):
+            values[i] = value
+            store(contents[i], value, nbytes)
+    return values, len(todo)
+
+
+def encode_audio_cached(model, windows, lookup, store) -> tuple[EncoderOutputs, int]:
+    """Whisper's encoder over log-mel `windows` [n, n_mels, frames] (one row each, as
+    `longform.run_encoder` hands them to its `encode`), through `encode_cached`: a window's
+    content is its (shape, bytes), its value its hidden states. Returns the outputs and how many
+    windows ran through the encoder."""
+    windows = np.ascontiguousarray(windows, np.float32)
+
+    def encode(rows):
+        return [(h, h.nbytes) for h in encode_audio(model, windows[rows]).hidden]
+
+    hidden, computed = encode_cached([(w.shape, w.tobytes()) for w in windows], lookup, store, encode)
+    return EncoderOutputs(hidden), computed
 
 
 def encode_pixels(model, pixel_values: np.ndarray) -> EncoderOutputs:
@@ -131,7 +159,7 @@ def run_first_steps(model, prompts: list[list[int]], encoder: EncoderOutputs):
     return last, rows
 
 
-class Seq2SeqCache(_Cache):
+class Seq2SeqCache(BaseCache):
     """The decoder cache of an encoder-decoder model, in groups of rows of one decoder length
     (as the grow mode): each group holds its decoder cache, its cross cache and encoder hidden
     states padded to the group's longest source, and the source mask. The cross cache never

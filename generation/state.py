@@ -18,7 +18,7 @@ in the same model run as the others and moves them as transformers' `_beam_searc
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -649,16 +649,3 @@ def row_tokens(state: DecodeState, slot: int) -> list[int]:
     if new and new[-1] in state.eos[slot]:
         new.pop()
     return new
-
-
-def warm_up(ctx: Context) -> None:
-    """One short generation over the rows a batch runs (`ctx.batch_size`, times num_beams), so
-    onnxruntime sets up its kernels and memory for them before the first request."""
-    if ctx.model.is_seq2seq:
-        return  # its first step needs an encoder's outputs; the first request sets it up
-    rows = ctx.batch_size * ctx.settings.num_beams
-    settings = [replace(ctx.settings, num_beams=1, num_return_sequences=1, stop_strings=None)] * rows
-    state = new_state(ctx, rows, capacity=4)
-    prefix = prefill(ctx, [[0, 0]] * rows, [0] * rows, settings=settings, max_new=[2] * rows)
-    state = insert(ctx, prefix, state, range(rows))
-    step(ctx, state)

@@ -27,7 +27,7 @@ from .context import Context
 from .generate import Generated, generate
 from .inputs import check_seeds
 from .longform import Segment, decode_windows, run_encoder, window_frames
-from .seq2seq import EncoderOutputs, encode_audio, encode_pixels, encode_text
+from .seq2seq import EncoderOutputs, encode_audio, encode_cached, encode_pixels, encode_text
 from .settings import SettingError
 from .text import model_tokenizer
 
@@ -78,6 +78,18 @@ def encode_sources(ctx: Context, sources) -> EncoderOutputs:
         if isinstance(limit, int) and len(ids[-1]) > limit:
             raise ValueError(f"sources[{i}] has {len(ids[-1])} tokens; the encoder takes at most {limit}")
     return encode_text(model, ids)
+
+
+def encode_sources_cached(ctx: Context, sources: list, lookup, store) -> tuple[EncoderOutputs, int]:
+    """`encode_sources` through `seq2seq.encode_cached`: a source's content is the source as
+    given (text or ids), its value its (hidden states, source ids). Returns the outputs and how
+    many sources ran through the encoder."""
+    def encode(rows):
+        out = encode_sources(ctx, [sources[i] for i in rows])
+        return [((h, ids), h.nbytes) for h, ids in zip(out.hidden, out.source_ids)]
+
+    values, computed = encode_cached(list(sources), lookup, store, encode)
+    return EncoderOutputs([h for h, _ in values], [list(ids) for _, ids in values]), computed
 
 
 def text_to_text(ctx: Context, sources, seeds=None) -> list[TaskResult]:

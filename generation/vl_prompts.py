@@ -213,3 +213,43 @@ def chat_ids(model, conversations, images: Images | None, add_generation_prompt:
         raise ValueError(f"the chat template wrote {index} image placeholders ({placeholder}) for "
                          f"{len(texts)} images")
     return out
+
+
+# -- one image at a time (a server's vision replica encodes each image apart, cached) ----------
+@dataclass
+class ImageFeatures:
+    """One image through the vision encoder: its layout in a prompt (an `Images` of one image,
+    without its pixels) and its features [tokens, hidden]."""
+
+    images: Images
+    features: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.features.nbytes
+
+
+def encode_image(model, images: Images) -> ImageFeatures:
+    """The features of one preprocessed image (`preprocess(model, [image])`), its pixels dropped:
+    what places it in a prompt is its layout."""
+    features = images.encode(model)
+    images.pixel_values = np.zeros(0, np.float32)
+    return ImageFeatures(images, features)
+
+
+def join_images(parts: list[ImageFeatures]) -> Images:
+    """Several one-image layouts as one `Images`, in order, as `preprocess` would give for them
+    together (Qwen2-VL's grids one array, Idefics3's one list)."""
+    first = parts[0].images
+    layouts = [p.images for p in parts]
+    grids = (np.concatenate([np.asarray(p.grids) for p in layouts]) if first.family == "qwen2_vl"
+             else [g for p in layouts for g in p.grids])
+    return Images(first.family, first.pixel_values, grids, [i for p in layouts for i in p.ids],
+                  [t for p in layouts for t in p.texts], first.token, sum(p.features for p in layouts))
+
+
+def placed_images(model, ids: list[int], joined: Images, parts: list[ImageFeatures]):
+    """The vision.PromptImages of one prompt `ids` holding the images `parts` (joined:
+    `join_images(parts)`), from their features as encoded, not encoded again."""
+    features = np.concatenate([p.features for p in parts])
+    return image_inputs(model, [ids], joined, encode=lambda *_: features)

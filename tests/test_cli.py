@@ -19,11 +19,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def raymuter(*args, cwd):
-    """Run `python -m generation.cli ...` with the repository first on the import path, so this
-    checkout runs whether or not the package is also installed."""
+    """Run `python -m deployments.cli ...` (the `raymuter` console script's module) with the
+    repository first on the import path, so this checkout runs whether or not the package is also
+    installed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    return subprocess.run([sys.executable, "-m", "generation.cli", *map(str, args)], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "deployments.cli", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

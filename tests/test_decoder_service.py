@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from deployments.decoder import Overloaded, RequestError, TextGenerator
+from deployments.decoder import TextGenerator
+from deployments.errors import Overloaded, RequestError
 from deployments.fake import fake_generator, fake_tokens
 from deployments.schema import GenerateRequest
 from generation.chat import ChatTemplateError, chat_template, render_chat, special_tokens

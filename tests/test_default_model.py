@@ -136,7 +136,7 @@ def test_graphs_hold_the_checkpoint_weights():
 
 def test_cli_without_model_uses_the_default_and_says_so(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "generation.cli", "generate", "The list type", "--max-new-tokens",
+    done = subprocess.run([sys.executable, "-m", "deployments.cli", "generate", "The list type", "--max-new-tokens",
                            "12", "--greedy"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "no --model given: using the default model" in done.stderr

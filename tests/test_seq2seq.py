@@ -139,3 +139,25 @@ def test_more_sources_than_slots(models, settings):
     sources = sources_of(model, (5, 9, 2, 14, 3), seed=1)
     want = [r.tokens for r in tasks.text_to_text(ctx, sources)]
     assert [r.tokens for r in tasks.text_to_text(generation.compile(ctx, batch_size=2), sources)] == want
+
+
+def test_cached_encoding_equals_the_plain_encoder_and_encodes_each_source_once(models):
+    """encode_sources_cached (what a server's encoder replica runs) gives what encode_sources
+    gives, and a source the cache holds is not encoded again."""
+    ctx = generation.context(models("marian-optimum"))
+    kept = {}
+
+    def lookup(content):
+        return kept.get(repr(content))
+
+    def store(content, value, nbytes):
+        assert nbytes == value[0].nbytes
+        kept[repr(content)] = value
+
+    plain = tasks.encode_sources(ctx, [[5, 6, 7], [8, 9]])
+    first, computed = tasks.encode_sources_cached(ctx, [[5, 6, 7], [8, 9]], lookup, store)
+    assert computed == 2 and len(kept) == 2 and first.source_ids == plain.source_ids
+    assert all(np.array_equal(a, b) for a, b in zip(first.hidden, plain.hidden))
+    again, computed = tasks.encode_sources_cached(ctx, [[8, 9], [4, 5]], lookup, store)
+    assert computed == 1 and again.source_ids == [[8, 9], [4, 5]]
+    assert np.array_equal(again.hidden[0], plain.hidden[1])

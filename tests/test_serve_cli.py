@@ -42,7 +42,7 @@ def free_port() -> int:
 
 
 def raymuter(*args, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "generation.cli", *map(str, args)], cwd=cwd, env=env or environment(),
+    return subprocess.run([sys.executable, "-m", "deployments.cli", *map(str, args)], cwd=cwd, env=env or environment(),
                           capture_output=True, text=True, timeout=120)
 
 
@@ -54,7 +54,7 @@ def ignore_sigint() -> None:
 def serving(*args):
     """`raymuter serve --engine fake --num-cpus 4 ARGS`, launched with SIGINT ignored; yields the
     process and its URL once it prints it. Whatever of its process tree is left at the end is killed."""
-    process = subprocess.Popen([sys.executable, "-m", "generation.cli", "serve", "--engine", "fake", "--num-cpus", "4",
+    process = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--engine", "fake", "--num-cpus", "4",
                                 *map(str, args)], cwd=ROOT, env=environment(), stderr=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, text=True, start_new_session=True, preexec_fn=ignore_sigint)
     seen = set()

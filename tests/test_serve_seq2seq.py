@@ -160,7 +160,7 @@ def test_a_repeated_source_is_encoded_once(serve_apps, marian):
 
 
 def test_feature_cache_evicts_the_least_recently_used():
-    from deployments.encoder import FeatureCache
+    from deployments.feature_cache import FeatureCache
 
     cache = FeatureCache(max_bytes=100)
     for name in "abc":

@@ -117,3 +117,28 @@ def test_chat_errors(paths, load_model, test_models):
     text_only = generation.context(load_model(test_models["llama-optimum"]), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"conversations\[0\]\[0\].content\[0\] is an image, but .* text-only"):
         image_chat(text_only, [CONVERSATIONS[2]])
+
+
+def test_images_encoded_one_at_a_time_place_as_the_batch_does(family):
+    """What a server's vision replica sends the decoder (each image encoded alone:
+    vl_prompts.encode_image, then join_images and placed_images) gives the ids and image
+    inputs of the images preprocessed and encoded together."""
+    from generation.images import load_image
+    from generation.vl_prompts import (chat_ids, chat_images, encode_image, image_inputs, join_images, placed_images,
+                                       preprocess)
+
+    _, _, model = family
+    conversation = CONVERSATIONS[0]
+    images = [load_image(image) for image, _ in chat_images([conversation])[0]]
+    together = preprocess(model, images)
+    ids = chat_ids(model, [conversation], together)[0]
+    expected = image_inputs(model, [ids], together)
+    parts = [encode_image(model, preprocess(model, [image])) for image in images]
+    assert all(p.images.pixel_values.size == 0 for p in parts)  # the layout travels, not the pixels
+    joined = join_images(parts)
+    assert chat_ids(model, [conversation], joined)[0] == ids
+    placed = placed_images(model, ids, joined, parts)
+    np.testing.assert_allclose(placed.features[0], expected.features[0], rtol=1e-5, atol=1e-6)
+    assert (placed.positions[0] is None) == (expected.positions[0] is None)
+    if expected.positions[0] is not None:
+        assert np.array_equal(placed.positions[0], expected.positions[0])

@@ -94,3 +94,22 @@ def test_bad_audio_says_what_is_wrong(model, tmp_path):
         tasks.speech_to_text(ctx, clips()[:1], language="xx")
     with pytest.raises(ValueError, match="task must be one of"):
         tasks.speech_to_text(ctx, clips()[:1], language="en", task="summarise")
+
+
+def test_cached_window_encoding_equals_the_plain_encoder(model):
+    """encode_audio_cached (a server's encoder replica) gives encode_audio's hidden states, and a
+    window seen before (same shape and bytes) is not encoded again."""
+    from generation.seq2seq import encode_audio, encode_audio_cached
+
+    frames = 2 * model.config["max_source_positions"]
+    windows = np.random.default_rng(0).standard_normal((2, model.config["num_mel_bins"], frames)).astype(np.float32)
+    kept = {}
+
+    def store(content, hidden, nbytes):
+        kept[content] = hidden
+
+    plain = encode_audio(model, windows)
+    out, computed = encode_audio_cached(model, windows, kept.get, store)
+    assert computed == 2 and all(np.array_equal(a, b) for a, b in zip(out.hidden, plain.hidden))
+    again, computed = encode_audio_cached(model, windows[::-1].astype(np.float64), kept.get, store)
+    assert computed == 0 and np.array_equal(again.hidden[0], plain.hidden[1])
