@@ -15,7 +15,7 @@ The table gives each design's tokens per second (all requests' tokens over the r
 time) and its requests' p50 / p95 latency, the median over the rounds, and the ratio to
 "side threads" (the machine is shared and noisy: read the ratios). Goal: shared >= 1.3x.
 
-    PYTHONPATH=. python bench/mixed.py                       # ~125M model, ~8 min on 2 cores
+    PYTHONPATH=. python bench/mixed.py                       # ~125M model, ~3 min on 2 cores
     PYTHONPATH=. python bench/mixed.py --model tiny --rounds 2
 """
 

@@ -363,13 +363,14 @@ class TextGenerator:
 
     async def transcribe(self, samples, request: "TranscriptionRequest", encode) -> "Transcription":
         """Whisper over one clip (16 kHz samples), with the request's language, task, timestamps
-        and settings; `encode` runs the encoder (the encoder deployment). A clip within one
-        window and without timestamps joins the continuous batch like any request; timestamps
-        and long clips (decoded window after window) run `generation.tasks.speech_to_text` on
-        a worker thread."""
+        and settings; `encode` runs the encoder (the encoder deployment). The clip is prepared as
+        `generation.tasks.speech_to_text` prepares it (on a worker thread: features, the first
+        window through the encoder, the prompt) and decoded in the continuous batch: one row, or
+        with timestamps (or a clip longer than a window) a row per window."""
         import generation
         from generation.audio import HOP_LENGTH, SAMPLING_RATE
         from generation.longform import window_frames
+        from generation.tasks import prepare_speech
 
         if not self.is_seq2seq:
             raise RequestError(f"model: '{self.name}' does not take audio", "model")
@@ -384,10 +385,13 @@ class TextGenerator:
         timestamps = request.timestamps or long_form or bool(ctx.model.generation_config.get("return_timestamps"))
         started = time.perf_counter()
         try:
-            if timestamps:
-                result = await self._speech_to_text(ctx, samples, request, encode)
+            speech = await asyncio.to_thread(prepare_speech, ctx, [samples], language=request.language,
+                                             task=request.task, seeds=[request.seed or 0],
+                                             return_timestamps=bool(timestamps), encode=encode)
+            if speech.timestamps:
+                result = await self._windowed_transcription(ctx, speech, settings)
             else:
-                result = await self._batched_transcription(ctx, samples, request, settings, encode)
+                result = await self._batched_transcription(ctx, speech, settings)
         except ValueError as e:
             raise RequestError(str(e), _transcription_field(e)) from None
         self.metrics.e2e.observe(time.perf_counter() - started)
@@ -398,33 +402,30 @@ class TextGenerator:
         return Transcription(text=result.text, tokens=result.tokens, segments=segments,
                              duration=len(samples) / SAMPLING_RATE, language=request.language)
 
-    async def _speech_to_text(self, ctx, samples, request, encode):
-        from generation.tasks import speech_to_text
+    async def _windowed_transcription(self, ctx, speech, settings):
+        """Timestamps, or a clip longer than a window: each window is a row of the batch beside
+        every other request; the clip's next window goes in once its row ended (the seek rule
+        between, as `generation.longform.decode_windows`)."""
+        from generation.tasks import timestamped
 
-        return (await asyncio.to_thread(speech_to_text, ctx, [samples], language=request.language, task=request.task,
-                                        seeds=[request.seed or 0], return_timestamps=True, encode=encode))[0]
+        clip = speech.windows(ctx)[0]
+        while not clip.done:
+            encoder = await asyncio.to_thread(clip.next_encoder, speech.encode, speech.first)
+            completion = await self._decoded(clip.prompt, clip.window_seed, settings, encoder, timestamps=True)
+            clip.take(completion.tokens)
+        return timestamped(ctx, clip.segments)
 
-    async def _batched_transcription(self, ctx, samples, request, settings, encode):
-        """speech_to_text's short-form path with the decoding in the batcher: features, the
-        encoder, the prompt (language given or detected), then a batch row."""
-        from generation.audio import HOP_LENGTH, SAMPLING_RATE, whisper_features
-        from generation.longform import run_encoder, window_frames
-        from generation.tasks import TaskResult, check_decoder_length, whisper_prompts
+    async def _batched_transcription(self, ctx, speech, settings):
+        """One window without timestamps: a row of the batch."""
+        from generation.tasks import TaskResult
 
-        def prepare():
-            window = window_frames(ctx)
-            features = whisper_features([samples], n_mels=ctx.model.config.get("num_mel_bins", 80),
-                                        chunk_seconds=window * HOP_LENGTH / SAMPLING_RATE)
-            first = run_encoder(encode, features.features[..., :window])
-            return first, whisper_prompts(ctx, first, request.language, request.task, timestamps=False)[0]
+        completion = await self._decoded(speech.prompts[0], speech.seeds[0], settings, speech.first)
+        return TaskResult(self.tokenizer.decode(completion.tokens, skip_special_tokens=True), completion.tokens)
 
-        first, prompt = await asyncio.to_thread(prepare)
+    async def _decoded(self, prompt, seed, settings, encoder, timestamps: bool = False):
+        """A row's Completion through the batcher (cancelled when the client leaves)."""
         try:
-            check_decoder_length(ctx, len(prompt))
-        except ValueError as e:
-            raise RequestError(str(e), "max_new_tokens") from None
-        try:
-            handle = self.batcher.submit(prompt, seed=request.seed or 0, settings=settings, encoder=first)
+            handle = self.batcher.submit(prompt, seed=seed, settings=settings, encoder=encoder, timestamps=timestamps)
         except QueueFull as e:
             raise Overloaded(str(e)) from None
         try:
@@ -434,10 +435,10 @@ class TextGenerator:
             handle.cancel()
             raise
         completion = handle.result(timeout=5)
-        self.metrics.queue.observe(completion.queued_seconds)  # only batched requests wait for a slot
+        self.metrics.queue.observe(completion.queued_seconds)
         if completion.finish_reason == "error":
             raise RuntimeError(f"generation failed: {completion.error}")
-        return TaskResult(self.tokenizer.decode(completion.tokens, skip_special_tokens=True), completion.tokens)
+        return completion
 
     def _logprob(self, token, top: int) -> TokenLogprob:
         alternatives = None

@@ -6,8 +6,10 @@
     ctx = generation.compile(ctx, batch_size=4)
     rows = generation.generate(ctx, prompts=[[1, 2, 3], [4, 5], []], seeds=[0, 1, 2])
 
-The decode-state verbs (`new_state`, `prefill`, `insert`, `step`, `release`) are what a server
-builds continuous batching on.
+The decode-state verbs (`new_state`, `prefill`, `insert`, `admit`, `step`, `release`; beam
+searches as groups of rows: `state.admit_beams`) are what the engine's one loop,
+`generation.scheduler.Scheduler`, runs on: `generate`, `beam_search`, Whisper's windows and the
+decoder deployment's continuous batching all run it.
 """
 
 from .beam import Hypothesis

@@ -154,16 +154,28 @@ def advance_groups(ctx, state, groups: list[BeamGroup], logits: list[np.ndarray]
                 parts += _scores(ctx, state, [group], [group_logits])
             except Exception as e:  # noqa: BLE001 - this group's own failure
                 parts.append(e)
-    stopped, failed = [], {}
-    for group, part in zip(groups, parts):
-        if isinstance(part, Exception):
-            failed[group] = part
-            continue
+    failed = {g: part for g, part in zip(groups, parts) if isinstance(part, Exception)}
+    widths: dict[int, list] = {}
+    for g, part in zip(groups, parts):
+        if not isinstance(part, Exception):
+            widths.setdefault(g.width, []).append((g, part))
+    steps = {}
+    for members in widths.values():  # the searches of one width step together, as one batch of prompts
         try:
-            if _advance(ctx, state, group, *part):
-                stopped.append(group)
+            steps.update(_search_steps(state, members))
+        except Exception:  # noqa: BLE001 - redone one by one: only the culprits fail
+            for member in members:
+                try:
+                    steps.update(_search_steps(state, [member]))
+                except Exception as e:  # noqa: BLE001 - this group's own failure
+                    failed[member[0]] = e
+    stopped = []
+    for g, step in steps.items():
+        try:
+            if _move(ctx, state, g, *step):
+                stopped.append(g)
         except Exception as e:  # noqa: BLE001 - this group's own failure
-            failed[group] = e
+            failed[g] = e
     return stopped, failed
 
 
@@ -197,20 +209,54 @@ def _scores(ctx, state, groups: list[BeamGroup], logits: list[np.ndarray]) -> li
     return parts
 
 
-def _advance(ctx, state, g: BeamGroup, processed: np.ndarray, step_logprob, eos: np.ndarray, sampled: bool) -> bool:
-    """`advance_groups` for one group; True when its search stopped."""
-    slots, width = g.slots, g.width
+def _search_steps(state, members: list[tuple[BeamGroup, tuple]]) -> dict:
+    """`_step` for groups of one width at once, their host sides stacked as the prompts of one
+    search (each group's rows are its own: phys offsets them), then split back. Returns each
+    group's (source local row, token, log-probability) per next beam. No group changes when
+    this raises."""
+    groups = [g for g, _ in members]
+    width, count = groups[0].width, len(groups)
     logprob = state.logprob
+    beams = _Beams(running=np.concatenate([g.beams.running for g in groups]),
+                   finished_scores=np.concatenate([g.beams.finished_scores for g in groups]),
+                   finished_flags=np.concatenate([g.beams.finished_flags for g in groups]),
+                   finished=[g.beams.finished[0] for g in groups],
+                   improvable=np.concatenate([g.beams.improvable for g in groups]),
+                   live=np.concatenate([g.beams.live for g in groups]))
+    processed = np.concatenate([part[0] for _, part in members])
+    step_logprob = None if members[0][1][1] is None else np.concatenate([part[1] for _, part in members])
+    eos = np.full((count, max(part[2].shape[1] for _, part in members)), -1, np.int64)
+    for p, (_, part) in enumerate(members):
+        eos[p, :part[2].shape[1]] = part[2][0]
+    phys = np.concatenate([g.phys + p * width for p, g in enumerate(groups)])
 
-    def prefix(row: int):  # the new tokens (and their log-probabilities) of a local row so far
-        slot = slots[row]
+    def prefix(row: int):  # the new tokens (and their log-probabilities) of a row so far
+        g = groups[row // width]
+        slot = g.slots[row % width]
         tokens = state.tokens[slot, g.prompt_length:g.cur].tolist()
         return tokens, None if logprob is None else logprob[slot, g.prompt_length:g.cur].tolist()
 
-    source, new_tokens, new_logprobs = _step(
-        g.beams, processed, g.phys, [g.settings], eos, np.array([sampled]), np.array([g.cur]),
-        np.array([g.prompt_length]), np.array([g.limit]), width, prefix, step_logprob, g.seed, g.draws)
-    g.draws += np.uint64(width * processed.shape[1])
+    source, token, token_logprob = _step(
+        beams, processed, phys, [g.settings for g in groups], eos, np.array([part[3] for _, part in members]),
+        np.array([g.cur for g in groups]), np.array([g.prompt_length for g in groups]),
+        np.array([g.limit for g in groups]), width, prefix, step_logprob,
+        np.concatenate([g.seed for g in groups]), np.concatenate([g.draws for g in groups]))
+    out = {}
+    for p, g in enumerate(groups):
+        one = slice(p, p + 1)
+        g.beams = _Beams(beams.running[one], beams.finished_scores[one], beams.finished_flags[one],
+                         [beams.finished[p]], beams.improvable[one], beams.live[one])
+        g.draws += np.uint64(width * processed.shape[1])
+        rows = slice(p * width, (p + 1) * width)
+        out[g] = (source[rows] - p * width, token[rows], None if token_logprob is None else token_logprob[rows])
+    return out
+
+
+def _move(ctx, state, g: BeamGroup, source: np.ndarray, new_tokens: np.ndarray, new_logprobs) -> bool:
+    """A group's rows after its step: each next beam takes its source's row (only the rows that
+    move), then its token. True when its search stopped."""
+    slots, width = g.slots, g.width
+    logprob = state.logprob
     if not g.beams.live[0]:
         return True
     g.phys, dst, src = _place(g.phys, source.reshape(1, width), g.beams.live)

@@ -27,7 +27,7 @@ import numpy as np
 from .context import Context
 from .rng import derived_seed
 from .seq2seq import EncoderOutputs
-from .whisper import TIME_PRECISION, split_segments
+from .whisper import TIME_PRECISION, split_segments, timestamp_rule_ids
 
 INPUT_STRIDE = 2  # log-mel frames per encoder position (Whisper's second convolution has stride 2)
 
@@ -53,23 +53,9 @@ def window_frames(ctx: Context) -> int:
     return INPUT_STRIDE * positions
 
 
-def timestamp_rules(ctx: Context) -> tuple[int, int, int]:
-    """The model's (no_timestamps_token_id, eos, max_initial_timestamp_index or -1): what a
-    timestamped row's `Settings.timestamp_rules` holds (processors.timestamps applies them)."""
-    config = ctx.model.generation_config
-    no_timestamps, eos = config.get("no_timestamps_token_id"), config.get("eos_token_id", config.get("bos_token_id"))
-    if not isinstance(no_timestamps, int):
-        raise ValueError(f"{ctx.model.folder}: generation_config.json has no no_timestamps_token_id; "
-                         "timestamps need it (return_timestamps)")
-    if not isinstance(eos, int):
-        raise ValueError(f"{ctx.model.folder}: timestamps need a single eos_token_id, not {eos!r}")
-    max_initial = config.get("max_initial_timestamp_index")
-    return no_timestamps, eos, max_initial if isinstance(max_initial, int) else -1
-
-
 def timestamp_settings(ctx: Context, settings=None):
     """`settings` (default: the context's) with Whisper's timestamp rules on."""
-    return replace(settings or ctx.settings, timestamp_rules=timestamp_rules(ctx))
+    return replace(settings or ctx.settings, timestamp_rules=timestamp_rule_ids(ctx.model))
 
 
 @dataclass
@@ -84,6 +70,7 @@ class ClipWindows:
     begin: int  # the first timestamp token
     prompt: list[int]
     seed: int
+    index: int = 0  # the clip's row in its batch (of the first windows' encoder outputs)
     seek: int = 0
     count: int = 0  # windows decoded
     segments: list[Segment] = field(default_factory=list)
@@ -109,6 +96,14 @@ class ClipWindows:
         out[:, :part.shape[-1]] = part
         return out
 
+    def next_encoder(self, encode: Callable[[np.ndarray], EncoderOutputs], first: EncoderOutputs | None = None
+                     ) -> EncoderOutputs:
+        """The encoder's outputs for the next window (one row): `first`'s row when this is the
+        clip's first window and a whole one (its frames are those `first` encoded)."""
+        if first is not None and self.count == 0 and self.frames == self.window:
+            return first.take([self.index])
+        return run_encoder(encode, self.inputs()[None])
+
     def take(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
         """The decoded window's segments; seek moves past them."""
         offset = float(self.seek) * TIME_PRECISION / INPUT_STRIDE  # in float64, in transformers' order
@@ -130,7 +125,7 @@ def clip_windows(ctx: Context, features: np.ndarray, num_frames, prompts: list[l
     # or a batch within one window, runs to the end of the features
     long_batch = count > 1 and total > window
     max_frames = np.asarray(num_frames, np.int64) if long_batch else np.full(count, total, np.int64)
-    return [ClipWindows(features[b], int(max_frames[b]), window, begin, list(prompts[b]), int(seeds[b]))
+    return [ClipWindows(features[b], int(max_frames[b]), window, begin, list(prompts[b]), int(seeds[b]), b)
             for b in range(count)]
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from .context import Context
 from .inputs import check_prompts, check_seeds
 from .selection import LogProbs
 from .settings import Settings, SettingError, check_integer
+from .whisper import timestamp_rule_ids
 from .state import (StepTokens, admit, admit_beams, advance, new_state, release, row_logprobs, row_tokens, step,
                     with_logprobs)
 
@@ -118,9 +119,10 @@ class Scheduler:
 
     # -- jobs -----------------------------------------------------------------------------
     def job(self, prompt, seed: int = 0, settings: dict | None = None, encoder=None,
-            prompt_logprobs: int | None = None, key=None) -> Job:
-        """A checked Job: `settings` are generation_config fields by name over the context's.
-        Anything wrong raises SettingError naming the field. Thread-safe (reads the context only)."""
+            prompt_logprobs: int | None = None, key=None, timestamps: bool = False) -> Job:
+        """A checked Job: `settings` are generation_config fields by name over the context's;
+        `timestamps`: a Whisper window decoded with the timestamp rules. Anything wrong raises
+        SettingError naming the field. Thread-safe (reads the context only)."""
         ctx = self.ctx
         if ctx.model.is_seq2seq and (encoder is None or len(encoder) != 1):
             raise ValueError("an encoder-decoder job needs its encoder outputs (one row): encoder=")
@@ -129,6 +131,8 @@ class Scheduler:
         if settings is not None and not (isinstance(settings, dict) and all(isinstance(k, str) for k in settings)):
             raise SettingError("settings", "settings must be an object of generation settings by name")
         resolved = ctx.with_settings(**(settings or {}))
+        if timestamps:
+            resolved = replace(resolved, timestamp_rules=timestamp_rule_ids(ctx.model))
         if not prompt:
             raise SettingError("prompt", "prompt is empty")
         vision = getattr(ctx.model, "vision_session", None) is not None

@@ -20,13 +20,14 @@ vision encoder once per image (`generation.vision.encode_images`, or the caller'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from .context import Context
 from .generate import Generated, generate
 from .inputs import check_seeds
-from .longform import Segment, decode_windows, run_encoder, window_frames
+from .longform import ClipWindows, Segment, clip_windows, decode_windows, run_encoder, window_frames
 from .seq2seq import EncoderOutputs, encode_audio, encode_cached, encode_pixels, encode_text
 from .settings import SettingError
 from .text import model_tokenizer
@@ -164,19 +165,30 @@ def whisper_prompts(ctx: Context, encoder: EncoderOutputs, language=None, task: 
 WHISPER_NOT_IMPLEMENTED = {"no_speech_threshold": None, "condition_on_prev_tokens": False}
 
 
-def speech_to_text(ctx: Context, audios, sampling_rate: int = 16000, language=None, task: str | None = None,
-                   seeds=None, return_timestamps: bool | None = None, encode=None) -> list[TaskResult]:
-    """Transcribe (or translate) each clip: float arrays at `sampling_rate`, or audio files.
-    Tokens, text and segments are what transformers 4.57 Whisper generate returns.
+@dataclass
+class Speech:
+    """Clips ready to decode (the first half of `speech_to_text`): their log-mel features, the
+    encoder's outputs for their first windows, their decoder prompts (language given or
+    detected) and seeds, whether they decode with timestamps, and the `encode` that runs the
+    encoder on later windows."""
 
-    return_timestamps: each result's segments (start and end in seconds, tokens, text), as
-    `generate(return_timestamps=True, return_segments=True)`; None: generation_config.json's
-    return_timestamps. A clip longer than the window (30 s for real Whisper models) is decoded
-    window after window (`generation.longform`), which needs timestamps: None turns them on for
-    the batch, unless generation_config.json sets return_timestamps false, which is an error
-    then, as return_timestamps=False is (as in transformers).
-    encode: [n, n_mels, frames] log-mel windows -> EncoderOutputs (default: this model's encoder).
-    """
+    features: object  # audio.LogMelFeatures
+    first: EncoderOutputs
+    prompts: list[list[int]]
+    seeds: list[int]
+    timestamps: bool
+    encode: Callable
+
+    def windows(self, ctx: Context) -> list[ClipWindows]:
+        """Each clip's windows, to decode one after another (timestamps)."""
+        return clip_windows(ctx, self.features.features, self.features.num_frames, self.prompts, self.seeds)
+
+
+def prepare_speech(ctx: Context, audios, sampling_rate: int = 16000, language=None, task: str | None = None,
+                   seeds=None, return_timestamps: bool | None = None, encode=None) -> Speech:
+    """Everything `speech_to_text` does before decoding (its arguments, checked): the features,
+    the first windows through the encoder, the prompts. A server decodes the result in its
+    batch (a row per clip, or with timestamps a row per window)."""
     from . import audio
 
     if not isinstance(audios, (list, tuple)) or not audios:
@@ -204,11 +216,29 @@ def speech_to_text(ctx: Context, audios, sampling_rate: int = 16000, language=No
     first = run_encoder(encode, features.features[..., :frames])
     prompts = whisper_prompts(ctx, first, language, task, timestamps=timestamps)
     check_decoder_length(ctx, max(len(p) for p in prompts))
-    if not timestamps:
-        rows = generate(ctx, prompts, seeds=seeds, encoder=first)
+    return Speech(features, first, prompts, seeds, timestamps, encode)
+
+
+def speech_to_text(ctx: Context, audios, sampling_rate: int = 16000, language=None, task: str | None = None,
+                   seeds=None, return_timestamps: bool | None = None, encode=None) -> list[TaskResult]:
+    """Transcribe (or translate) each clip: float arrays at `sampling_rate`, or audio files.
+    Tokens, text and segments are what transformers 4.57 Whisper generate returns.
+
+    return_timestamps: each result's segments (start and end in seconds, tokens, text), as
+    `generate(return_timestamps=True, return_segments=True)`; None: generation_config.json's
+    return_timestamps. A clip longer than the window (30 s for real Whisper models) is decoded
+    window after window (`generation.longform`), which needs timestamps: None turns them on for
+    the batch, unless generation_config.json sets return_timestamps false, which is an error
+    then, as return_timestamps=False is (as in transformers).
+    encode: [n, n_mels, frames] log-mel windows -> EncoderOutputs (default: this model's encoder).
+    """
+    speech = prepare_speech(ctx, audios, sampling_rate, language, task, seeds, return_timestamps, encode)
+    if not speech.timestamps:
+        rows = generate(ctx, speech.prompts, seeds=speech.seeds, encoder=speech.first)
         return [_result(ctx, row) for row in rows]
-    segments = decode_windows(ctx, features.features, features.num_frames, prompts, encode, seeds, first)
-    return [_timestamped(ctx, row) for row in segments]
+    segments = decode_windows(ctx, speech.features.features, speech.features.num_frames, speech.prompts,
+                              speech.encode, speech.seeds, speech.first)
+    return [timestamped(ctx, row) for row in segments]
 
 
 def _timestamps_on(ctx: Context, clips, window: float, asked: bool | None) -> bool:
@@ -235,11 +265,12 @@ def check_decoder_length(ctx: Context, prompt: int) -> None:
     """As transformers' Whisper generate: the prompt and max_new_tokens within the decoder's positions."""
     limit, new = ctx.model.config.get("max_target_positions"), ctx.settings.max_new_tokens
     if isinstance(limit, int) and new is not None and new + prompt > limit:
-        raise ValueError(f"max_new_tokens={new} and the {prompt}-token decoder prompt exceed the decoder's "
-                         f"{limit} positions: max_new_tokens can be at most {limit - prompt}")
+        raise SettingError("max_new_tokens", f"max_new_tokens={new} and the {prompt}-token decoder prompt exceed "
+                                             f"the decoder's {limit} positions: max_new_tokens can be at most "
+                                             f"{limit - prompt}")
 
 
-def _timestamped(ctx: Context, segments: list[Segment]) -> TaskResult:
+def timestamped(ctx: Context, segments: list[Segment]) -> TaskResult:
     """A clip's segments as a TaskResult: tokens one after another, text without timestamps."""
     begin = ctx.model.generation_config["no_timestamps_token_id"] + 1
     tokenizer = model_tokenizer(ctx.model) if ctx.model.tokenizer_path else None

@@ -74,6 +74,20 @@ def apply_timestamp_rules(scores: np.ndarray, history: np.ndarray, no_timestamps
     return out
 
 
+def timestamp_rule_ids(model) -> tuple[int, int, int]:
+    """The model's (no_timestamps_token_id, eos, max_initial_timestamp_index or -1): what a
+    timestamped row's `Settings.timestamp_rules` holds (processors.timestamps applies them)."""
+    config = model.generation_config
+    no_timestamps, eos = config.get("no_timestamps_token_id"), config.get("eos_token_id", config.get("bos_token_id"))
+    if not isinstance(no_timestamps, int):
+        raise ValueError(f"{model.folder}: generation_config.json has no no_timestamps_token_id; "
+                         "timestamps need it (return_timestamps)")
+    if not isinstance(eos, int):
+        raise ValueError(f"{model.folder}: timestamps need a single eos_token_id, not {eos!r}")
+    max_initial = config.get("max_initial_timestamp_index")
+    return no_timestamps, eos, max_initial if isinstance(max_initial, int) else -1
+
+
 @dataclass(frozen=True)
 class Piece:
     """One segment of a decoded window: tokens[lo:hi] of the window, from `start` to `end` s."""

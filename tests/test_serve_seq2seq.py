@@ -90,9 +90,16 @@ def test_transcriptions_equal_speech_to_text(serve_apps, whisper):
 
 
 def test_timestamps_and_long_form_equal_speech_to_text(serve_apps, whisper):
+    from test_serve import metric
+
+    queued = "raymuter:request_queue_time_seconds_count"
     for seconds, seed in [(1.5, 1), (5.0, 2)]:  # one window, then three (the tiny model's windows are 2 s)
         data, clip = wav(seconds, seed)
+        before = metric(httpx.get(serve_apps.speech + "/metrics").text, queued)
         out = transcribe(serve_apps.speech, data, response_format="verbose_json", language="en").json()
+        # each window was a row of the decoder's continuous batch (2 s windows: 5 s take 3 or more)
+        rows = metric(httpx.get(serve_apps.speech + "/metrics").text, queued) - before
+        assert rows >= (1 if seconds < 2 else 3), (seconds, rows)
         expected = speech_to_text(generation.context(whisper), [clip], language="en", return_timestamps=True)[0]
         assert out["text"] == expected.text and out["duration"] == pytest.approx(seconds)
         assert [(s["start"], s["end"], s["tokens"]) for s in out["segments"]] == \

@@ -234,3 +234,49 @@ def test_split_segments_worked_examples():
     # no pair: one segment to the last timestamp; with none, to the window's end (150 frames: 1.5 s)
     assert split_segments([903, 5, 6, 924], BEGIN, 0.0, 150) == ([Piece(0.0, 0.5, 0, 4)], 150)
     assert split_segments([5, 6], BEGIN, 1.0, 150) == ([Piece(1.0, 2.5, 0, 2)], 150)
+
+
+def test_windows_are_rows_of_the_decoders_batch(model):
+    """Through the decoder's service (deployments/decoder.py, no Ray): a long clip with
+    timestamps is decoded a row per window in the continuous batch, beside short transcriptions
+    without timestamps; each equals speech_to_text, and model runs held a window and another
+    request's row together."""
+    import asyncio
+
+    from deployments.decoder import TextGenerator
+    from deployments.schema import TranscriptionRequest
+
+    generator = TextGenerator.from_model(model.folder, slots=4, max_logprobs=-1, max_new_tokens=12)
+    scheduler, runs = generator.batcher.scheduler, []
+    cache = scheduler.state.cache
+    decode = cache.decode
+
+    def recorded(lengths):
+        rows = list(scheduler.holder.values())
+        runs.append((sum(j.settings.timestamp_rules is not None for j in rows),
+                     sum(j.settings.timestamp_rules is None for j in rows)))
+        return decode(lengths)
+
+    cache.decode = recorded
+
+    def encode(features):
+        return generation.seq2seq.encode_audio(model, features)
+
+    long, short = noise(5, 0.1, 6), [noise(1, 0.1, 7), noise(1.5, 0.2, 8)]
+    requests = [(long, TranscriptionRequest(language="en", timestamps=True))] + [
+        (clip, TranscriptionRequest(language="en", seed=i)) for i, clip in enumerate(short)]
+
+    async def run():
+        return await asyncio.gather(*[generator.transcribe(clip, request, encode) for clip, request in requests])
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        generator.close()
+    ctx = generation.context(model, max_new_tokens=12)
+    expected = tasks.speech_to_text(ctx, [long], language="en", return_timestamps=True)[0]
+    assert got[0].tokens == expected.tokens
+    assert [(s.start, s.end, s.tokens) for s in got[0].segments] == [(s.start, s.end, s.tokens) for s in expected.segments]
+    for result, clip in zip(got[1:], short):
+        assert result.tokens == tasks.speech_to_text(ctx, [clip], language="en")[0].tokens
+    assert len(expected.segments) > 1 and any(windows and others for windows, others in runs), runs
