@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cache_base import BaseCache, moves_by_group
+from .cache_base import STEP_VERBS, BaseCache, missing_verbs, moves_by_group
 from .feeds import Binding, pieces, prompt_widths, step_inputs
 from .graph import DecoderGraph
 from .seq2seq import Seq2SeqCache
@@ -543,5 +543,11 @@ def new_cache(model, mode: str, slots: int, capacity: int, max_position: int):
     """The cache of `mode` for `model`'s decoder; a decoder that takes inputs_embeds gets the
     model's embedding (only the append cache takes one: the others refuse such a graph)."""
     if model.graph.has_inputs_embeds:
-        return CACHES[mode](model.session, model.graph, slots, capacity, max_position, embed=model.embed)
-    return CACHES[mode](model.session, model.graph, slots, capacity, max_position)
+        cache = CACHES[mode](model.session, model.graph, slots, capacity, max_position, embed=model.embed)
+    else:
+        cache = CACHES[mode](model.session, model.graph, slots, capacity, max_position)
+    missing = missing_verbs(cache)
+    if missing:
+        raise TypeError(f"cache mode {mode!r} ({type(cache).__name__}) does not implement {', '.join(missing)}: "
+                        f"every mode implements {', '.join(STEP_VERBS)} (cache_base.py)")
+    return cache

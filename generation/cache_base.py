@@ -6,6 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 
+# The cache contract: what the decode-state verbs and the scheduler call on every cache
+# (admission, each step, a beam search's row moves, a row leaving), and what verifying
+# candidates calls besides (assisted decoding). A mode missing a verb is refused when it is made.
+STEP_VERBS = ("insert", "decode", "decode_steps", "copy_rows", "release")
+VERIFY_VERBS = ("verify", "rewind")
+
+
+def missing_verbs(cache, verbs=STEP_VERBS) -> list[str]:
+    """The verbs of the contract that `cache` (a cache or its class) does not implement."""
+    return [verb for verb in verbs if not callable(getattr(cache, verb, None))]
+
 
 def moves_by_group(groups: list[dict], dst, src, join) -> list[tuple[dict, list[int], list[int]]]:
     """The copies dst <- src between slots of grouped caches (grow, seq2seq: each group is

@@ -84,9 +84,24 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
     settings = make_settings(base, overrides, model.vocab_size, model.max_context)
     if draft is not None:
         draft = _draft_context(model, draft, draft_cache_mode, prompt_steps)
+    _check_verify(cache_mode, "draft" if draft is not None else
+                  "prompt_lookup_num_tokens" if settings.prompt_lookup_num_tokens else None)
     return Context(model=model, settings=settings, cache_mode=cache_mode, prompt_steps=prompt_steps,
                    token_logprobs=token_logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
                    logprobs_of=logprobs_of, processors=processors, draft=draft)
+
+
+def _check_verify(cache_mode: str, asked: str | None) -> None:
+    """Assisted decoding (`asked`: the setting that asks for it) verifies candidates through the
+    cache's verify and rewind: a mode without them is refused now, naming what it lacks."""
+    from .cache import CACHES
+    from .cache_base import VERIFY_VERBS, missing_verbs
+
+    missing = missing_verbs(CACHES[cache_mode], VERIFY_VERBS) if asked else []
+    if missing:
+        raise SettingError(asked, f"{asked}: assisted decoding verifies candidates through the cache's "
+                                  f"{' and '.join(VERIFY_VERBS)}; cache_mode '{cache_mode}' "
+                                  f"({CACHES[cache_mode].__name__}) has no {', '.join(missing)}")
 
 
 def _draft_context(model: Model, draft, cache_mode: str | None, prompt_steps: str) -> Context:

@@ -168,6 +168,38 @@ def test_beam_search_through_the_server(serve_apps, engine):
     assert out["choices"][0]["text"] == tokenizer.decode(expected.tokens)
 
 
+def test_beam_searches_of_different_widths_share_the_batch_with_sampling(serve_apps, engine):
+    """Two searches (2 and 3 beams would overfill the app's 4 slots: 2 and 2 here, then a third
+    of 3 once they leave) and sampling requests, sent at once: each equals what the engine
+    gives it alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, tokenizer = engine
+    jobs = [("The list", dict(num_beams=2)), ("A tuple", dict(num_beams=2, length_penalty=0.5)),
+            ("The dict", dict(num_beams=3)), ("Sets", dict(temperature=0.8, seed=5)),
+            ("Strings", dict(temperature=0.9, top_k=20, seed=6))]
+
+    def expected(prompt, fields):
+        ids = tokenizer.encode(prompt).ids
+        settings = {k: v for k, v in fields.items() if k != "seed"}
+        if "temperature" in settings:
+            settings["do_sample"] = True
+        ctx = generation.context(model, max_new_tokens=8, **settings)
+        if settings.get("num_beams", 1) > 1:
+            return tokenizer.decode(generation.beam_search(ctx, [ids], [0])[0][0].tokens)
+        return tokenizer.decode(generation.generate(ctx, [ids], seeds=[fields["seed"]])[0])
+
+    def send(job):
+        prompt, fields = job
+        return httpx.post(serve_apps.real + "/v1/completions", json=dict(model="tiny", prompt=prompt, max_tokens=8,
+                                                                         **fields), timeout=120).json()
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(send, jobs))
+    for (prompt, fields), out in zip(jobs, answers):
+        assert out["choices"][0]["text"] == expected(prompt, fields), (prompt, fields, out)
+
+
 # -- handles -----------------------------------------------------------------------------------
 def test_python_handles_typed_and_streaming(serve_apps):
     from ray import serve

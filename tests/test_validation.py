@@ -223,3 +223,27 @@ def test_generation_after_an_error_still_works(request, model):
 
     assert generation.generate(ctx, prompts, seeds=seeds) == expected
     assert generation.generate(ctx, prompts[::-1], seeds=seeds[::-1]) == expected[::-1]
+
+
+# --- the cache contract -----------------------------------------------------------------------
+
+def test_assisted_decoding_needs_a_cache_that_verifies(s2s, load_model):
+    """An encoder-decoder model's cache has no verify or rewind: prompt lookup is refused when
+    the context is made, naming the setting and what the cache lacks."""
+    with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens: assisted decoding verifies candidates through "
+                                         r"the cache's verify and rewind; cache_mode 'seq2seq' \(Seq2SeqCache\) "
+                                         r"has no verify, rewind") as caught:
+        generation.context(load_model(s2s["marian-optimum"]), prompt_lookup_num_tokens=3)
+    assert caught.value.setting == "prompt_lookup_num_tokens"
+
+
+def test_a_cache_mode_missing_a_verb_is_refused_when_made(ctx, monkeypatch):
+    from generation import cache
+
+    class NoCopies(cache.AppendCache):
+        copy_rows = None  # a mode that cannot move rows (beam search, slots)
+
+    monkeypatch.setitem(cache.CACHES, "append", NoCopies)
+    with pytest.raises(TypeError, match=r"cache mode 'append' \(NoCopies\) does not implement copy_rows: every mode "
+                                        r"implements insert, decode, decode_steps, copy_rows, release"):
+        generation.new_state(ctx, slots=2, capacity=8)
