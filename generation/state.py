@@ -354,17 +354,22 @@ def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settin
     row per prompt (the prompts are then the decoder's: decoder_start_token_id, ...), or a
     vision-language model's vision.PromptImages (each prompt's image features and positions).
     """
-    model = ctx.model
     encoder_ids = _encoder_ids(ctx, prompts, encoder)
-    if model.is_seq2seq:
-        last, rows = run_first_steps(model, prompts, encoder)
-        cache = PromptCache(rows, np.array([len(p) for p in prompts]), last)
-    else:
-        cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
-                            ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, prompts, encoder))
+    cache = _prompt_cache(ctx, prompts, encoder)
     prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, cache.last_logits, encoder_ids)
     prefix.cache = cache
     return prefix
+
+
+def _prompt_cache(ctx: Context, prompts: list[list[int]], encoder=None) -> PromptCache:
+    """The prompts' caches and last logits, run apart from any state (an encoder-decoder's
+    first decoder steps, or the decoder over the prompts)."""
+    model = ctx.model
+    if model.is_seq2seq:
+        last, rows = run_first_steps(model, prompts, encoder)
+        return PromptCache(rows, np.array([len(p) for p in prompts]), last)
+    return run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
+                       ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, prompts, encoder))
 
 
 def _check_slots(state: DecodeState, prompts: list[list[int]], slots: list[int]) -> None:
@@ -457,18 +462,12 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
                  ) -> np.ndarray:
     """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
     token is chosen (the caller's search does that)."""
-    model = ctx.model
     if hasattr(state.cache, "prefill"):
         return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id)
-    if model.is_seq2seq:
-        last, rows = run_first_steps(model, prompts, encoder)
-    else:
-        cache = run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
-                            ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, prompts, encoder))
-        last, rows = cache.last_logits, cache.rows
+    cache = _prompt_cache(ctx, prompts, encoder)
     for j, slot in enumerate(slots):
-        state.cache.insert(slot, rows[j], len(prompts[j]))
-    return last
+        state.cache.insert(slot, cache.rows[j], len(prompts[j]))
+    return cache.last_logits
 
 
 def admit_beams(ctx: Context, state: DecodeState, slots, prompt: list[int], seed: int, settings: Settings,
