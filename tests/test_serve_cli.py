@@ -99,6 +99,19 @@ def listening(processes) -> list[tuple[str, int, str]]:
     return found
 
 
+def settled_sockets(process, port: int, timeout: float = 15) -> tuple[list[psutil.Process], list[tuple[str, int, str]]]:
+    """The process tree and its listening sockets once HAProxy's API port is among them. Serve
+    reloads HAProxy when its targets change (a new process takes the port, the old one leaves), so
+    one read can fall between the two and see neither."""
+    deadline = time.time() + timeout
+    while True:
+        tree = process_tree(process.pid)
+        sockets = listening(tree)
+        if any(p == port for _, p, _ in sockets) or time.time() > deadline:
+            return tree, sockets
+        time.sleep(0.2)
+
+
 def is_loopback(ip: str) -> bool:
     address = ipaddress.ip_address(ip.split("%")[0])
     return (getattr(address, "ipv4_mapped", None) or address).is_loopback  # ::ffff:127.0.0.1 too
@@ -131,8 +144,7 @@ def test_on_loopback_nothing_listens_beyond_it_and_sigint_stops_it_though_ignore
                          headers={"Authorization": f"Bearer {key}"}, timeout=30)
         assert out.status_code == 200, out.text
         assert out.json()["choices"][0]["text"] == "cba"  # ingress -> decoder over gRPC, on loopback too
-        tree = process_tree(process.pid)
-        sockets = listening(tree)
+        tree, sockets = settled_sockets(process, port)
         assert {(ip, p) for ip, p, _ in sockets if p == port} == {("127.0.0.1", port)}, sockets  # HAProxy's API port
         names = {name for _, _, name in sockets}
         assert {"gcs_server", "raylet", "haproxy"} <= names, names  # guard: Ray's own servers were read
