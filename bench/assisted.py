@@ -17,7 +17,7 @@ the best w, as if every candidate were kept. Where a plain step already keeps th
 (a batch on a CPU) a wide run costs nearly its width, and the ceiling falls toward 1.
 
 "lookup" is prompt lookup as generate() runs it, verifying the candidates worth their cost
-(generation/budget.py); "every candidate" verifies all of them (transformers' way).
+(generation/assisted/budget.py); "every candidate" verifies all of them (transformers' way).
 
 Every row makes `--new` tokens (eos ignored); the assisted tokens are checked equal to the plain
 ones (sampling: the same seeds give the same tokens). Times are the best of `--repeats`, systems
@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 import generation  # noqa: E402
-from generation.budget import CostAware  # noqa: E402
+from generation.assisted.budget import CostAware  # noqa: E402
 
 LAYOUT = {"in_place": "genai", "append": "optimum"}
 
@@ -66,7 +66,7 @@ class Counting:
 def run(ctx, prompts, seeds, counting: list, every: bool = False):
     """generate() with its candidate generator counted; `every`: without the cost rule (every
     candidate verified)."""
-    module = importlib.import_module("generation.generate")
+    module = importlib.import_module("generation.core.generate")
     original = module.candidates_for
 
     def wrapped(c):

@@ -34,7 +34,7 @@ import numpy as np
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import generation  # noqa: E402
 from decode_systems import model_dirs  # noqa: E402
-from deployments.batching import ContinuousBatcher  # noqa: E402
+from deployments.services.batching import ContinuousBatcher  # noqa: E402
 
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=40)
 BEAMS = dict(num_beams=4)
@@ -97,7 +97,7 @@ class SideThreads:
                 continue
             state, out = generation.step(ctx, state)
             for slot in np.flatnonzero(out.finished).tolist():
-                holder.pop(slot).finish(generation.state.row_tokens(state, slot))
+                holder.pop(slot).finish(generation.core.state.row_tokens(state, slot))
                 state = generation.release(ctx, state, slot)
             time.sleep(0)
 

@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import generation  # noqa: E402
-from generation.seq2seq import encode_text  # noqa: E402
+from generation.runtime.encoders import encode_text  # noqa: E402
 
 
 def build(root: Path) -> Path:
@@ -96,8 +96,8 @@ def speech_systems(base: Path, args, batch: int):
     import torch
     import transformers as tf
 
-    from generation.audio import whisper_features
-    from generation.seq2seq import encode_audio
+    from generation.families.whisper.audio import whisper_features
+    from generation.runtime.encoders import encode_audio
 
     hf = tf.WhisperForConditionalGeneration.from_pretrained(base / "hf").eval()
     model = generation.load(base / "optimum", threads=args.threads, provider="cpu")

@@ -155,10 +155,10 @@ def main() -> int:
     from deployments.cli import use_serving_environment
 
     use_serving_environment(args.proxy)
-    from generation.bundled import default_model_path
-    from generation.text import model_tokenizer
+    from generation.default_model import default_model_path
+    from generation.text.tokenizer import model_tokenizer
 
-    from deployments.decoder import TextGenerator
+    from deployments.services.generator import TextGenerator
 
     model = args.model or str(default_model_path())
     levels = [int(c) for c in args.concurrency.split(",")]

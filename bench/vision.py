@@ -120,9 +120,9 @@ class Timer:
 
 
 def run_raymuter(model, ctx, image, text, config):
-    from generation.generate import generate
-    from generation.images import qwen2vl_pixels
-    from generation.vision import PromptImages, VisionTokens, encode_images, rope_positions, split_features
+    from generation.core.generate import generate
+    from generation.families.images import qwen2vl_pixels
+    from generation.families.vision import PromptImages, VisionTokens, encode_images, rope_positions, split_features
 
     times = {}
     t0 = time.perf_counter()

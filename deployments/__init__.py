@@ -1,5 +1,17 @@
-"""Ray Serve deployments of Raymuter (encoder, vision, decoder, ingress): not built yet.
+"""Raymuter's serving layer on Ray Serve: the engine (`generation`) behind an HTTP ingress and
+Python handles. Serving passes text, bytes, token ids and opaque engine objects; it never touches
+arrays.
 
-The engine they will drive is `generation` (its decode-state verbs are what continuous batching
-needs). This package imports nothing, so Ray replicas can import it cheaply.
+    app.py       the application: its config, the deployments (ingress, decoder, encoder, vision)
+                 and how they are bound together (`build`)
+    services/    each replica's work, free of Ray (generator, batching, encoder, vision, cache)
+    http/        OpenAI's request shapes and the HTTP edge (limits, errors in OpenAI's shape)
+    schema.py    the typed requests and responses of the Python handle API
+    errors.py    the errors a request gets, carrying their field or status as data
+    metrics.py   Prometheus metrics, named after vLLM's
+    fake.py      an engine whose outputs are known, for testing serving alone
+    cli.py       the `raymuter` command (`serve`, and the engine's `generate`); haproxy.py and
+                 loopback.py are what `raymuter serve` runs Ray with
+
+This package imports nothing, so Ray replicas can import it cheaply.
 """

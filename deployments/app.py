@@ -7,7 +7,7 @@ Ingress deployment (OpenAI-style HTTP and the Python handle API).
 
 The ingress never touches arrays: it validates requests, hands typed requests to the decoder by
 handle, and turns its chunks into OpenAI's bodies and server-sent events. Every failure becomes
-OpenAI's error body (deployments.http): 4xx naming the request's field for bad input, 503 with
+OpenAI's error body (deployments.http.edge): 4xx naming the request's field for bad input, 503 with
 Retry-After when the decoder's queue is full or its replica is gone (the request is not retried:
 it may have been half done), and 500 with only a request id, the details in the log. A client
 that goes away cancels its request, streaming or not.
@@ -31,14 +31,45 @@ from ray.serve.handle import DeploymentHandle
 from generation.cli import version
 
 from .errors import Overloaded, RequestError
-from .http import (RETRY_AFTER_SECONDS, answers, body_limit, body_of, check_length, client_gone, install_error_handlers,
-                   merged_streams, openapi_document, read_json, request_id, server_error)
+from .http.edge import (
+    RETRY_AFTER_SECONDS,
+    answers,
+    body_limit,
+    body_of,
+    check_length,
+    client_gone,
+    install_error_handlers,
+    merged_streams,
+    openapi_document,
+    read_json,
+    request_id,
+    server_error,
+)
+from .http.openai import (
+    ApiError,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelInfo,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    completion_choice,
+    completion_logprobs,
+    completion_response,
+    for_request,
+    generate_request,
+    parse,
+    stream_chunk,
+    usage,
+    validation_error,
+)
+from .http.openai import Transcription as TranscriptionBody
 from .metrics import IngressMetrics
-from .openai_api import (ApiError, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
-                         DetokenizeRequest, DetokenizeResponse, ModelInfo, ModelList, TokenizeRequest, TokenizeResponse,
-                         Transcription as TranscriptionBody, VersionResponse, completion_choice, completion_logprobs,
-                         completion_response, for_request, generate_request, parse, stream_chunk, usage,
-                         validation_error)
 from .schema import GenerateChunk, GenerateRequest, GenerateResponse, Refusal, Transcription, TranscriptionRequest
 
 DEFAULT_MODEL_NAME = "raymuter-default"  # the model id of the default model (no `model` given)
@@ -137,12 +168,12 @@ def _api_error_of(error: BaseException, request_id_: str) -> ApiError:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
 class Encoder:
-    """An encoder-decoder model's encoder (deployments.encoder.EncoderService): uploaded audio
+    """An encoder-decoder model's encoder (deployments.services.encoder.EncoderService): uploaded audio
     decoded to samples, Whisper windows or texts through the encoder. Its replies go to the
     decoder unopened."""
 
     def __init__(self, config: dict):
-        from .encoder import EncoderService
+        from .services.encoder import EncoderService
 
         cfg = AppConfig(**config)
         self.service = EncoderService(cfg.model, cfg.name, threads=cfg.threads, provider=cfg.provider,
@@ -164,11 +195,11 @@ class Encoder:
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
 class Vision:
     """A vision-language model's image preprocessing and vision encoder
-    (deployments.vision.VisionService), features cached by image content. Its replies go to the
+    (deployments.services.vision.VisionService), features cached by image content. Its replies go to the
     decoder unopened."""
 
     def __init__(self, config: dict):
-        from .vision import VisionService
+        from .services.vision import VisionService
 
         cfg = AppConfig(**config)
         self.service = VisionService(cfg.model, cfg.name, threads=cfg.threads, provider=cfg.provider,
@@ -185,7 +216,7 @@ class Vision:
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024, health_check_period_s=2,
                   health_check_timeout_s=10)
 class Decoder:
-    """Owns the model and its continuous batching loop (deployments.decoder.TextGenerator). An
+    """Owns the model and its continuous batching loop (deployments.services.generator.TextGenerator). An
     encoder-decoder model's decoder gets its sources' encoder outputs from the Encoder
     deployment (through the ingress's calls, or `encoder` for Whisper's later windows)."""
 
@@ -199,11 +230,11 @@ class Decoder:
                                             cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else "fake"))
             self.generator.stream_interval = cfg.stream_interval_ms / 1000
         else:
-            from .decoder import TextGenerator
+            from .services.generator import TextGenerator
 
             model = cfg.model
             if model is None:
-                from generation.bundled import default_model_path
+                from generation.default_model import default_model_path
 
                 model = str(default_model_path())
             self.generator = TextGenerator.from_model(
@@ -776,12 +807,12 @@ def app_kind(cfg: AppConfig) -> str:
 
 def model_kind(cfg: AppConfig) -> str:
     """text, encoder-decoder or vision: what the model folder (or hub repository) holds, as the
-    engine reads it (generation.model.model_kind); the fake engine and the default model: text."""
+    engine reads it (generation.runtime.model.model_kind); the fake engine and the default model: text."""
     if cfg.engine != "onnx" or cfg.model is None:
         return "text"
-    import generation.model
+    import generation.runtime.model
 
-    return generation.model.model_kind(cfg.model)
+    return generation.runtime.model.model_kind(cfg.model)
 
 
 def application(cfg: AppConfig, kind: str):

@@ -97,7 +97,7 @@ def serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1") -> dict
                 return str(port)
         raise RuntimeError(f"no free port in {default}-{default + 199} for HAProxy")
 
-    from .http import GRPC_MESSAGE_BYTES
+    from .http.edge import GRPC_MESSAGE_BYTES
 
     stats = free_port(8404)
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
@@ -144,12 +144,12 @@ def app_config(args) -> dict:
 
 
 def check_models(args) -> None:
-    """--model and --draft as `raymuter generate` checks a model (generation.model.resolve_folder,
+    """--model and --draft as `raymuter generate` checks a model (generation.runtime.model.resolve_folder,
     the same message): a folder must exist; a hub id is fetched, into the cache the replicas then
     read. No model is loaded here."""
     if args.engine != "onnx":
         return
-    from generation.model import resolve_folder
+    from generation.runtime.model import resolve_folder
 
     if args.model is not None:
         resolve_folder(args.model, args.variant)
@@ -216,7 +216,7 @@ def serve_command(args) -> int:
     check_port(args.host, args.port)
     local_only = local_environment(args)
     if args.model is None and args.engine == "onnx":
-        from generation.bundled import default_model_path
+        from generation.default_model import default_model_path
 
         print(f"[raymuter] no --model: serving the default model ({default_model_path()})", file=sys.stderr)
     from .app import AppConfig

@@ -17,9 +17,9 @@ import queue
 import threading
 import time
 
-from generation.settings import SettingError
+from generation.core.settings import SettingError
 
-from .batching import QueueFull, Request
+from .services.batching import QueueFull, Request
 
 EOS = ord(".")
 FAIL = 1  # a prompt holding this token fails inside the loop, as an engine bug would (a 500)
@@ -102,7 +102,7 @@ class FakeBatcher:
         request = Request(next(self._ids), list(prompt), seed, resolved, int(resolved.raw.get("max_new_tokens") or 8))
         request.planned = fake_tokens(prompt, seed, resolved.raw)
         if prompt_logprobs is not None:  # each prompt token after the first at -0.5, its own best alternative
-            from generation.prompt_logprobs import from_lists
+            from generation.logits.prompt_logprobs import from_lists
 
             rest = list(prompt[1:])
             request.prompt_top = prompt_logprobs
@@ -157,7 +157,7 @@ class FakeBatcher:
 def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int = 64, name: str = "fake"):
     """A TextGenerator over the fake engine (with a chat template: 'role: content' lines, then
     the template variable `prefix` where a request gives it in chat_template_kwargs)."""
-    from .decoder import TextGenerator
+    from .services.generator import TextGenerator
 
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}{{ prefix | default('') }}")

@@ -96,12 +96,12 @@ def generate_command(args) -> int:
     import numpy as np
 
     import generation
-    from generation.stops import cut_at_stop
-    from generation.text import Detokenizer, load_tokenizer
+    from generation.core.stops import cut_at_stop
+    from generation.text.tokenizer import Detokenizer, load_tokenizer
 
     started = time.perf_counter()
     if args.model is None:
-        from generation.bundled import default_model_path
+        from generation.default_model import default_model_path
 
         args.model = default_model_path(args.variant)
         print(f"[raymuter] no --model given: using the default model in {args.model} (a small Llama trained on "

@@ -9,12 +9,12 @@
                                                                  {"type": "text", "text": "What is it?"}]}]])
     out = image_to_text(vit_gpt2_ctx, [image, "photo.png"])              # captions
 
-Each task tokenizes or featurizes its batch, runs the encoder once (`generation.seq2seq`; a
+Each task tokenizes or featurizes its batch, runs the encoder once (`generation.runtime.encoders`; a
 server can run that step in its own deployment), and generates from the decoder's prompt
 (decoder_start_token_id) with every setting of the context, beam search included. Whisper with
 timestamps, or with audio longer than its window, decodes window after window
-(`generation.longform`), running the encoder once per window. Vision-language prompts run the
-vision encoder once per image (`generation.vision.encode_images`, or the caller's `encode`).
+(`generation.families.whisper.longform`), running the encoder once per window. Vision-language prompts run the
+vision encoder once per image (`generation.families.vision.encode_images`, or the caller's `encode`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from typing import Callable
 
 import numpy as np
 
-from .context import Context
-from .generate import Generated, generate
-from .inputs import check_seeds
-from .longform import ClipWindows, Segment, clip_windows, decode_windows, run_encoder, window_frames
-from .seq2seq import EncoderOutputs, encode_audio, encode_cached, encode_pixels, encode_text
-from .settings import SettingError
-from .text import model_tokenizer
+from .core.context import Context
+from .core.generate import Generated, generate
+from .core.inputs import check_seeds
+from .core.settings import SettingError
+from .families.whisper.longform import ClipWindows, Segment, clip_windows, decode_windows, run_encoder, window_frames
+from .runtime.encoders import EncoderOutputs, encode_audio, encode_cached, encode_pixels, encode_text
+from .text.tokenizer import model_tokenizer
 
 
 @dataclass
@@ -126,7 +126,7 @@ def whisper_prompts(ctx: Context, encoder: EncoderOutputs, language=None, task: 
     lang_to_id, task_to_id = config.get("lang_to_id") or {}, config.get("task_to_id") or {}
     if lang_to_id:
         if language is None:
-            from .seq2seq import run_first_steps
+            from .cache.cross import run_first_steps
 
             logits, _ = run_first_steps(ctx.model, [[start]] * len(encoder), encoder)
             ids = np.array(sorted(lang_to_id.values()))
@@ -189,7 +189,7 @@ def prepare_speech(ctx: Context, audios, sampling_rate: int = 16000, language=No
     """Everything `speech_to_text` does before decoding (its arguments, checked): the features,
     the first windows through the encoder, the prompts. A server decodes the result in its
     batch (a row per clip, or with timestamps a row per window)."""
-    from . import audio
+    from .families.whisper import audio
 
     if not isinstance(audios, (list, tuple)) or not audios:
         raise ValueError("audios must be a non-empty list of arrays or audio files")
@@ -227,7 +227,7 @@ def speech_to_text(ctx: Context, audios, sampling_rate: int = 16000, language=No
     return_timestamps: each result's segments (start and end in seconds, tokens, text), as
     `generate(return_timestamps=True, return_segments=True)`; None: generation_config.json's
     return_timestamps. A clip longer than the window (30 s for real Whisper models) is decoded
-    window after window (`generation.longform`), which needs timestamps: None turns them on for
+    window after window (`generation.families.whisper.longform`), which needs timestamps: None turns them on for
     the batch, unless generation_config.json sets return_timestamps false, which is an error
     then, as return_timestamps=False is (as in transformers).
     encode: [n, n_mels, frames] log-mel windows -> EncoderOutputs (default: this model's encoder).
@@ -293,7 +293,7 @@ def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[T
     text with an image placeholder where each image is:
 
     - Qwen2-VL: an image becomes <|vision_start|>, one image token per feature, <|vision_end|>;
-      pixels as Qwen2VLImageProcessor (`generation.images`), M-RoPE positions. A video part (a
+      pixels as Qwen2VLImageProcessor (`generation.families.images`), M-RoPE positions. A video part (a
       [frames, H, W, 3] uint8 array) becomes <|vision_start|>, its video tokens, <|vision_end|>,
       pixels as Qwen2VLImageProcessor(videos=...), its features in the video tokens as
       transformers' second masked_scatter places them.
@@ -301,13 +301,13 @@ def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[T
       (default `vision.encode_images`), run on the images, then on the videos.
     - Idefics3: an image becomes Idefics3Processor's expansion of <image> (frames with row and
       column tokens, then the global image), tokenized; pixels as Idefics3ImageProcessor
-      (`generation.idefics3`). encode: pixel_values [frames, 3, F, F] -> features
+      (`generation.families.idefics3`). encode: pixel_values [frames, 3, F, F] -> features
       [frames * image_seq_len, hidden] (default `idefics3.encode_frames`).
 
     encode runs the batch's images in order; a server runs it in its own deployment and caches
     features by image content.
     """
-    from .vl_prompts import image_inputs, part_ids, preprocess
+    from .families.vl_prompts import image_inputs, part_ids, preprocess
 
     model = ctx.model
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -333,8 +333,8 @@ def image_chat(ctx: Context, conversations, seeds=None, encode=None,
     tokens as image_text_to_text. encode: as image_text_to_text's."""
     from pathlib import Path
 
-    from .images import load_image
-    from .vl_prompts import chat_ids, chat_images, image_inputs, preprocess
+    from .families.images import load_image
+    from .families.vl_prompts import chat_ids, chat_images, image_inputs, preprocess
 
     model = ctx.model
     if not isinstance(conversations, (list, tuple)) or not conversations:
@@ -362,7 +362,7 @@ def _prompt_parts(model, prompts) -> tuple[list[list[tuple[str, object]]], list[
     """Per prompt its parts as ("text", ids), ("image", index into the images) or ("video",
     index into the videos), and the images (RGB uint8 arrays) and videos ([frames, H, W, 3]
     uint8 arrays) of all prompts in order."""
-    from .images import load_image
+    from .families.images import load_image
 
     images, videos, layout = [], [], []
     tokenizer = None
@@ -399,7 +399,7 @@ def image_to_text(ctx: Context, images, seeds=None, encode=None) -> list[TaskRes
     (default: this model's encoder, `seq2seq.encode_pixels`), for a server's own deployment."""
     from pathlib import Path
 
-    from .images import vit_pixels
+    from .families.images import vit_pixels
 
     if not isinstance(images, (list, tuple)) or not images:
         raise ValueError("images must be a non-empty list of images")

@@ -19,6 +19,10 @@ from pathlib import Path
 import pytest
 
 _HERE = Path(__file__).resolve().parent
+# Every test folder on the import path, whatever pytest collects: tests share helpers by module
+# name (`from test_assisted import grounded` in tests/deployments/test_batching.py).
+sys.path[:0] = [str(d) for d in sorted(_HERE.rglob("*")) if d.is_dir() and any(d.glob("test_*.py"))
+                and str(d) not in sys.path]
 
 
 def _load_model_builders():
@@ -190,7 +194,7 @@ class ServeApps:
 @pytest.fixture(scope="session")
 def engine(serve_apps, load_model):
     """(model, tokenizer) of the real app's model, loaded here: the engine alone, to compare with."""
-    from generation.text import model_tokenizer
+    from generation.text.tokenizer import model_tokenizer
 
     model = load_model(serve_apps.real_model)
     return model, model_tokenizer(model)

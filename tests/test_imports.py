@@ -2,7 +2,8 @@
 imported): every import counts, at the top of a module or lazily inside a function.
 
 Invariants: no cycle among the project's modules; serving never touches arrays (no module of
-deployments/ imports numpy); the engine never imports the serving layer.
+deployments/ imports numpy); the engine never imports the serving layer; the default model's
+training and export (torch, transformers) are imported by nothing outside generation.default_model.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ PACKAGES = ("generation", "deployments")
 
 # (module, reason) pairs allowed to remain: none
 KNOWN: set = set()
+# generation.default_model's modules that only its commands run
+OFFLINE = ("train", "export")
 
 
 def module_files() -> dict[str, Path]:
@@ -105,7 +108,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def violations(modules: dict[str, Path]) -> set[tuple[str, str]]:
     """(module, reason) for each cycle (named by its first module), each deployments/ module that
-    imports numpy and each generation/ module that imports deployments."""
+    imports numpy, each generation/ module that imports deployments, and each module outside
+    generation.default_model that imports its training or export."""
     graph = import_graph(modules)
     found = {(cycle[0], "in cycle " + " -> ".join(cycle)) for cycle in cycles(graph)}
     for module, path in modules.items():
@@ -114,6 +118,11 @@ def violations(modules: dict[str, Path]) -> set[tuple[str, str]]:
             found.add((module, "imports numpy"))
         if package == "generation" and imports_package(module, path, "deployments"):
             found.add((module, "imports deployments"))
+        offline = {f"generation.default_model.{m}" for m in OFFLINE}
+        named = {f"{base}.{n}" for base, names in imports(module, path) for n in names} | {
+            base for base, _ in imports(module, path)}
+        if not module.startswith("generation.default_model") and named & offline:
+            found.add((module, "imports the default model's training or export"))
     return found
 
 
@@ -125,12 +134,12 @@ def test_the_violations_are_exactly_the_known_ones():
 
 def test_every_module_is_read():
     modules = module_files()
-    assert {"generation", "generation.context", "deployments", "deployments.app"} <= set(modules)
+    assert {"generation", "generation.core.context", "deployments", "deployments.app"} <= set(modules)
     graph = import_graph(modules)
-    assert "generation.settings" in graph["generation.context"]  # a top-level relative import
-    assert "generation.model" in graph["generation.context"]  # and a lazy one, inside a function
-    assert {"generation.warm", "generation.state"} <= graph["generation"]  # a package's __init__
-    assert "generation.limits" in graph["deployments.openai_api"]  # `from generation import limits`
+    assert "generation.core.settings" in graph["generation.core.context"]  # a top-level relative import
+    assert "generation.runtime.model" in graph["generation.core.context"]  # and a lazy one, inside a function
+    assert {"generation.core.warm", "generation.core.state"} <= graph["generation"]  # a package's __init__
+    assert "generation.core.limits" in graph["deployments.http.openai"]  # `from generation import limits`
 
 
 def test_the_cycle_finder_finds_a_hand_made_cycle():
@@ -147,7 +156,10 @@ def test_the_checks_see_numpy_deployments_and_lazy_cycles(tmp_path):
     (tmp_path / "generation" / "y.py").write_text("from deployments.x import f\n")
     (tmp_path / "generation" / "z.py").write_text("def g():\n    from . import w\n")
     (tmp_path / "generation" / "w.py").write_text("from .z import g\n")
+    (tmp_path / "generation" / "v.py").write_text("def h():\n    from .default_model import train\n")
     modules = {"deployments.x": tmp_path / "deployments" / "x.py", "generation.y": tmp_path / "generation" / "y.py",
-               "generation.z": tmp_path / "generation" / "z.py", "generation.w": tmp_path / "generation" / "w.py"}
+               "generation.z": tmp_path / "generation" / "z.py", "generation.w": tmp_path / "generation" / "w.py",
+               "generation.v": tmp_path / "generation" / "v.py"}
     assert violations(modules) == {("deployments.x", "imports numpy"), ("generation.y", "imports deployments"),
-                                   ("generation.w", "in cycle generation.w -> generation.z -> generation.w")}
+                                   ("generation.w", "in cycle generation.w -> generation.z -> generation.w"),
+                                   ("generation.v", "imports the default model's training or export")}

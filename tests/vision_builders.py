@@ -22,7 +22,7 @@ and the package versions):
     [N, 2]`` (each patch's row and column in merge-block order), ``attention_bias [N, N]`` (0
     within a frame, -inf across) -> ``image_features [N / 4, 64]``.  The stock export bakes the
     grid in (its rotary positions and attention splits come from ``.tolist()`` of the grid):
-    these two inputs carry them instead (``generation.vision.vision_inputs`` computes them).
+    these two inputs carry them instead (``generation.families.vision.vision_inputs`` computes them).
     ``onnx/decoder_model_merged.onnx``: ``inputs_embeds [B, S, 64]``, ``attention_mask
     [B, P + S]``, ``position_ids [3, B, S]``, ``past_key_values.N.key/.value [B, 2, P, 16]``
     (P may be 0) -> ``logits``, ``present.N.key/.value``.  Meta files at the root.

@@ -1,0 +1,491 @@
+"""The decoder replica's work, free of Ray: requests in, text chunks out.
+
+`TextGenerator` owns a model's continuous batcher, its tokenizer and chat template, and the
+decoder's metrics. It turns a `GenerateRequest` into the prompt's token ids and the engine's
+settings, submits it, and turns the tokens that come back into text pieces (held back while
+they might be the start of a stop string, cut before the stop string when one ends the text).
+The Ray deployment (`deployments.app.Decoder`) is a thin shell around it, and tests drive it
+directly, with the real engine or with `deployments.fake`.
+
+    generator = TextGenerator.from_model("folder", slots=8)
+    async for chunk in generator.stream(GenerateRequest(prompt="Once", settings={"max_new_tokens": 8})):
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from pathlib import Path
+
+from generation.core.stops import cut_at_stop
+from generation.text.tokenizer import Detokenizer
+
+from ..errors import Overloaded, RequestError
+from ..metrics import DecoderMetrics
+from ..schema import (
+    GenerateChunk,
+    GenerateRequest,
+    GenerateResponse,
+    ModelCard,
+    Segment,
+    Tokenized,
+    TokenLogprob,
+    Transcription,
+    TranscriptionRequest,
+)
+from .batching import ContinuousBatcher, QueueFull
+
+logger = logging.getLogger("ray.serve")  # into the replica's log, with Serve's request id
+
+
+def refusal(error: ValueError, request: GenerateRequest) -> RequestError:
+    """The RequestError of an engine error, naming the request's field (and speaking of it: a
+    stop_token_ids refusal does not say eos_token_id)."""
+    setting = getattr(error, "setting", None)
+    field = request_field(request, setting)
+    message = str(error)
+    if setting and field and not field.endswith(setting):
+        message = message.replace(setting, field.removeprefix("settings."))
+    return RequestError(message, field)
+
+
+def fingerprint(*configuration) -> str:
+    """OpenAI's system_fingerprint: Raymuter's version and what the model runs with, hashed."""
+    import hashlib
+    import json
+
+    from generation.cli import version
+
+    digest = hashlib.sha256(json.dumps([version(), *configuration], default=str).encode()).hexdigest()
+    return f"fp_{digest[:12]}"
+
+
+def request_field(request: GenerateRequest, setting: str | None) -> str | None:
+    """The GenerateRequest field an engine error about `setting` (a SettingError's) is about."""
+    if setting is None:
+        return None
+    if setting == "prompt":
+        return "messages" if request.messages is not None else "prompt"
+    if setting in ("seed", "logprobs", "prompt_logprobs"):
+        return setting
+    if setting == "eos_token_id" and request.stop_token_ids and "eos_token_id" not in request.settings:
+        return "stop_token_ids"
+    return f"settings.{setting}"
+
+
+class TextGenerator:
+    """A model's generation service: tokenizer in front of a ContinuousBatcher.
+
+    `batcher`: ContinuousBatcher-like (submit -> Request). `tokenizer`: a `tokenizers.Tokenizer`
+    or anything with encode(text, add_special_tokens).ids / decode(ids, skip_special_tokens).
+    `max_logprobs`: the most alternatives a request may ask per token (the batcher's context
+    computes that many for every row)."""
+
+    def __init__(self, name: str, batcher, tokenizer, context_length: int | None, chat_template: str | None = None,
+                 special_tokens: dict | None = None, max_logprobs: int = 0, kind: str = "decoder",
+                 stream_interval: float = 0.0):
+        self.name, self.batcher, self.tokenizer = name, batcher, tokenizer
+        self.context_length, self.template, self.special_tokens = context_length, chat_template, special_tokens or {}
+        self.max_logprobs, self.kind = max_logprobs, kind
+        self.stream_interval = stream_interval  # seconds between a stream's chunks (the first goes at once)
+        self.metrics = DecoderMetrics(name, batcher)
+        self.fingerprint = fingerprint(name, context_length, kind)
+
+    @classmethod
+    def from_model(cls, source: str | Path, name: str | None = None, slots: int = 8, capacity: int | None = None,
+                   max_waiting: int = 256, max_logprobs: int = 5, threads: int | None = None,
+                   provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
+                   stream_interval: float = 0.0, draft: str | Path | None = None, **settings) -> "TextGenerator":
+        """Load `source` (folder or hub id) and start its batcher. `settings`: defaults over the
+        model's generation_config.json for every request (max_new_tokens, ...). `draft`: a small
+        model with the same tokenizer (folder or hub id) whose proposals every step verifies
+        (num_assistant_tokens and its schedule from `settings`)."""
+        import generation
+        from generation.runtime.model import config_texts
+        from generation.text.chat import chat_template, special_tokens
+        from generation.text.tokenizer import model_tokenizer
+
+        spin_wait = draft is None  # the draft's runs come between the model's (generation.load)
+        model = generation.load(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait)
+        if draft is not None:
+            draft = generation.load(draft, provider=provider, threads=threads, spin_wait=False)
+        ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
+                                 top_logprobs=max(0, max_logprobs), draft=draft, **settings)
+        ctx = generation.compile(ctx, batch_size=slots)
+        batcher = ContinuousBatcher(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting)
+        name = name or (Path(source).name if Path(source).is_dir() else str(source))
+        generator = cls(name, batcher, model_tokenizer(model), batcher.capacity, chat_template(model.folder),
+                        special_tokens(model.folder), max_logprobs,
+                        "encoder-decoder" if model.is_seq2seq else "decoder", stream_interval)
+        generator.defaults = dict(settings)
+        generator.takes_images = model.vision_session is not None
+        generator.fingerprint = fingerprint(name, batcher.capacity, slots, dict(settings), *config_texts(model))
+        return generator
+
+    takes_images = False
+
+    defaults: dict = {}
+
+    @property
+    def is_seq2seq(self) -> bool:
+        return self.kind == "encoder-decoder"
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.name, context_length=self.context_length, slots=self.batcher.slots, kind=self.kind,
+                         has_chat_template=self.template is not None, fingerprint=self.fingerprint)
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    # -- a request ---------------------------------------------------------------------------
+    def prompt_ids(self, request: GenerateRequest, images=()):
+        """The prompt's token ids: ids as given, text tokenized, messages through the template.
+        With `images` (the features of the messages' image parts, in order), the ids and the
+        PromptImages that place the features."""
+        if request.messages is not None:
+            from generation.text.chat import ChatTemplateError, render_chat
+
+            messages = [_plain(m.model_dump(exclude_none=True), i, self.takes_images)
+                        for i, m in enumerate(request.messages)]
+            variables = request.chat_template_kwargs
+            if self.takes_images:
+                from .vision import prompt_images
+
+                try:
+                    return prompt_images(self.batcher.ctx.model, messages, list(images), request.add_generation_prompt,
+                                         variables)
+                except ChatTemplateError as e:
+                    raise RequestError(str(e), "messages") from None
+            try:
+                text = render_chat(self.template, messages, self.special_tokens, request.add_generation_prompt,
+                                   variables)
+            except ChatTemplateError as e:
+                raise RequestError(str(e), "messages") from None
+            self._check_text_length(text, "messages")
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        if isinstance(request.prompt, str):
+            if not request.prompt:
+                raise RequestError("prompt is empty", "prompt")
+            self._check_text_length(request.prompt, "prompt")
+            return self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens).ids
+        return list(request.prompt)
+
+    def _check_text_length(self, text: str, field: str) -> None:
+        """A text too long to fit the context whatever it tokenizes to is refused before the
+        tokenizer spends seconds on it: no token is longer than the vocabulary's longest."""
+        if self.context_length and len(text) > self.context_length * self.longest_token:
+            raise RequestError(f"{field}: {len(text)} characters cannot fit the context of {self.context_length} "
+                               f"tokens (a token here is at most {self.longest_token} characters)", field)
+
+    @property
+    def longest_token(self) -> int:
+        if self._longest_token is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._longest_token = max(map(len, vocab), default=1)
+        return self._longest_token
+
+    _longest_token: int | None = None
+
+    def submit(self, request: GenerateRequest, encoder=None, images=()):
+        """Check and queue a request: (batcher request, prompt ids). Bad input raises
+        RequestError naming the request's field; a full queue raises Overloaded. An
+        encoder-decoder model's request comes with its source's encoder outputs (`encoder`); its
+        decoder prompt is the decoder start token."""
+        if self.is_seq2seq:
+            if encoder is None:
+                raise RequestError("this encoder-decoder model needs the encoder's outputs of the prompt", "prompt")
+            from generation.tasks import decoder_start
+
+            prompt = [decoder_start(self.batcher.ctx)]
+        else:
+            prompt = self.prompt_ids(request, images)
+            if isinstance(prompt, tuple):  # a vision-language chat: its images go where an encoder's outputs go
+                prompt, encoder = prompt
+        if not prompt:
+            raise RequestError("the prompt has no tokens", request_field(request, "prompt"))
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(request, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise RequestError(f"{name}: this server gives at most {self.max_logprobs} alternatives per token "
+                                   f"(asked {asked})" if self.max_logprobs >= 0 else
+                                   f"{name}: this server runs without log-probabilities", name)
+        settings = dict(request.settings)
+        if request.stop_token_ids:
+            settings["eos_token_id"] = [*self._eos(settings), *request.stop_token_ids]
+        budget = settings.get("max_new_tokens")
+        if isinstance(budget, int) and self.context_length and len(prompt) + budget > self.context_length:
+            raise RequestError(f"max_tokens: {budget} new tokens after a prompt of {len(prompt)} "
+                               f"exceed the context of {self.context_length} tokens", "settings.max_new_tokens")
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        try:
+            handle = self.batcher.submit(prompt, seed=seed, settings=settings, encoder=encoder,
+                                         prompt_logprobs=request.prompt_logprobs)
+        except QueueFull as e:
+            self.metrics.rejected.inc()
+            raise Overloaded(str(e)) from None
+        except ValueError as e:
+            raise refusal(e, request) from None
+        return handle, prompt
+
+    def _eos(self, settings: dict) -> tuple:
+        """The eos tokens a request's settings leave (ignore_eos gives none)."""
+        if "eos_token_id" in settings:
+            eos = settings["eos_token_id"]
+            return tuple(eos) if isinstance(eos, (list, tuple)) else () if eos is None else (eos,)
+        ctx = getattr(self.batcher, "ctx", None)
+        return tuple(ctx.settings.eos_token_id) if ctx is not None else ()
+
+    async def stream(self, request: GenerateRequest, encoder=None, images=()):
+        """GenerateChunks as the tokens come; the last one carries finish_reason and counts. A
+        consumer that stops early (a client that went away) cancels the request."""
+        handle, prompt = self.submit(request, encoder, images)
+        arrived = time.perf_counter()
+        stops = list(request.settings.get("stop_strings") or [])
+        if isinstance(request.settings.get("stop_strings"), str):
+            stops = [request.settings["stop_strings"]]
+        hold = max((len(s) for s in stops), default=1) - 1
+        detok = Detokenizer(self.tokenizer)
+        text, sent, last = "", 0, None
+        echo = request.echo  # the prompt first (once the batcher has admitted it, with its log-probabilities)
+        try:
+            async for tokens in handle.abatches():
+                if echo:
+                    yield self._echo(request, handle, prompt)
+                    echo = False
+                for token in tokens:
+                    if last is None:
+                        self.metrics.first_token(token.at - arrived)
+                    else:
+                        self.metrics.inter_token.observe(token.at - last)
+                    last = token.at
+                    text += detok.add(token.id)
+                visible = cut_at_stop(text, stops)
+                end = len(visible) if len(visible) < len(text) else max(sent, len(visible) - hold)
+                piece, sent = visible[sent:end], max(sent, end)
+                yield GenerateChunk(text=piece, token_ids=[t.id for t in tokens],
+                                    logprobs=None if request.logprobs is None else
+                                    [self._logprob(t, request.logprobs) for t in tokens])
+                if self.stream_interval > 0 and not handle.done:
+                    await asyncio.sleep(self.stream_interval)  # the tokens made meanwhile go as one chunk
+            completion = handle.result(timeout=5)
+        except (asyncio.CancelledError, GeneratorExit):
+            handle.cancel()
+            raise
+        text += detok.flush()
+        visible = cut_at_stop(text, stops)
+        self.metrics.finished(handle, completion, len(prompt), time.perf_counter() - arrived)
+        status, field, error = None, None, completion.error
+        if completion.finish_reason == "error":
+            status = getattr(completion, "status", None) or 500
+            field = request_field(request, getattr(completion, "field", None)) if status < 500 else None
+            if status >= 500:
+                logger.error("request %s failed in the batch: %s", request.request_id, error)
+        elif echo:
+            yield self._echo(request, handle, prompt)
+        yield GenerateChunk(text=visible[sent:], finish_reason=completion.finish_reason, error=error, status=status,
+                            field=field, prompt_tokens=len(prompt), completion_tokens=len(completion.tokens))
+
+    async def generate(self, request: GenerateRequest, encoder=None, images=()) -> GenerateResponse:
+        """The whole generation at once."""
+        text, ids, logprobs, last, echoed = [], [], [], None, None
+        async for chunk in self.stream(request, encoder, images):
+            if chunk.prompt_text is not None:
+                echoed = chunk
+            text.append(chunk.text)
+            ids += chunk.token_ids
+            logprobs += chunk.logprobs or []
+            last = chunk
+        return GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
+                                prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                                logprobs=logprobs if request.logprobs is not None else None, error=last.error,
+                                status=last.status, field=last.field,
+                                prompt_text=None if echoed is None else echoed.prompt_text,
+                                prompt_logprobs=None if echoed is None else echoed.prompt_logprobs)
+
+    def _prompt_text(self, request: GenerateRequest, prompt: list[int]) -> str:
+        """The prompt as text, as echo gives it back: the text sent, or the ids decoded."""
+        if isinstance(request.prompt, str):
+            return request.prompt
+        return self.tokenizer.decode(list(prompt), skip_special_tokens=False)
+
+    def _echo(self, request: GenerateRequest, handle, prompt: list[int]) -> GenerateChunk:
+        return GenerateChunk(prompt_text=self._prompt_text(request, prompt),
+                             prompt_logprobs=self._prompt_logprobs(handle, prompt, request.prompt_logprobs))
+
+    def _prompt_logprobs(self, handle, prompt: list[int], top: int | None):
+        """Each prompt token's TokenLogprob (the first one's logprob None: nothing comes before
+        it), from the batcher's prompt pass at admission; None when not asked."""
+        found = getattr(handle, "prompt_logprobs", None)
+        if top is None or found is None:
+            return None
+        out = [TokenLogprob(id=prompt[0], text=self._text(prompt[0]), logprob=None)]
+        for i, token in enumerate(prompt[1:]):
+            alternatives = None
+            if top and found.top is not None:
+                alternatives = [(int(t), self._text(int(t)), float(lp)) for t, lp in
+                                zip(found.top_ids[i][:top], found.top[i][:top])]
+            out.append(TokenLogprob(id=token, text=self._text(token), logprob=float(found.logprob[i]), top=alternatives))
+        return out
+
+    def tokenize(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool | None,
+                 add_generation_prompt: bool, variables: dict | None, token_strs: bool) -> Tokenized:
+        """/tokenize: a prompt's token ids, or messages' through the chat template (as the chat
+        route renders them); add_special_tokens defaults to true for a prompt, false for messages."""
+        if messages is not None:
+            if self.takes_images and any(isinstance(m.get("content"), list) and any(
+                    p.get("type") == "image_url" for p in m["content"]) for m in messages):
+                raise RequestError("messages: /tokenize takes text messages only (an image's tokens depend on "
+                                   "its size)", "messages")
+            from generation.text.chat import ChatTemplateError, render_chat
+
+            plain = [_plain(m, i) for i, m in enumerate(messages)]
+            try:
+                text = render_chat(self.template, plain, self.special_tokens, add_generation_prompt, variables)
+            except ChatTemplateError as e:
+                raise RequestError(str(e), "messages") from None
+            add_special_tokens = bool(add_special_tokens)
+        elif add_special_tokens is None:
+            add_special_tokens = True
+        self._check_text_length(text, "messages" if messages is not None else "prompt")
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return Tokenized(tokens=ids, token_strs=[self._text(i) for i in ids] if token_strs else None)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """/detokenize: the text of token ids (special tokens kept, as vLLM's)."""
+        vocab = self.vocab_size
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"tokens.{bad}: {ids[bad]} is not a token id of this model (0 to {vocab - 1})",
+                               f"tokens.{bad}")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        ctx = getattr(self.batcher, "ctx", None)
+        if ctx is not None:
+            return ctx.model.vocab_size
+        return getattr(self.batcher, "vocab_size", 2**31)
+
+    async def transcribe(self, samples, request: "TranscriptionRequest", encode) -> "Transcription":
+        """Whisper over one clip (16 kHz samples), with the request's language, task, timestamps
+        and settings; `encode` runs the encoder (the encoder deployment). The clip is prepared as
+        `generation.tasks.speech_to_text` prepares it (on a worker thread: features, the first
+        window through the encoder, the prompt) and decoded in the continuous batch: one row, or
+        with timestamps (or a clip longer than a window) a row per window."""
+        import generation
+        from generation.families.whisper.audio import HOP_LENGTH, SAMPLING_RATE
+        from generation.families.whisper.longform import window_frames
+        from generation.tasks import prepare_speech
+
+        if not self.is_seq2seq:
+            raise RequestError(f"model: '{self.name}' does not take audio", "model")
+        settings = {**self.defaults, **request.settings}
+        if request.temperature:
+            settings.update(do_sample=True, temperature=request.temperature)
+        try:
+            ctx = generation.context(self.batcher.ctx.model, **settings)
+        except ValueError as e:
+            raise RequestError(str(e), _transcription_field(e)) from None
+        long_form = len(samples) > window_frames(ctx) * HOP_LENGTH  # needs timestamps, whatever the format
+        timestamps = request.timestamps or long_form or bool(ctx.model.generation_config.get("return_timestamps"))
+        started = time.perf_counter()
+        try:
+            speech = await asyncio.to_thread(prepare_speech, ctx, [samples], language=request.language,
+                                             task=request.task, seeds=[request.seed or 0],
+                                             return_timestamps=bool(timestamps), encode=encode)
+            if speech.timestamps:
+                result = await self._windowed_transcription(ctx, speech, settings)
+            else:
+                result = await self._batched_transcription(ctx, speech, settings)
+        except ValueError as e:
+            raise RequestError(str(e), _transcription_field(e)) from None
+        self.metrics.e2e.observe(time.perf_counter() - started)
+        self.metrics.generation_tokens.inc(len(result.tokens))
+        self.metrics.success.labels(model_name=self.name, finished_reason="stop").inc()
+        segments = None if result.segments is None else [
+            Segment(id=i, start=s.start, end=s.end, text=s.text, tokens=s.tokens) for i, s in enumerate(result.segments)]
+        return Transcription(text=result.text, tokens=result.tokens, segments=segments,
+                             duration=len(samples) / SAMPLING_RATE, language=request.language)
+
+    async def _windowed_transcription(self, ctx, speech, settings):
+        """Timestamps, or a clip longer than a window: each window is a row of the batch beside
+        every other request; the clip's next window goes in once its row ended (the seek rule
+        between, as `generation.families.whisper.longform.decode_windows`)."""
+        from generation.tasks import timestamped
+
+        clip = speech.windows(ctx)[0]
+        while not clip.done:
+            encoder = await asyncio.to_thread(clip.next_encoder, speech.encode, speech.first)
+            completion = await self._decoded(clip.prompt, clip.window_seed, settings, encoder, timestamps=True)
+            clip.take(completion.tokens)
+        return timestamped(ctx, clip.segments)
+
+    async def _batched_transcription(self, ctx, speech, settings):
+        """One window without timestamps: a row of the batch."""
+        from generation.tasks import TaskResult
+
+        completion = await self._decoded(speech.prompts[0], speech.seeds[0], settings, speech.first)
+        return TaskResult(self.tokenizer.decode(completion.tokens, skip_special_tokens=True), completion.tokens)
+
+    async def _decoded(self, prompt, seed, settings, encoder, timestamps: bool = False):
+        """A row's Completion through the batcher (cancelled when the client leaves)."""
+        try:
+            handle = self.batcher.submit(prompt, seed=seed, settings=settings, encoder=encoder, timestamps=timestamps)
+        except QueueFull as e:
+            raise Overloaded(str(e)) from None
+        try:
+            async for _ in handle.abatches():
+                pass
+        except (asyncio.CancelledError, GeneratorExit):
+            handle.cancel()
+            raise
+        completion = handle.result(timeout=5)
+        self.metrics.queue.observe(completion.queued_seconds)
+        if completion.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {completion.error}")
+        return completion
+
+    def _logprob(self, token, top: int) -> TokenLogprob:
+        alternatives = None
+        if top and token.top is not None:
+            alternatives = [(i, self._text(i), lp) for i, lp in token.top[:top]]
+        return TokenLogprob(id=token.id, text=self._text(token.id), logprob=token.logprob, top=alternatives)
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _plain(message: dict, index: int, takes_images: bool = False) -> dict:
+    """A message for the template. A text-only model's list content joins its text parts (an
+    image part is refused by name); a vision-language model's keeps its parts, each image_url
+    part as {"type": "image"} (its features come from the Vision deployment), as transformers'
+    processors hand them to the template."""
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url" and takes_images:
+                parts.append({"type": "image"})
+            else:
+                allowed = "text and image_url" if takes_images else "text"
+                raise RequestError(f"messages[{index}].content[{j}]: this model takes {allowed} parts only, "
+                                   f"not {kind!r}", f"messages.{index}.content.{j}")
+        message = {**message, "content": parts if takes_images else "".join(p["text"] for p in parts)}
+    return message
+
+
+def _transcription_field(error: ValueError) -> str:
+    """The transcription request's field an engine error is about: its language, task or
+    temperature, another setting, else the file."""
+    setting = getattr(error, "setting", None)
+    if setting in ("language", "task"):
+        return setting
+    if setting in ("temperature", "do_sample"):
+        return "temperature"
+    return f"settings.{setting}" if setting else "file"

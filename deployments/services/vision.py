@@ -1,0 +1,74 @@
+"""The vision replica's work, free of Ray: an image file in, its features out, cached by content.
+
+A vision-language model's image preprocessing and vision encoder run in their own deployment,
+scaled apart from the decoder. The ingress hands it each image of a chat request (the bytes of
+a data URL or a fetched file) and passes the reply, unopened, to the decoder, which places the
+features in the prompt (`prompt_images`). The same image twice is encoded once. The features and
+their layout are the engine's (`generation.families.vl_prompts.ImageFeatures`); this module only moves them.
+
+    encode_image(bytes) -> ImageFeatures(the image's layout in a prompt, features [tokens, hidden])
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..errors import RequestError
+from ..metrics import EncoderMetrics
+from .feature_cache import FeatureCache
+
+
+class VisionService:
+    def __init__(self, source: str | Path, name: str | None = None, threads: int | None = None,
+                 provider: str | None = None, variant: str | None = None, cache_bytes: int = 256 * 2**20):
+        import generation
+
+        self.model = generation.load(source, variant=variant, provider=provider, threads=threads)
+        if self.model.vision_session is None:
+            raise ValueError(f"{source} has no vision encoder (onnx/vision_encoder.onnx)")
+        self.name = name or Path(source).name
+        self.metrics = EncoderMetrics(self.name, "vision")
+        self.cache = FeatureCache(cache_bytes)
+
+    def encode_image(self, data: bytes, name: str = "image"):
+        """An image file's features, preprocessed as the model's transformers processor does
+        (Qwen2-VL or Idefics3); the same bytes again come from the cache."""
+        from generation.families.images import load_image
+        from generation.families.vl_prompts import encode_image, preprocess
+
+        started = time.perf_counter()
+        self.metrics.items.inc()
+        key = self.cache.key("image", bytes(data))
+        cached = self.cache.get(key)
+        if cached is not None:
+            self.metrics.cache_hits.inc()
+            self.metrics.latency.observe(time.perf_counter() - started)
+            return cached
+        try:
+            images = preprocess(self.model, [load_image(bytes(data), name)])
+        except ValueError as e:
+            raise RequestError(f"{name}: not an image this server reads: {e}", name) from None
+        out = encode_image(self.model, images)
+        self.cache.put(key, out, out.nbytes)
+        self.metrics.cache_misses.inc()
+        self.metrics.latency.observe(time.perf_counter() - started)
+        return out
+
+
+def prompt_images(model, messages: list[dict], images: list, add_generation_prompt: bool = True,
+                  variables: dict | None = None):
+    """A chat prompt's token ids and its PromptImages (None without images; `images`: the
+    vl_prompts.ImageFeatures of its image parts, in order): the model's chat template rendered
+    with `{"type": "image"}` parts (and `variables`), each placeholder replaced by its image's
+    expansion, as transformers' processor.apply_chat_template does (`generation.families.vl_prompts`)."""
+    from generation.families.vl_prompts import chat_ids, join_images, placed_images
+
+    joined = join_images(images) if images else None
+    try:
+        ids = chat_ids(model, [messages], joined, add_generation_prompt, variables)[0]
+    except ValueError as e:
+        raise RequestError(f"messages: {e}", "messages") from None
+    if joined is None:
+        return ids, None
+    return ids, placed_images(model, ids, joined, images)

@@ -1,0 +1,57 @@
+"""The KV cache of a running batch: one contract, three modes.
+
+Every mode implements the same verbs over `slots` rows:
+  token_input                  [B] int64: the token each slot feeds at the next decode (the
+                               state writes its chosen tokens here; it is the bound input)
+  insert(slot, cache, length)  put a prefilled row's cache ([heads, length, head_dim] per
+                               cache input) into a free slot
+  decode(lengths)              run one token per slot (lengths [B] = valid cache rows of each
+                               slot, 0 for a free slot) and return the logits [B, V]; the new
+                               token's keys and values land at row `lengths[b]` of slot b
+  release(slot)                forget a slot's rows
+  copy_rows(dst, src, length)  slots dst take the first `length` cache rows of slots src (as
+                               they were before the call): beam search's reorder
+  decode_steps(lengths, count) decode as a generator over up to `count` steps, for loops that
+                               make many tokens in a row (the in_place cache makes it lean)
+  verify(lengths, ids, rows, widths)
+                               run several tokens per row at once (ids [B, S], the first
+                               `widths[b]` real; rows: the slots that count) and return their
+                               logits [len(rows), S, V] (zeros past a row's width); slot b then
+                               holds cache rows up to lengths[b] + S, of which the caller keeps
+                               a prefix through `rewind` (assisted decoding's verification)
+  rewind(lengths)              every slot keeps only its first lengths[b] cache rows
+  verifies_row_by_row          whether verify runs each row with candidates alone (its cost,
+                               for budget.py) or every slot as wide as the widest
+The in_place cache also has prefill(slots, prompts, steps, pad): prompts straight into free
+slots, no copy (`state.admit` uses it where a cache has it).
+The state around the cache (lengths, tokens, stops) lives in `generation.core.state`; the cache holds only
+buffers and does not advance lengths itself.
+
+Modules: base.py (BaseCache, the contract's verbs checked when a cache is made, the bound step
+inputs of the buffer modes), in_place.py, append.py, grow.py (the decoder-only modes), cross.py (an
+encoder-decoder decoder's first step and its cache), prefill.py (prompts through the decoder).
+"""
+
+from __future__ import annotations
+
+from .append import AppendCache
+from .base import STEP_VERBS, missing_verbs
+from .cross import Seq2SeqCache
+from .grow import GrowCache
+from .in_place import InPlaceCache
+
+CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache, "seq2seq": Seq2SeqCache}
+
+
+def new_cache(model, mode: str, slots: int, capacity: int, max_position: int):
+    """The cache of `mode` for `model`'s decoder; a decoder that takes inputs_embeds gets the
+    model's embedding (only the append cache takes one: the others refuse such a graph)."""
+    if model.graph.has_inputs_embeds:
+        cache = CACHES[mode](model.session, model.graph, slots, capacity, max_position, embed=model.embed)
+    else:
+        cache = CACHES[mode](model.session, model.graph, slots, capacity, max_position)
+    missing = missing_verbs(cache)
+    if missing:
+        raise TypeError(f"cache mode {mode!r} ({type(cache).__name__}) does not implement {', '.join(missing)}: "
+                        f"every mode implements {', '.join(STEP_VERBS)} (cache/base.py)")
+    return cache

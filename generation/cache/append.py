@@ -1,0 +1,191 @@
+"""The append cache mode: a graph that declares position_ids over a fixed buffer whose free
+rows the attention mask hides (the transformers.js / Optimum layout)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..runtime.feeds import Binding, step_inputs
+from ..runtime.graph import DecoderGraph
+from .base import BaseCache, CacheInputs
+
+
+class AppendCache(BaseCache):
+    """A fixed buffer whose free rows the attention mask hides, for graphs with position_ids.
+
+    The graph returns present = past + the new row, so the buffer is kept twice: the past is a
+    [slots, heads, width, head_dim] layout of one flat block, onnxruntime writes the present
+    straight into a [.., width + 1, ..] layout of the other, and the two swap each step (no
+    allocation, no copy beyond the one the graph makes). The new row lands at column `width` for
+    every slot and is then moved to column `lengths[b]`, so each slot's valid rows stay the prefix
+    [0, length) and the mask is a function of the lengths. When the width reaches the capacity
+    the rows are laid out again at the width of the longest row.
+    """
+
+    mode = "append"
+    verifies_row_by_row = False
+
+    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int, embed=None):
+        shapes = {(e.heads, e.head_dim) for e in graph.cache}
+        if len(shapes) != 1:
+            raise ValueError(f"append mode needs one cache shape for all layers, found {sorted(shapes)}")
+        (self.heads, self.head_dim), = shapes
+        self.graph, self.slots, self.capacity = graph, slots, capacity
+        self.block = slots * self.heads * capacity * self.head_dim
+        self.flat = [np.zeros(len(graph.cache) * self.block, graph.cache_dtype) for _ in range(2)]
+        self.current, self.width = 0, 0
+        self._used: set[int] = set()
+        self.binding = Binding(session)
+        self.inputs = CacheInputs(self.binding, graph, slots, embed)
+        self.token_input = self.inputs.ids[:, 0]
+        self.logits = self.inputs.logits[:, 0]
+        self._run = self.inputs.runner(self.binding.run)
+        self._columns = np.arange(capacity + 1)
+        self._mask = np.zeros(slots * (capacity + 1), graph.dtype("attention_mask"))
+        self._mask_pointer = self._mask.ctypes.data
+        item = self.flat[0].itemsize
+        self._entries = [(e.past, e.present, i * self.block * item) for i, e in enumerate(graph.cache)]
+        self._dtype = np.dtype(graph.cache_dtype)
+
+    def _layout(self, which: int, width: int) -> np.ndarray:
+        """All cache inputs of buffer `which` laid out at `width`: [inputs, slots, heads, width, dim]."""
+        item = self.flat[which].itemsize
+        inner = self.heads * width * self.head_dim
+        return np.lib.stride_tricks.as_strided(
+            self.flat[which], shape=(len(self.graph.cache), self.slots, self.heads, width, self.head_dim),
+            strides=(self.block * item, inner * item, width * self.head_dim * item, self.head_dim * item, item),
+            writeable=True)
+
+    def _relayout(self, width: int) -> None:
+        """Lay the rows out again at `width` in the other buffer, and make it current."""
+        keep = min(width, self.width)
+        other = 1 - self.current
+        self._layout(other, width)[..., :keep, :] = self._layout(self.current, self.width)[..., :keep, :]
+        self.current, self.width = other, width
+
+    def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
+        self._used.add(slot)
+        if length > self.width:
+            self._relayout(length)
+        layout = self._layout(self.current, self.width)
+        for i, e in enumerate(self.graph.cache):
+            layout[i, slot, :, :length] = cache[e.past]
+        self.inputs.place(slot, cache)
+
+    def copy_rows(self, dst, src, length: int) -> None:
+        self._used.update(int(d) for d in dst)
+        if length > self.width:
+            self._relayout(length)
+        layout = self._layout(self.current, self.width)
+        layout[:, dst, :, :length] = layout[:, src, :, :length]
+        if self.inputs.offsets is not None:
+            self.inputs.offsets[dst] = self.inputs.offsets[src]
+
+    def release(self, slot: int) -> None:
+        """A slot's rows are hidden by its length and overwritten on insert; once every slot is
+        free the layout starts again from width 0."""
+        self._used.discard(slot)
+        if not self._used:
+            self.width = 0
+
+    def _bind_cache(self, width: int, count: int = 1) -> None:
+        past, present = self.flat[self.current].ctypes.data, self.flat[1 - self.current].ctypes.data
+        past_shape = (self.slots, self.heads, width, self.head_dim)
+        present_shape = (self.slots, self.heads, width + count, self.head_dim)
+        binding, dtype = self.binding, self._dtype
+        bind_input, bind_output, device = binding.bind_input, binding.bind_output, binding.device
+        for past_name, present_name, offset in self._entries:
+            bind_input(past_name, device, dtype, past_shape, past + offset)
+            bind_output(present_name, device, dtype, present_shape, present + offset)
+
+    def decode_steps(self, lengths: np.ndarray, count: int):
+        """Up to `count` decodes (see `BaseCache.decode_steps`). Rows that all sit at the buffer's
+        width (one prompt length, or batch 1) stay so: their mask is all ones and no new row
+        moves, so a step is the binds of the new width and the run; other batches step as
+        `decode` does."""
+        if not (lengths == self.width).all() or self.width + count > self.capacity:
+            yield from BaseCache.decode_steps(self, lengths, count)
+            return
+        self._mask[:] = 1
+        shape = [self.slots, self.heads, 0, self.head_dim]
+        binding, dtype, positions, offsets = self.binding, self._dtype, self.inputs.positions, self.inputs.offsets
+        bind_input, bind_output, device, run = binding.bind_input, binding.bind_output, binding.device, self._run
+        pointers = [[(past, present, flat.ctypes.data + offset) for past, present, offset in self._entries]
+                    for flat in self.flat]
+        mask_pointer, mask_dtype, logits = self._mask_pointer, self._mask.dtype, self.logits
+        for _ in range(count):
+            width = self.width
+            bind_input("attention_mask", device, mask_dtype, (self.slots, width + 1), mask_pointer)
+            past_shape, shape[2] = shape.copy(), width + 1
+            past_shape[2] = width
+            for (name, _, past), (_, present_name, present) in zip(pointers[self.current], pointers[1 - self.current]):
+                bind_input(name, device, dtype, past_shape, past)
+                bind_output(present_name, device, dtype, shape, present)
+            if offsets is not None:
+                positions[..., 0] = width + offsets
+            elif positions is not None:
+                positions.fill(width)
+            run()
+            self.current, self.width = 1 - self.current, width + 1
+            yield logits
+
+    def decode(self, lengths: np.ndarray) -> np.ndarray:
+        if self.width + 1 > self.capacity:
+            self._relayout(int(lengths.max()))
+            if self.width + 1 > self.capacity:
+                raise ValueError(f"a row needs {self.width + 1} cache rows; this state holds {self.capacity}")
+        width = self.width
+        mask = self._mask[:self.slots * (width + 1)].reshape(self.slots, width + 1)
+        np.less(self._columns[:width + 1], lengths[:, None], out=mask)  # a row's valid rows
+        mask[:, width] = 1  # and its new token
+        self.binding.input_at("attention_mask", self._mask_pointer, mask.shape, mask.dtype)
+        self._bind_cache(width)
+        self.inputs.set_positions(lengths)
+        self._run()
+        self.current, self.width = 1 - self.current, width + 1
+        if min(lengths.tolist()) < width:  # rows shorter than the widest: move their new row to their length
+            behind = np.flatnonzero(lengths < width)
+            present = self._layout(self.current, width + 1)
+            present[:, behind, :, lengths[behind], :] = present[:, behind, :, width, :]
+        return self.logits
+
+
+    def verify(self, lengths: np.ndarray, ids: np.ndarray, rows: np.ndarray, widths: np.ndarray) -> np.ndarray:
+        """All slots in one run of S = ids.shape[1] tokens, as `decode` with S new columns: the
+        new rows land at columns width .. width + S - 1 and move to lengths[b] .. + S - 1."""
+        count = ids.shape[1]
+        if self.width + count > self.capacity:
+            self._relayout(int(lengths.max()))
+            if self.width + count > self.capacity:
+                raise ValueError(f"a row needs {self.width + count} cache rows; this state holds {self.capacity}")
+        width, graph = self.width, self.graph
+        mask = (np.arange(width + count) < lengths[:, None]) | (np.arange(width + count) >= width)
+        positions = lengths[:, None] + np.arange(count)
+        if self.inputs.offsets is not None:
+            positions = positions + self.inputs.offsets[:, None]
+        embeds = self.inputs._embed(ids) if self.inputs.embeds is not None else None
+        feeds = step_inputs(graph, ids, mask, positions, width, embeds)
+        feeds.pop("use_cache_branch", None)  # bound once by CacheInputs
+        logits = np.empty((self.slots, count, graph.vocab_size), graph.logits_dtype)
+        for name, array in feeds.items():
+            self.binding.input(name, array)
+        self.binding.output("logits", logits)
+        self._bind_cache(width, count)
+        try:
+            self.binding.run()
+        finally:  # decode's own inputs, bound again
+            self.binding.output("logits", self.inputs.logits)
+            for name, array in (("input_ids", self.inputs.ids), ("inputs_embeds", self.inputs.embeds),
+                                ("position_ids", self.inputs.positions)):
+                if name in feeds:
+                    self.binding.input(name, array)
+        self.current, self.width = 1 - self.current, width + count
+        behind = np.flatnonzero(lengths < width)
+        if behind.size:
+            present = self._layout(self.current, width + count)
+            into = lengths[behind, None] + np.arange(count)
+            present[:, behind[:, None], :, into, :] = present[:, behind, :, width:width + count, :].transpose(1, 3, 0, 2, 4)
+        return logits[rows].astype(np.float32, copy=False)
+
+    def rewind(self, lengths: np.ndarray) -> None:
+        """Nothing to do: the mask of the next run is a function of the lengths."""

@@ -1,0 +1,104 @@
+"""The base every KV cache mode builds on, apart from the modes themselves so that the
+encoder-decoder cache (seq2seq.py) and the decoder-only ones (cache.py) both extend it without
+importing each other."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..runtime.feeds import Binding
+from ..runtime.graph import DecoderGraph
+
+# The cache contract: what the decode-state verbs and the scheduler call on every cache
+# (admission, each step, a beam search's row moves, a row leaving), and what verifying
+# candidates calls besides (assisted decoding). A mode missing a verb is refused when it is made.
+STEP_VERBS = ("insert", "decode", "decode_steps", "copy_rows", "release")
+VERIFY_VERBS = ("verify", "rewind")
+
+
+def missing_verbs(cache, verbs=STEP_VERBS) -> list[str]:
+    """The verbs of the contract that `cache` (a cache or its class) does not implement."""
+    return [verb for verb in verbs if not callable(getattr(cache, verb, None))]
+
+
+def moves_by_group(groups: list[dict], dst, src, join) -> list[tuple[dict, list[int], list[int]]]:
+    """The copies dst <- src between slots of grouped caches (grow, seq2seq: each group is
+    {"slots": [slot or -1], ...}), per group holding a source: (group, rows to write, rows to
+    read). A dst slot new to its source's group joins it first through `join(group, [(dst, src)])`."""
+    out = []
+    for group in groups:
+        where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
+        moves = [(int(d), int(s)) for d, s in zip(dst, src) if int(s) in where]
+        if not moves:
+            continue
+        joining = [(d, s) for d, s in moves if d not in where]
+        if joining:
+            join(group, joining)
+            where = {slot: i for i, slot in enumerate(group["slots"]) if slot >= 0}
+        out.append((group, [where[d] for d, _ in moves], [where[s] for _, s in moves]))
+    return out
+
+
+class BaseCache:
+    """What every cache mode shares (cache.py's modes, seq2seq.py's Seq2SeqCache)."""
+
+    def decode_steps(self, lengths: np.ndarray, count: int):
+        """Up to `count` decodes, the k-th (from 0) at `lengths + k`, yielding each step's logits;
+        the caller writes each step's tokens into `token_input` before asking for the next, and
+        advances its lengths by the steps it took. `lengths` is not changed."""
+        for k in range(count):
+            yield self.decode(lengths + k)
+
+
+class CacheInputs:
+    """The per-token inputs every mode binds once: input_ids [B, 1], position_ids, logits, and
+    use_cache_branch (always True while decoding: the past is never empty).
+
+    A graph that takes inputs_embeds binds an embeddings buffer [B, 1, hidden] instead, which
+    the run from `runner(run)` fills from the ids through `embed` (the model's embed_tokens)
+    before each step: the steps are the same as for input_ids.
+    An M-RoPE graph (position_ids [3, B, 1]) keeps a position offset per slot: the prompt's
+    delta (largest position + 1 - length), so a new token sits at `length + delta` on all axes."""
+
+    def __init__(self, binding: Binding, graph: DecoderGraph, slots: int, embed=None):
+        self.ids = np.zeros((slots, 1), np.int64 if graph.has_inputs_embeds else graph.dtype("input_ids"))
+        self.logits = np.empty((slots, 1, graph.vocab_size), graph.logits_dtype)
+        self.embeds, self._embed = None, embed
+        if graph.has_inputs_embeds:
+            if embed is None:
+                raise ValueError(f"{graph.path.name} takes inputs_embeds: this cache needs the model's embed function")
+            self.embeds = np.zeros((slots, 1, graph.hidden_size), graph.dtype("inputs_embeds"))
+            binding.input("inputs_embeds", self.embeds)
+        else:
+            binding.input("input_ids", self.ids)
+        binding.output("logits", self.logits)
+        self.positions = None
+        self.offsets = np.zeros(slots, np.int64) if graph.position_axes == 3 else None
+        if graph.has_position_ids:
+            shape = (slots, 1) if graph.position_axes == 1 else (3, slots, 1)
+            self.positions = np.zeros(shape, graph.dtype("position_ids"))
+            binding.input("position_ids", self.positions)
+        if graph.has_use_cache_branch:
+            self.use_cache = np.array([True])
+            binding.input("use_cache_branch", self.use_cache)
+
+    def set_positions(self, lengths: np.ndarray) -> None:
+        """A row's new token sits at its length (plus its offset; rows never outgrow the model's
+        positions)."""
+        if self.positions is not None:
+            self.positions[..., 0] = lengths if self.offsets is None else lengths + self.offsets
+
+    def runner(self, run):
+        """`run`, preceded by the embedding of the step's tokens where the graph needs it."""
+        if self.embeds is None:
+            return run
+
+        def embed_and_run():
+            self.embeds[:] = self._embed(self.ids)
+            run()
+        return embed_and_run
+
+    def place(self, slot: int, cache: dict) -> None:
+        """A prefilled row's position offset (its prompt's M-RoPE delta; 0 when it has none)."""
+        if self.offsets is not None:
+            self.offsets[slot] = int(cache.get("position_delta", 0))

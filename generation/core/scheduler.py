@@ -1,0 +1,414 @@
+"""The engine's one loop: jobs in, their tokens out, over one decode state of fixed slots.
+
+    scheduler = Scheduler(ctx, slots=8, capacity=4096)
+    scheduler.add(scheduler.job([1, 2, 3], seed=0, settings={"do_sample": True}))
+    while scheduler.busy:
+        updates, ended = scheduler.step()     # tokens per position; jobs that ended, with results
+
+Everything happens at a step boundary: cancelled jobs leave, waiting jobs that fit are admitted
+in arrival order (one batched prefill for the plain ones; a beam search takes num_beams slots;
+a job that does not fit waits at the head, so it is not starved by smaller ones), then one model
+run steps every row: plain rows (greedy, sampling, each with its own settings and seed) and
+beam searches (each moves only its own rows, as transformers' `_beam_search`). When no beam
+search runs, prompt-lookup rows (or every row, with a draft model) verify their candidates
+instead, and may gain several tokens. `generate` and `beam_search` run a scheduler to
+completion; the decoder deployment runs one on its thread.
+
+A failure stays with its job: a batched admission that raises is redone one job at a time, and
+a job that fails alone ends with its error (`Job.admitting`: raised while admitting it, so its
+own data is at fault when the error is a ValueError); a row whose own part of a step failed ends
+alone. A failure of the model's run ends the jobs of that run; the scheduler goes on with a
+fresh state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..assisted.verify import verify
+from ..families.whisper.timestamps import timestamp_rule_ids
+from ..logits.selection import LogProbs
+from ..search.beam import Hypothesis
+from . import limits
+from .context import Context
+from .inputs import check_prompts, check_seeds
+from .settings import SettingError, Settings, check_integer
+from .state import (
+    StepTokens,
+    admit,
+    admit_beams,
+    advance,
+    new_state,
+    release,
+    row_logprobs,
+    row_tokens,
+    step,
+    with_logprobs,
+)
+
+
+@dataclass(eq=False)
+class Job:
+    """One prompt to run, and, once it ended, what it got: `reason` is "stop" (eos or a stop
+    string), "length" (max_new tokens), "cancelled" or "error" (`error`, the exception).
+    `tokens` are its new tokens without the eos token (a beam search's: its best hypothesis;
+    `hypotheses` all it returns), with their `logprobs` and `top` alternatives when the
+    context computes them. `key` is the caller's own."""
+
+    prompt: list[int]
+    seed: int
+    settings: Settings
+    max_new: int
+    encoder: object = None  # one row of EncoderOutputs (an encoder-decoder's source) or PromptImages
+    prompt_top: int | None = None  # also the prompt's log-probabilities, with this many alternatives
+    key: object = None
+    cancelled: bool = False
+    reason: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top: list | None = None
+    hypotheses: list[Hypothesis] | None = None
+    error: BaseException | None = None
+    admitting: bool = False  # the error came while admitting the job
+    prompt_logprobs: object = None  # a prompt_logprobs.PromptLogprobs, before the first token
+    started: float | None = None  # perf_counter() when it was admitted (or ended waiting)
+
+    @property
+    def beams(self) -> int:
+        return self.settings.num_beams
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+
+@dataclass
+class Update:
+    """One position of a step (or an admission's first tokens) for the jobs it concerns: row i
+    of `out` (a StepTokens) is `jobs[i]`'s."""
+
+    jobs: list[Job]
+    out: StepTokens
+
+    def tokens(self) -> list[tuple[Job, int, float | None, list | None]]:
+        """(job, token id, its log-probability or None, the top alternatives [(id, logprob)] or
+        None) of each job that got a token, as Python values."""
+        out = self.out
+        got = [i for i in np.flatnonzero(out.token >= 0).tolist() if i not in out.failed]
+        token = out.token[got].tolist()
+        logprob = [None] * len(got) if out.logprob is None else out.logprob[got].tolist()
+        top = [None] * len(got) if out.top is None else [
+            list(zip(ids, lps)) for ids, lps in zip(out.top_ids[got].tolist(), out.top[got].tolist())]
+        return [(self.jobs[i], t, lp, tp) for i, t, lp, tp in zip(got, token, logprob, top)]
+
+
+class Scheduler:
+    """`slots` rows of `capacity` tokens. `lookup`: the candidate generator that verifies the
+    rows of jobs with prompt_lookup_num_tokens; `assistant`: one that verifies every row's
+    candidates at every step (a draft model's; generate's, where the context asks for one). `stream=False` reports no Update (the tokens come with each job's end), so runs of
+    greedy steps need no step-by-step bookkeeping. `state`: an empty DecodeState to reuse.
+    `isolate=False`: a failed admission or model run raises out of `step` as it is (generate's
+    way: the whole call fails, naming the prompt by its index in the batch) instead of ending
+    the jobs it concerns."""
+
+    def __init__(self, ctx: Context, slots: int, capacity: int, lookup=None, assistant=None, stream: bool = True,
+                 state=None, isolate: bool = True):
+        self.ctx, self.slots, self.capacity, self.isolate = ctx, slots, capacity, isolate
+        self.lookup, self.assistant, self.stream = lookup, assistant, stream
+        self.state = state if state is not None else new_state(ctx, slots, capacity)
+        self.waiting: deque[Job] = deque()
+        self.holder: dict[int, Job] = {}  # slot -> the job of a plain row
+        self.groups: dict[int, Job] = {}  # first slot -> the job of a beam search
+        self.steps = 0  # model runs of decode steps (admissions not counted)
+        self._admitting: list[Job] = []
+        self._ended: list[Job] = []
+
+    # -- jobs -----------------------------------------------------------------------------
+    def job(self, prompt, seed: int = 0, settings: dict | None = None, encoder=None,
+            prompt_logprobs: int | None = None, key=None, timestamps: bool = False) -> Job:
+        """A checked Job: `settings` are generation_config fields by name over the context's;
+        `timestamps`: a Whisper window decoded with the timestamp rules. Anything wrong raises
+        SettingError naming the field. Thread-safe (reads the context only)."""
+        ctx = self.ctx
+        if ctx.model.is_seq2seq and (encoder is None or len(encoder) != 1):
+            raise ValueError("an encoder-decoder job needs its encoder outputs (one row): encoder=")
+        prompt = check_prompts(ctx, [prompt])[0]
+        seed = check_seeds([seed], 1)[0]
+        if settings is not None and not (isinstance(settings, dict) and all(isinstance(k, str) for k in settings)):
+            raise SettingError("settings", "settings must be an object of generation settings by name")
+        resolved = ctx.with_settings(**(settings or {}))
+        if timestamps:
+            resolved = replace(resolved, timestamp_rules=timestamp_rule_ids(ctx.model))
+        if not prompt:
+            raise SettingError("prompt", "prompt is empty")
+        vision = getattr(ctx.model, "vision_session", None) is not None
+        if resolved.prompt_lookup_num_tokens and (resolved.num_beams > 1 or ctx.model.is_seq2seq or vision):
+            raise SettingError("prompt_lookup_num_tokens", "prompt_lookup_num_tokens: prompt lookup runs decoder-only "
+                                                           "text models with num_beams=1")
+        if resolved.num_beams > self.slots:
+            raise SettingError("num_beams", f"num_beams: {resolved.num_beams} beams need as many slots; this decoder "
+                                            f"has {self.slots}")
+        if resolved.new_tokens_for(len(prompt)) < 1:
+            name = "max_new_tokens" if resolved.max_new_tokens is not None else "max_length"
+            raise SettingError(name, f"{name}: the settings leave no new token for a prompt of {len(prompt)} tokens")
+        max_new = min(resolved.new_tokens_for(len(prompt)), self.capacity - len(prompt))
+        if max_new < 1:
+            raise SettingError("prompt", f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
+        if prompt_logprobs is not None:
+            check_integer("prompt_logprobs", prompt_logprobs, 0, limits.MAX_LOGPROBS)
+            if ctx.model.is_seq2seq or ctx.model.graph.has_inputs_embeds:
+                raise SettingError("prompt_logprobs", "prompt_logprobs: the prompt's log-probabilities are given "
+                                                      "for decoder-only text models")
+        return Job(prompt, seed, resolved, max_new, encoder, prompt_logprobs, key)
+
+    def add(self, job: Job) -> None:
+        """Queue a job (from the scheduler's own thread); it is admitted at a step boundary."""
+        self.waiting.append(job)
+
+    @staticmethod
+    def cancel(job: Job) -> None:
+        """End the job at the next step boundary (any thread)."""
+        job.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.holder or self.groups)
+
+    @property
+    def running(self) -> int:
+        return len(self.holder) + len(self.groups)
+
+    @property
+    def occupied(self) -> int:
+        return len(self.holder) + sum(job.beams for job in self.groups.values())
+
+    def jobs(self) -> list[Job]:
+        """Every job not ended yet: running, being admitted, waiting."""
+        return [*self.holder.values(), *self.groups.values(), *self._admitting, *self.waiting]
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> tuple[list[Update], list[Job]]:
+        """One step boundary and one model run. Returns the Updates (with stream) and the jobs
+        that ended, with their results."""
+        updates: list[Update] = []
+        self._ended = ended = []
+        for slot, job in [*self.holder.items(), *self.groups.items()]:
+            if job.cancelled:
+                self._end_slot(slot, "cancelled")
+        self._admit(updates)
+        if self.holder or self.groups:
+            try:
+                self._run(updates)
+            except Exception as e:  # noqa: BLE001 - not one row's (the model's run): every row of it ends
+                if not self.isolate:
+                    raise
+                for slot in [*self.holder, *self.groups]:
+                    job = self.holder.pop(slot, None) or self.groups.pop(slot)
+                    self._close(job, "error", e)
+                self.state = new_state(self.ctx, self.slots, self.capacity)
+        return updates, ended
+
+    def _run(self, updates: list[Update]) -> None:
+        ctx, state = self.ctx, self.state
+        if state.groups:  # beam rows step in the run with every other row; candidates wait
+            state, out = step(ctx, state)
+            outs = [out]
+        elif self.assistant is not None:
+            state, outs = verify(ctx, state, self.assistant)
+        elif self.lookup is not None and any(j.settings.prompt_lookup_num_tokens for j in self.holder.values()):
+            state, outs = verify(ctx, state, self.lookup)
+        elif not self.stream:
+            state, out = advance(ctx, state, max_steps=state.capacity)
+            outs = [out]
+        else:
+            state, out = step(ctx, state)
+            outs = [out]
+        self.steps += 1
+        for out in outs:  # each position of the step in order, as plain steps give them
+            if self.stream and self.holder:
+                updates.append(self._update(out))
+            for slot, error in out.failed.items():
+                if slot in self.groups:  # a beam search's own failure: the engine freed its slots
+                    self._close(self.groups.pop(slot), "error", error)
+                else:
+                    self._end_slot(slot, "error", error)
+            if out.any_finished:
+                for slot in np.flatnonzero(out.finished).tolist():
+                    if slot in self.holder:
+                        self._end_slot(slot, None)
+        for slot, group in (outs[0].beams if outs else {}).items():  # the engine freed their slots
+            self._end_beams(self.groups.pop(slot), group.hypotheses())
+
+    def _update(self, out: StepTokens) -> Update:
+        slots = np.fromiter(self.holder, np.int64, len(self.holder))
+        part = StepTokens(out.token[slots], out.finished[slots], out.any_finished)
+        if out.logprob is not None:
+            part.logprob = out.logprob[slots]
+            if out.top is not None:
+                part.top_ids, part.top = out.top_ids[slots], out.top[slots]
+        if out.failed:
+            part.failed = {i: out.failed[s] for i, s in enumerate(slots.tolist()) if s in out.failed}
+        return Update(list(self.holder.values()), part)
+
+    # -- admission ------------------------------------------------------------------------
+    def _admit(self, updates: list[Update]) -> None:
+        """Seat the waiting jobs that fit, in arrival order."""
+        free = [s for s in self.state.free_slots().tolist()]
+        plain, beams = [], []
+        while self.waiting:
+            job = self.waiting[0]
+            if job.cancelled:
+                self.waiting.popleft()
+                self._close(job, "cancelled")
+                continue
+            if job.beams > self.slots:  # would wait forever
+                self.waiting.popleft()
+                self._close(job, "error", SettingError("num_beams", f"num_beams: {job.beams} beams need as many "
+                                                                    f"slots; this scheduler has {self.slots}"), True)
+                continue
+            if job.beams > len(free):
+                break  # later arrivals wait behind it
+            self.waiting.popleft()
+            taken, free = free[:job.beams], free[job.beams:]
+            (plain if job.beams == 1 else beams).append((taken, job))
+        if not plain and not beams:
+            return
+        now = time.perf_counter()
+        self._admitting = [job for _, job in plain + beams]
+        for _, job in plain + beams:
+            job.started = now
+        plain = [(slots, job) for slots, job in plain if self._prompt_pass(job)]
+        if plain:
+            self._admit_plain([slots[0] for slots, _ in plain], [job for _, job in plain], updates)
+        for slots, job in beams:
+            self._admit_beams(slots, job)
+        self._admitting = []
+
+    def _prompt_pass(self, job: Job) -> bool:
+        """The prompt's log-probabilities of a job that asked (echo with logprobs): one more
+        pass over its prompt. False when it failed (the job has ended)."""
+        if job.prompt_top is None:
+            return True
+        from ..logits.prompt_logprobs import prompt_logprobs
+
+        try:
+            job.prompt_logprobs = prompt_logprobs(self.ctx, job.prompt, job.prompt_top)
+        except Exception as e:  # noqa: BLE001 - this job's alone
+            self._close(job, "error", e, admitting=True)
+            return False
+        return True
+
+    def _admit_plain(self, slots: list[int], jobs: list[Job], updates: list[Update]) -> None:
+        """One batched admission, or, when it raises, one per job, so only a job that fails alone fails."""
+        try:
+            seated = [(slots, jobs, self._admit_batch(slots, jobs))]
+        except Exception as e:  # noqa: BLE001 - someone's data, or the run: find out one by one
+            if not self.isolate:
+                raise
+            seated = []
+            if len(jobs) == 1:
+                self._close(jobs[0], "error", e, admitting=True)
+            else:
+                for slot, job in zip(slots, jobs):
+                    try:
+                        seated.append(([slot], [job], self._admit_batch([slot], [job])))
+                    except Exception as alone:  # noqa: BLE001 - this job's own failure
+                        self._close(job, "error", alone, admitting=True)
+        token_logprobs = self.ctx.token_logprobs
+        for group_slots, group_jobs, first in seated:
+            if self.stream:
+                updates.append(Update(group_jobs, first))
+            for j, (slot, job) in enumerate(zip(group_slots, group_jobs)):
+                if j in first.failed:
+                    self._close(job, "error", first.failed[j], admitting=True)
+                elif first.finished[j]:  # ended at its first token: the slot stayed free
+                    job.tokens = [int(first.token[j])] if first.token[j] >= 0 else []
+                    if token_logprobs:
+                        job.logprobs = [float(first.logprob[j])] if job.tokens else []
+                        job.top = None if first.top is None else (
+                            [list(zip(first.top_ids[j].tolist(), first.top[j].tolist()))] if job.tokens else [])
+                    self._close(job, self._reason(job))
+                else:
+                    self.holder[slot] = job
+
+    def _admit_batch(self, slots: list[int], jobs: list[Job]) -> StepTokens:
+        self.state, first = admit(self.ctx, self.state, slots, [j.prompt for j in jobs], [j.seed for j in jobs],
+                                  settings=[j.settings for j in jobs], max_new=[j.max_new for j in jobs],
+                                  encoder=joined([j.encoder for j in jobs]))
+        return first
+
+    def _admit_beams(self, slots: list[int], job: Job) -> None:
+        try:
+            self.state, stopped = admit_beams(self.ctx, self.state, slots, job.prompt, job.seed, job.settings,
+                                              job.max_new, job.encoder)
+        except Exception as e:  # noqa: BLE001 - this job's own failure (the engine freed its slots)
+            self._close(job, "error", e, admitting=True)
+            return
+        if stopped is not None:
+            self._end_beams(job, stopped.hypotheses())
+        else:
+            self.groups[slots[0]] = job
+
+    # -- endings --------------------------------------------------------------------------
+    def _end_slot(self, slot: int, reason: str | None, error: BaseException | None = None) -> None:
+        """End the job in `slot` (a plain row, or a beam search's first slot) and free its slots;
+        reason None: it finished (stop or length)."""
+        job = self.holder.pop(slot, None)
+        if job is None:
+            job = self.groups.pop(slot)
+        else:
+            job.tokens = row_tokens(self.state, slot)
+            if self.ctx.token_logprobs:
+                job.logprobs, job.top = row_logprobs(self.state, slot)
+        self.state = release(self.ctx, self.state, slot)
+        self._close(job, reason or self._reason(job), error)
+
+    def _end_beams(self, job: Job, hypotheses: list[Hypothesis]) -> None:
+        best = hypotheses[0] if hypotheses else Hypothesis([], 0.0, [] if self.ctx.token_logprobs else None)
+        job.hypotheses, job.tokens, job.logprobs = hypotheses, best.tokens, best.logprobs
+        self._close(job, self._reason(job))
+
+    @staticmethod
+    def _reason(job: Job) -> str:
+        return "length" if len(job.tokens) >= job.max_new else "stop"
+
+    def _close(self, job: Job, reason: str, error: BaseException | None = None, admitting: bool = False) -> None:
+        job.reason, job.error, job.admitting = reason, error, admitting
+        if job.started is None:
+            job.started = time.perf_counter()
+        self._ended.append(job)
+
+
+def joined(encoders: list):
+    """The jobs' encoder outputs (EncoderOutputs) or images (PromptImages) as one batch's; None
+    when no job has any. A text-only job beside image ones gets no features (index positions)."""
+    if all(e is None for e in encoders):
+        return None
+    from ..families.vision import PromptImages
+    from ..runtime.encoders import EncoderOutputs
+
+    if isinstance(encoders[0], EncoderOutputs):
+        ids = None if encoders[0].source_ids is None else [i for e in encoders for i in e.source_ids]
+        return EncoderOutputs([h for e in encoders for h in e.hidden], ids)
+    some = next(e for e in encoders if e is not None)
+    encoders = [e or PromptImages([np.zeros((0, 1), np.float32)], [None], some.image_token_id) for e in encoders]
+    videos = None
+    if any(e.video_features is not None for e in encoders):
+        videos = [v for e in encoders for v in (e.video_features or [np.zeros((0, 1), np.float32)] * len(e))]
+    token = next((e.video_token_id for e in encoders if e.video_token_id is not None), None)
+    return PromptImages([f for e in encoders for f in e.features], [p for e in encoders for p in e.positions],
+                        some.image_token_id, videos, token)
+
+
+def spread(update: Update, rows: np.ndarray, size: int, finished: np.ndarray) -> StepTokens:
+    """An Update over `size` rows (its job i is row rows[i]; -1 and nan elsewhere), with
+    `finished` (all rows so far) as its finished flags."""
+    out = update.out
+    tokens = np.full(size, -1, np.int64)
+    tokens[rows] = out.token
+    lp = None if out.logprob is None else LogProbs(out.logprob, out.top_ids, out.top)
+    return with_logprobs(StepTokens(tokens, finished.copy(), bool(out.finished.any())), rows, size, lp)

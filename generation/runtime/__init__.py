@@ -1,0 +1,9 @@
+"""onnxruntime underneath: a model folder loaded into sessions, what its graphs take and give,
+and the feeds of one run.
+
+    model.py       `load()`: a Hugging Face or onnxruntime-genai folder (or hub id) into sessions
+    graph.py       a decoder graph's inputs, outputs and the cache modes it can run in
+    onnx_graph.py  an ONNX file's nodes, read without the `onnx` package
+    feeds.py       one decoder run's inputs, bound to onnxruntime without copies
+    encoders.py    an encoder-decoder's encoder runs (text, log-mel windows, pixels) and their cache
+"""

@@ -1,0 +1,190 @@
+"""The decoder's TextGenerator without Ray: prompts, chat templates, streamed text around stop
+strings, log-probabilities, refusals naming the field (deployments/services/generator.py, generation/text/chat.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.services.generator import TextGenerator
+from deployments.errors import Overloaded, RequestError
+from deployments.fake import fake_generator, fake_tokens
+from deployments.schema import GenerateRequest
+from generation.text.chat import ChatTemplateError, chat_template, render_chat, special_tokens
+
+
+def collect(generator, **request):
+    async def run():
+        return [chunk async for chunk in generator.stream(GenerateRequest(**request))]
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def fake():
+    generator = fake_generator(slots=2, step_seconds=0.001, max_waiting=3)
+    yield generator
+    generator.close()
+
+
+def test_streamed_text_never_passes_a_stop_string(fake):
+    # the fake gives the prompt reversed: "abcdefgh" -> "hgfedcba"
+    chunks = collect(fake, prompt="abcdefgh", settings={"stop_strings": ["edc"]})
+    pieces = [c.text for c in chunks]
+    assert "".join(pieces) == "hgf"
+    # the hold-back: no chunk ever showed a character of the stop string
+    shown = ""
+    for piece in pieces:
+        shown += piece
+        assert "e" not in shown
+    assert chunks[-1].finish_reason == "length"  # the fake ignores stops; the engine ends the row at one
+
+
+def test_text_without_stops_streams_as_the_tokens_come(fake):
+    chunks = collect(fake, prompt="abc", settings={"max_new_tokens": 5})
+    assert "".join(c.text for c in chunks) == "cbacb"
+    assert all(len(c.text) == len(c.token_ids) for c in chunks)  # a chunk holds the tokens made since the last
+    assert len(chunks) > 2  # not all at the end
+    assert chunks[-1].completion_tokens == 5 and chunks[-1].prompt_tokens == 3
+
+
+def test_chat_prompt_and_logprobs(fake):
+    chunks = collect(fake, messages=[{"role": "user", "content": "hi"}], logprobs=1,
+                     settings={"max_new_tokens": 3})
+    prompt = "user: hi\nassistant: "
+    assert "".join(c.text for c in chunks) == "".join(map(chr, fake_tokens([ord(c) for c in prompt], 0,
+                                                                           {"max_new_tokens": 3})))
+    assert all(c.logprobs[0].logprob == -0.5 and len(c.logprobs[0].top) == 1 for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("request_, field, message", [
+    (dict(prompt=""), "prompt", "prompt is empty"),
+    (dict(prompt=[10**6]), "prompt", "not a token id"),
+    (dict(prompt="a", logprobs=9), "logprobs", "at most 5 alternatives"),
+    (dict(prompt="a", settings={"max_new_tokens": 5000}), "settings.max_new_tokens", "exceed the context of 4096"),
+    (dict(prompt="a", settings={"temperature": -1}), "settings.temperature", "temperature must be a positive number"),
+    (dict(prompt="a", stop_token_ids=[10**6]), "stop_token_ids", "stop_token_ids names token id"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages.0.content.0", "text parts only"),
+])
+def test_refusals_name_the_generate_requests_field(fake, request_, field, message):
+    with pytest.raises(RequestError, match=message) as info:
+        collect(fake, **request_)
+    assert info.value.field == field
+
+
+def test_a_full_queue_is_overloaded():
+    generator = fake_generator(slots=1, step_seconds=0.05, max_waiting=1)
+    try:
+        request = GenerateRequest(prompt="abc", settings={"max_new_tokens": 50})
+        generator.submit(request)  # the queue was empty
+        with pytest.raises(Overloaded, match="1 requests are waiting already"):
+            for _ in range(4):
+                generator.submit(request)
+    finally:
+        generator.close()
+
+
+def test_stopping_early_cancels_the_request(fake):
+    async def run():
+        stream = fake.stream(GenerateRequest(prompt="ab", settings={"max_new_tokens": 4000}))
+        await stream.__anext__()
+        await stream.aclose()
+    asyncio.run(run())
+    handle = fake.batcher.submit([97], settings={"max_new_tokens": 1})
+    assert handle.result(timeout=10).tokens == [97]  # a slot came free
+    assert fake.batcher.steps < 1000
+
+
+def test_unknown_request_fields_are_refused():
+    with pytest.raises(ValueError, match="exactly one of prompt and messages"):
+        GenerateRequest(prompt="a", messages=[{"role": "user", "content": "b"}])
+    with pytest.raises(ValueError, match="Extra inputs"):
+        GenerateRequest(prompt="a", temperature=1)
+
+
+# -- chat templates ----------------------------------------------------------------------------
+def test_chat_template_equals_transformers(test_models):
+    from transformers import AutoTokenizer
+
+    folder = test_models["llama-genai"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"},
+                {"role": "assistant", "content": "A sequence."}, {"role": "user", "content": "And a tuple?"}]
+    ours = render_chat(chat_template(folder), messages, special_tokens(folder))
+    assert ours == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_the_default_models_template_is_found():
+    from generation.default_model import default_model_path
+
+    folder = default_model_path()
+    text = render_chat(chat_template(folder), [{"role": "user", "content": "hi"}], special_tokens(folder))
+    assert text.endswith("user: hi\nassistant:")
+
+
+def test_missing_or_failing_templates_say_so(tmp_path):
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        render_chat(chat_template(tmp_path), [{"role": "user", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="refused the messages: only users"):
+        render_chat("{{ raise_exception('only users') }}", [])
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        render_chat("{% for %}", [])
+
+
+def test_real_engine_generator_matches_generate(test_models, load_model):
+    import generation
+    from generation.text.tokenizer import model_tokenizer
+
+    generator = TextGenerator.from_model(test_models["llama-genai"], slots=2, threads=1, max_new_tokens=10)
+    try:
+        chunks = collect(generator, prompt="The list", seed=4, settings={"do_sample": True, "top_k": 10})
+        model = load_model(test_models["llama-genai"])
+        ids = model_tokenizer(model).encode("The list").ids
+        expected = generation.generate(generation.context(model, max_new_tokens=10, do_sample=True, top_k=10),
+                                       [ids], seeds=[4])[0]
+        assert sum((c.token_ids for c in chunks), []) == expected
+        assert "".join(c.text for c in chunks) == model_tokenizer(model).decode(expected)
+        assert generator.card().id == "llama-genai" and generator.card().has_chat_template
+    finally:
+        generator.close()
+
+
+def test_a_generator_with_a_draft_model(test_models, load_model):
+    """`raymuter serve --draft` reaches the batcher's context: the same greedy text, from the
+    draft's proposals (this draft holds the model's weights: everything is kept)."""
+    import argparse
+
+    import generation
+    from deployments.cli import add_arguments, app_config
+    from generation.text.tokenizer import model_tokenizer
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = app_config(parser.parse_args(["--model", str(test_models["llama-genai"]), "--draft",
+                                         str(test_models["llama-optimum"]), "--set", "num_assistant_tokens=3"]))
+    assert args["draft"] == str(test_models["llama-optimum"])
+    generator = TextGenerator.from_model(args["model"], slots=2, threads=1, draft=args["draft"], max_new_tokens=12,
+                                         **args["settings"])
+    try:
+        assert generator.batcher.ctx.draft is not None and generator.batcher.scheduler.assistant.num_tokens == 3
+        chunks = collect(generator, prompt="The list")
+        model = load_model(test_models["llama-genai"])
+        ids = model_tokenizer(model).encode("The list").ids
+        expected = generation.generate(generation.context(model, max_new_tokens=12), [ids], seeds=[0])[0]
+        assert sum((c.token_ids for c in chunks), []) == expected
+        assert generator.batcher.steps <= 12 // 3 + 1
+    finally:
+        generator.close()
+
+
+def test_a_stream_interval_sends_fewer_larger_chunks():
+    generator = fake_generator(slots=2, step_seconds=0.001)
+    try:
+        per_token = collect(generator, prompt="abcd", settings={"max_new_tokens": 60})
+        generator.stream_interval = 0.02
+        grouped = collect(generator, prompt="abcd", settings={"max_new_tokens": 60})
+        assert "".join(c.text for c in grouped) == "".join(c.text for c in per_token)
+        assert len(grouped[0].token_ids) == 1  # the first token goes at once
+        assert len(grouped) < len(per_token) / 3
+    finally:
+        generator.close()
