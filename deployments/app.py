@@ -806,13 +806,13 @@ def app_kind(cfg: AppConfig) -> str:
 
 
 def model_kind(cfg: AppConfig) -> str:
-    """text, encoder-decoder or vision: what the model folder (or hub repository) holds, as the
-    engine reads it (generation.runtime.model.model_kind); the fake engine and the default model: text."""
+    """text, encoder-decoder or vision: what the model folder (or hub repository) is, as its
+    family says (generation.families.kind); the fake engine and the default model: text."""
     if cfg.engine != "onnx" or cfg.model is None:
         return "text"
-    import generation.runtime.model
+    from generation import families
 
-    return generation.runtime.model.model_kind(cfg.model)
+    return families.kind(cfg.model)
 
 
 def application(cfg: AppConfig, kind: str):

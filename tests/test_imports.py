@@ -3,7 +3,9 @@ imported): every import counts, at the top of a module or lazily inside a functi
 
 Invariants: no cycle among the project's modules; serving never touches arrays (no module of
 deployments/ imports numpy); the engine never imports the serving layer; the default model's
-training and export (torch, transformers) are imported by nothing outside generation.default_model.
+training and export (torch, transformers) are imported by nothing outside generation.default_model;
+serving asks a model's family (generation.families) what it is, and never reads the sessions or the
+config fields that tell the families apart.
 """
 
 from __future__ import annotations
@@ -18,6 +20,20 @@ PACKAGES = ("generation", "deployments")
 KNOWN: set = set()
 # generation.default_model's modules that only its commands run
 OFFLINE = ("train", "export")
+# what tells the families apart: a loaded model's sessions and config.json's fields (serving asks
+# generation.families instead)
+FAMILY_INTERNALS = {"vision_session", "embed_session", "first_step_session", "is_encoder_decoder", "model_type"}
+
+
+def family_internals(path: Path) -> set[str]:
+    """The FAMILY_INTERNALS a module reads: as attributes, or as string constants (config keys)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in FAMILY_INTERNALS:
+            found.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in FAMILY_INTERNALS:
+            found.add(node.value)
+    return found
 
 
 def module_files() -> dict[str, Path]:
@@ -116,6 +132,8 @@ def violations(modules: dict[str, Path]) -> set[tuple[str, str]]:
         package = module.partition(".")[0]
         if package == "deployments" and imports_package(module, path, "numpy"):
             found.add((module, "imports numpy"))
+        if package == "deployments" and family_internals(path):
+            found.add((module, "reads " + ", ".join(sorted(family_internals(path)))))
         if package == "generation" and imports_package(module, path, "deployments"):
             found.add((module, "imports deployments"))
         offline = {f"generation.default_model.{m}" for m in OFFLINE}
@@ -153,13 +171,16 @@ def test_the_checks_see_numpy_deployments_and_lazy_cycles(tmp_path):
     (tmp_path / "deployments").mkdir()
     (tmp_path / "generation").mkdir()
     (tmp_path / "deployments" / "x.py").write_text("def f():\n    import numpy.linalg\n")
+    (tmp_path / "deployments" / "u.py").write_text("def k(model):\n    return model.config.get('model_type')\n")
     (tmp_path / "generation" / "y.py").write_text("from deployments.x import f\n")
     (tmp_path / "generation" / "z.py").write_text("def g():\n    from . import w\n")
     (tmp_path / "generation" / "w.py").write_text("from .z import g\n")
     (tmp_path / "generation" / "v.py").write_text("def h():\n    from .default_model import train\n")
-    modules = {"deployments.x": tmp_path / "deployments" / "x.py", "generation.y": tmp_path / "generation" / "y.py",
+    modules = {"deployments.x": tmp_path / "deployments" / "x.py", "deployments.u": tmp_path / "deployments" / "u.py",
+               "generation.y": tmp_path / "generation" / "y.py",
                "generation.z": tmp_path / "generation" / "z.py", "generation.w": tmp_path / "generation" / "w.py",
                "generation.v": tmp_path / "generation" / "v.py"}
     assert violations(modules) == {("deployments.x", "imports numpy"), ("generation.y", "imports deployments"),
+                                   ("deployments.u", "reads model_type"),
                                    ("generation.w", "in cycle generation.w -> generation.z -> generation.w"),
                                    ("generation.v", "imports the default model's training or export")}

@@ -23,10 +23,11 @@ class EncoderService:
     def __init__(self, source: str | Path, name: str | None = None, threads: int | None = None,
                  provider: str | None = None, variant: str | None = None, cache_bytes: int = 256 * 2**20):
         import generation
+        from generation import families
 
         self.model = generation.load(source, variant=variant, provider=provider, threads=threads)
-        if not self.model.is_seq2seq:
-            raise ValueError(f"{source} has no encoder (config.json is_encoder_decoder is not true)")
+        if families.family(self.model).KIND != "encoder-decoder":
+            raise ValueError(f"{source} has no encoder: it is a {self.model.family} model, not an encoder-decoder")
         self.name = name or Path(source).name
         self.metrics = EncoderMetrics(self.name, "encoder")
         self.cache = FeatureCache(cache_bytes)
@@ -59,7 +60,7 @@ class EncoderService:
         """A text encoder over texts or token id lists; a source longer than the encoder's
         positions is a RequestError naming the prompt."""
         import generation
-        from generation.tasks import encode_sources_cached
+        from generation.families.seq2seq import encode_sources_cached
 
         started = time.perf_counter()
         try:

@@ -104,6 +104,7 @@ class TextGenerator:
         model with the same tokenizer (folder or hub id) whose proposals every step verifies
         (num_assistant_tokens and its schedule from `settings`)."""
         import generation
+        from generation import families
         from generation.runtime.model import config_texts
         from generation.text.chat import chat_template, special_tokens
         from generation.text.tokenizer import model_tokenizer
@@ -117,15 +118,18 @@ class TextGenerator:
         ctx = generation.compile(ctx, batch_size=slots)
         batcher = ContinuousBatcher(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting)
         name = name or (Path(source).name if Path(source).is_dir() else str(source))
+        kind = families.family(model).KIND
         generator = cls(name, batcher, model_tokenizer(model), batcher.capacity, chat_template(model.folder),
                         special_tokens(model.folder), max_logprobs,
-                        "encoder-decoder" if model.is_seq2seq else "decoder", stream_interval)
+                        "encoder-decoder" if kind == "encoder-decoder" else "decoder", stream_interval)
         generator.defaults = dict(settings)
-        generator.takes_images = model.vision_session is not None
+        generator.family = model.family
+        generator.takes_images = kind == "vision"
         generator.fingerprint = fingerprint(name, batcher.capacity, slots, dict(settings), *config_texts(model))
         return generator
 
     takes_images = False
+    family = "text"  # generation.families: the model's
 
     defaults: dict = {}
 
@@ -197,7 +201,7 @@ class TextGenerator:
         if self.is_seq2seq:
             if encoder is None:
                 raise RequestError("this encoder-decoder model needs the encoder's outputs of the prompt", "prompt")
-            from generation.tasks import decoder_start
+            from generation.families.seq2seq import decoder_start
 
             prompt = [decoder_start(self.batcher.ctx)]
         else:
@@ -378,10 +382,10 @@ class TextGenerator:
         import generation
         from generation.families.whisper.audio import HOP_LENGTH, SAMPLING_RATE
         from generation.families.whisper.longform import window_frames
-        from generation.tasks import prepare_speech
+        from generation.families.whisper.speech import prepare_speech
 
-        if not self.is_seq2seq:
-            raise RequestError(f"model: '{self.name}' does not take audio", "model")
+        if self.family != "whisper":
+            raise RequestError(f"model: '{self.name}' does not take audio (a {self.family} model)", "model")
         settings = {**self.defaults, **request.settings}
         if request.temperature:
             settings.update(do_sample=True, temperature=request.temperature)
@@ -418,7 +422,7 @@ class TextGenerator:
 
         clip = speech.windows(ctx)[0]
         while not clip.done:
-            encoder = await asyncio.to_thread(clip.next_encoder, speech.encode, speech.first)
+            encoder = await asyncio.to_thread(clip.next_encoder, speech.encode, speech.encoder)
             completion = await self._decoded(clip.prompt, clip.window_seed, settings, encoder, timestamps=True)
             clip.take(completion.tokens)
         return timestamped(ctx, clip.segments)
@@ -427,7 +431,7 @@ class TextGenerator:
         """One window without timestamps: a row of the batch."""
         from generation.tasks import TaskResult
 
-        completion = await self._decoded(speech.prompts[0], speech.seeds[0], settings, speech.first)
+        completion = await self._decoded(speech.prompts[0], speech.seeds[0], settings, speech.encoder)
         return TaskResult(self.tokenizer.decode(completion.tokens, skip_special_tokens=True), completion.tokens)
 
     async def _decoded(self, prompt, seed, settings, encoder, timestamps: bool = False):

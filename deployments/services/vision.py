@@ -23,10 +23,12 @@ class VisionService:
     def __init__(self, source: str | Path, name: str | None = None, threads: int | None = None,
                  provider: str | None = None, variant: str | None = None, cache_bytes: int = 256 * 2**20):
         import generation
+        from generation import families
 
         self.model = generation.load(source, variant=variant, provider=provider, threads=threads)
-        if self.model.vision_session is None:
-            raise ValueError(f"{source} has no vision encoder (onnx/vision_encoder.onnx)")
+        if families.family(self.model).KIND != "vision":
+            raise ValueError(f"{source} has no vision encoder (onnx/vision_encoder.onnx): it is a "
+                             f"{self.model.family} model")
         self.name = name or Path(source).name
         self.metrics = EncoderMetrics(self.name, "vision")
         self.cache = FeatureCache(cache_bytes)

@@ -31,7 +31,10 @@ import math
 
 import numpy as np
 
+from ..text.tokenizer import model_tokenizer
+from . import has_vision_encoder
 from .images import load_image
+from .vl_prompts import Images, folder_json, prepare_chat, prepare_parts
 
 MAX_IMAGE_SIZE = 4096  # transformers' cap on either edge after the first resize
 LANCZOS = 1
@@ -190,3 +193,54 @@ def encode_frames(model, pixel_values: np.ndarray) -> np.ndarray:
         feeds["pixel_attention_mask"] = mask[None] if len(inputs["pixel_attention_mask"].shape) == 4 else mask
     features = model.vision_session.run(None, feeds)[0]
     return features.reshape(-1, features.shape[-1])
+
+
+# -- the family's contract (generation.families) -----------------------------------------------
+KIND = "vision"
+
+
+def detect(config: dict, files: list[str]) -> bool:
+    return config.get("model_type") == "idefics3" and has_vision_encoder(files)
+
+
+def prepare(ctx, prompts, encode=None):
+    """Prompts of parts (texts, token ids, images): `vl_prompts.prepare_parts`."""
+    return prepare_parts(ctx, prompts, encode)
+
+
+def prepare_conversations(ctx, conversations, encode=None, add_generation_prompt: bool = True):
+    """Chat conversations with image parts: `vl_prompts.prepare_chat`."""
+    return prepare_chat(ctx, conversations, encode, add_generation_prompt)
+
+
+encode = encode_frames
+
+
+def preprocess(model, images: list[np.ndarray], videos=()) -> Images:
+    """Images as Idefics3ImageProcessor: frames, each image's (rows, cols), and each one's
+    expansion, Idefics3Processor's frames text, tokenized."""
+    folder = model.folder
+    if len(videos):
+        raise ValueError(f"{folder} is an Idefics3 model: it takes images, not videos")
+    seq_len = image_seq_len(model, folder_json(folder / "processor_config.json"))
+    pixel_values, grids = idefics3_pixels(images, folder_json(folder / "preprocessor_config.json"))
+    texts = [image_prompt(rows, cols, seq_len) for rows, cols in grids]
+    tokenizer = model_tokenizer(model)
+    ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+    return Images("idefics3", pixel_values, grids, ids, texts, model.config["image_token_id"],
+                  len(pixel_values) * seq_len)
+
+
+def image_features(model, images: Images, encode_images=None, videos: bool = False) -> tuple[np.ndarray, str]:
+    """The features of the batch's frames and what they were, for errors."""
+    return (encode_images or (lambda p: encode(model, p)))(images.pixel_values), f"{len(images.pixel_values)} frames"
+
+
+def positions(model, ids: list[list[int]], images: Images) -> list:
+    """Each token at its index (no M-RoPE)."""
+    return [None] * len(ids)
+
+
+def join_grids(grids: list) -> list:
+    """Several images' (rows, cols) as one list."""
+    return [g for part in grids for g in part]

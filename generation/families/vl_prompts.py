@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..text.tokenizer import model_tokenizer
+from . import Prepared, module
 
 
 @dataclass
@@ -48,21 +49,11 @@ class Images:
     video_features: int = 0
 
     def encode(self, model, encode=None, videos: bool = False) -> np.ndarray:
-        """The features of the images (of the videos: `videos`), checked against their tokens."""
-        from .idefics3 import encode_frames
-        from .vision import encode_images
-
-        if videos:
-            features = (encode or (lambda p, g: encode_images(model, p, g)))(self.video_pixels, self.video_grids)
-            return _checked(features, self.video_features, f"videos of grids {np.asarray(self.video_grids).tolist()}",
-                            "video")
-        if self.family == "idefics3":
-            features = (encode or (lambda p: encode_frames(model, p)))(self.pixel_values)
-            what = f"{len(self.pixel_values)} frames"
-        else:
-            features = (encode or (lambda p, g: encode_images(model, p, g)))(self.pixel_values, self.grids)
-            what = f"images of grids {np.asarray(self.grids).tolist()}"
-        return _checked(features, self.features, what, "image")
+        """The features of the images (of the videos: `videos`), checked against their tokens:
+        the family's vision encoder, or `encode`."""
+        features, what = module(self.family).image_features(model, self, encode, videos)
+        return _checked(features, self.video_features if videos else self.features, what,
+                        "video" if videos else "image")
 
 
 def _checked(features, count: int, what: str, kind: str) -> np.ndarray:
@@ -74,48 +65,18 @@ def _checked(features, count: int, what: str, kind: str) -> np.ndarray:
     return features
 
 
-def family(model) -> str:
-    kind = model.config.get("model_type")
-    return "idefics3" if kind == "idefics3" else "qwen2_vl"
-
-
-def _json(path) -> dict:
+def folder_json(path) -> dict:
+    """A JSON file of a model folder (empty where the folder has none)."""
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def preprocess(model, images: list[np.ndarray], videos=()) -> Images:
-    """The batch's images (RGB uint8 arrays) and Qwen2-VL videos ([frames, H, W, 3] uint8)
-    preprocessed as the model's image processor."""
-    folder = model.folder
-    if family(model) == "idefics3":
-        if len(videos):
-            raise ValueError(f"{folder} is an Idefics3 model: it takes images, not videos")
-        from .idefics3 import idefics3_pixels, image_prompt, image_seq_len
-
-        seq_len = image_seq_len(model, _json(folder / "processor_config.json"))
-        pixel_values, grids = idefics3_pixels(images, _json(folder / "preprocessor_config.json"))
-        texts = [image_prompt(rows, cols, seq_len) for rows, cols in grids]
-        tokenizer = model_tokenizer(model)
-        ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
-        token = model.config["image_token_id"]
-        return Images("idefics3", pixel_values, grids, ids, texts, token, len(pixel_values) * seq_len)
-    from .images import qwen2vl_pixels
-    from .vision import VisionTokens
-
-    tokens = VisionTokens.of(model.config)
-    pixel_values, grids = qwen2vl_pixels(images, _json(folder / "preprocessor_config.json"))
-    counts = (grids.prod(axis=1) // tokens.merge ** 2).tolist()
-    pad = model_tokenizer(model).id_to_token(tokens.image) if model.tokenizer_path else ""
-    ids = [[tokens.vision_start] + [tokens.image] * n + [tokens.vision_end] for n in counts]
-    out = Images("qwen2_vl", pixel_values, grids, ids, [pad * n for n in counts], tokens.image, sum(counts))
-    if len(videos):
-        from .images import qwen2vl_video_pixels
-
-        out.video_pixels, out.video_grids = qwen2vl_video_pixels(videos, _json(folder / "preprocessor_config.json"))
-        counts = (out.video_grids.prod(axis=1) // tokens.merge ** 2).tolist()
-        out.video_ids = [[tokens.vision_start] + [tokens.video] * n + [tokens.vision_end] for n in counts]
-        out.video_token, out.video_features = tokens.video, sum(counts)
-    return out
+    """The batch's images (RGB uint8 arrays) and videos ([frames, H, W, 3] uint8) preprocessed as
+    the model's image processor (its family's `preprocess`)."""
+    family = module(model.family)
+    if family.KIND != "vision":
+        raise ValueError(f"{model.folder} is a text-only model (no vision_encoder.onnx): it takes no images")
+    return family.preprocess(model, images, videos)
 
 
 def part_ids(layout, images: Images) -> list[list[int]]:
@@ -130,7 +91,7 @@ def image_inputs(model, ids: list[list[int]], images: Images, encode=None):
     """The vision.PromptImages of prompts `ids` holding `images`: the features of each prompt's
     image tokens (the vision encoder, or `encode`, run once over the batch's images, and once
     more over its videos) and, for Qwen2-VL, the M-RoPE positions."""
-    from .vision import PromptImages, VisionTokens, rope_positions, split_features
+    from .vision import PromptImages, split_features
 
     kinds = [("image", images.token, images.ids, images.features)]
     if images.video_ids:
@@ -144,10 +105,7 @@ def image_inputs(model, ids: list[list[int]], images: Images, encode=None):
     videos = None
     if images.video_ids:
         videos = split_features(ids, images.encode(model, encode, videos=True), images.video_token)
-    positions = [None] * len(ids)
-    if images.family == "qwen2_vl":
-        positions, _ = rope_positions(ids, VisionTokens.of(model.config), image_grids=images.grids,
-                                      video_grids=images.video_grids if images.video_ids else ())
+    positions = module(images.family).positions(model, ids, images)
     return PromptImages(split_features(ids, features, images.token), positions, images.token, videos,
                         images.video_token if videos is not None else None)
 
@@ -242,8 +200,7 @@ def join_images(parts: list[ImageFeatures]) -> Images:
     together (Qwen2-VL's grids one array, Idefics3's one list)."""
     first = parts[0].images
     layouts = [p.images for p in parts]
-    grids = (np.concatenate([np.asarray(p.grids) for p in layouts]) if first.family == "qwen2_vl"
-             else [g for p in layouts for g in p.grids])
+    grids = module(first.family).join_grids([p.grids for p in layouts])
     return Images(first.family, first.pixel_values, grids, [i for p in layouts for i in p.ids],
                   [t for p in layouts for t in p.texts], first.token, sum(p.features for p in layouts))
 
@@ -253,3 +210,104 @@ def placed_images(model, ids: list[int], joined: Images, parts: list[ImageFeatur
     `join_images(parts)`), from their features as encoded, not encoded again."""
     features = np.concatenate([p.features for p in parts])
     return image_inputs(model, [ids], joined, encode=lambda *_: features)
+
+
+# -- prompts of a request (the vision-language families' `prepare`) -----------------------------
+def prepare_parts(ctx, prompts, encode=None) -> Prepared:
+    """Each prompt of a Qwen2-VL or Idefics3 (SmolVLM) model as its decoder ids and PromptImages
+    (None without images): a list of parts, in order, each a text (tokenized without special
+    tokens), a list of token ids, or an image (a PIL image, an [H, W, 3] uint8 array, encoded
+    bytes, or a pathlib.Path). The ids are what the model's processor makes of the text with an
+    image placeholder where each image is:
+
+    - Qwen2-VL: an image becomes <|vision_start|>, one image token per feature, <|vision_end|>;
+      pixels as Qwen2VLImageProcessor (`generation.families.images`), M-RoPE positions. A video part (a
+      [frames, H, W, 3] uint8 array) becomes <|vision_start|>, its video tokens, <|vision_end|>,
+      pixels as Qwen2VLImageProcessor(videos=...), its features in the video tokens as
+      transformers' second masked_scatter places them.
+      encode: (pixel_values [patches, C*T*P*P], image_grid_thw [n, 3]) -> features [tokens, hidden]
+      (default `vision.encode_images`), run on the images, then on the videos.
+    - Idefics3: an image becomes Idefics3Processor's expansion of <image> (frames with row and
+      column tokens, then the global image), tokenized; pixels as Idefics3ImageProcessor
+      (`generation.families.idefics3`). encode: pixel_values [frames, 3, F, F] -> features
+      [frames * image_seq_len, hidden] (default `idefics3.encode_frames`).
+
+    encode runs the batch's images in order; a server runs it in its own deployment and caches
+    features by image content.
+    """
+    model = ctx.model
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts, each a list of texts, token id lists and images")
+    _check_encode(encode)
+    layout, images, videos = _prompt_parts(model, prompts)
+    if not images and not videos:
+        return Prepared([[t for _, part in parts for t in part] for parts in layout], None)
+    prepared = preprocess(model, images, videos)
+    ids = part_ids(layout, prepared)
+    return Prepared(ids, image_inputs(model, ids, prepared, encode))
+
+
+def prepare_chat(ctx, conversations, encode=None, add_generation_prompt: bool = True) -> Prepared:
+    """Each chat conversation of a Qwen2-VL or Idefics3 model as its decoder ids and PromptImages
+    (None without images): messages
+    [{"role": ..., "content": text or [{"type": "text", "text": ...}, {"type": "image", "image":
+    <image as prepare_parts takes it>} or {"type": "image", "path": <file>}, ...]}].
+    The prompt's ids are what transformers 4.57 `processor.apply_chat_template(conversation,
+    add_generation_prompt=..., tokenize=True)` gives with the model folder's chat template;
+    encode: as prepare_parts'."""
+    from pathlib import Path
+
+    from .images import load_image
+
+    model = ctx.model
+    if not isinstance(conversations, (list, tuple)) or not conversations:
+        raise ValueError("conversations must be a non-empty list of conversations (lists of messages)")
+    _check_encode(encode)
+    found = chat_images(conversations)
+    images = []
+    for image, where in (item for row in found for item in row):
+        if model.vision_session is None:
+            raise ValueError(f"{where} is an image, but {model.folder} is a text-only model (no vision_encoder.onnx): "
+                             "it takes no images")
+        images.append(load_image(Path(image) if isinstance(image, str) else image, where))
+    prepared = preprocess(model, images) if images else None
+    ids = chat_ids(model, conversations, prepared, add_generation_prompt)
+    return Prepared(ids, image_inputs(model, ids, prepared, encode) if images else None)
+
+
+def _check_encode(encode) -> None:
+    if encode is not None and not callable(encode):
+        raise ValueError(f"encode must be a function of the images' pixel values, not {encode!r}")
+
+
+def _prompt_parts(model, prompts) -> tuple[list[list[tuple[str, object]]], list[np.ndarray], list[np.ndarray]]:
+    """Per prompt its parts as ("text", ids), ("image", index into the images) or ("video",
+    index into the videos), and the images (RGB uint8 arrays) and videos ([frames, H, W, 3]
+    uint8 arrays) of all prompts in order."""
+    from .images import load_image
+
+    images, videos, layout = [], [], []
+    tokenizer = None
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompts[{i}] must be a list of parts (texts, token id lists, images), "
+                             f"not {type(prompt).__name__}")
+        parts = []
+        for j, part in enumerate(prompt):
+            if isinstance(part, str):
+                tokenizer = tokenizer or model_tokenizer(model)
+                parts.append(("text", tokenizer.encode(part, add_special_tokens=False).ids))
+            elif isinstance(part, (list, tuple)):
+                parts.append(("text", list(part)))
+            else:
+                if model.vision_session is None:
+                    raise ValueError(f"prompts[{i}][{j}] is an image, but {model.folder} is a text-only model "
+                                     "(no vision_encoder.onnx): it takes no images")
+                if isinstance(part, np.ndarray) and part.ndim == 4:
+                    videos.append(part)
+                    parts.append(("video", len(videos) - 1))
+                    continue
+                images.append(load_image(part, f"prompts[{i}][{j}]"))
+                parts.append(("image", len(images) - 1))
+        layout.append(parts)
+    return layout, images, videos

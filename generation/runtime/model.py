@@ -76,6 +76,7 @@ class Model:
     first_step_session: object = None  # an unmerged decoder pair: decoder_model.onnx (no past), step 0
     embed_session: object = None  # vision-language models: embed_tokens.onnx, run at every step
     vision_session: object = None  # and vision_encoder.onnx, run once per image
+    family: str = "text"  # generation.families: what the folder is, decided at load
 
     @property
     def is_seq2seq(self) -> bool:
@@ -150,26 +151,10 @@ def resolve_folder(source: str | os.PathLike, variant: str | None = None) -> Pat
             f"(hub unreachable, offline, or no such repository): {type(e).__name__}: {e}") from None
 
 
-def model_kind(source: str | os.PathLike) -> str:
-    """What a model folder or hub repository holds, without loading it: "encoder-decoder"
-    (config.json's is_encoder_decoder: Whisper, Marian, T5, BART), "vision" (a vision encoder
-    beside the decoder: onnx/vision_encoder*.onnx) or "text" (a decoder-only text model). For a
-    hub id, config.json alone is fetched and the repository's file names listed."""
-    path = Path(source)
-    if path.is_dir():
-        config = path / "config.json"
-        if config.is_file() and json.loads(config.read_text()).get("is_encoder_decoder"):
-            return "encoder-decoder"  # (no config.json: an onnxruntime-genai folder, decoder-only)
-        if any(path.glob("onnx/vision_encoder*.onnx")) or any(path.glob("vision_encoder*.onnx")):
-            return "vision"
-        return "text"
-    from huggingface_hub import hf_hub_download, list_repo_files
-
-    if json.loads(Path(hf_hub_download(str(source), "config.json")).read_text()).get("is_encoder_decoder"):
-        return "encoder-decoder"
-    if any(Path(f).name.startswith("vision_encoder") for f in list_repo_files(str(source))):
-        return "vision"
-    return "text"
+def preprocessor_config(model: "Model") -> dict:
+    """preprocessor_config.json of the model's folder (empty where it has none)."""
+    path = Path(model.folder) / "preprocessor_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def config_texts(model: "Model") -> list[str]:
@@ -275,6 +260,14 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
     False where another session of the process runs between its runs, as a draft model's does
     (load both so: measured 20% faster with a draft on 2 cores, 5-10% slower alone).
     """
+    from ..families import detect, folder_files
+
+    model = _load(source, variant, provider, threads, spin_wait)
+    model.family = detect(model.config, folder_files(model.folder))
+    return model
+
+
+def _load(source, variant: str | None, provider: str | None, threads: int | None, spin_wait: bool) -> Model:
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ModelError(f"threads must be a positive integer, not {threads!r}")
     folder = resolve_folder(source, variant)

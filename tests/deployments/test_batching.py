@@ -153,7 +153,7 @@ def test_encoder_decoder_requests_join_the_running_batch(test_models, load_model
     lengths) each equal text_to_text alone; beams too."""
     from conftest import model_builders
     from generation.runtime.encoders import encode_text
-    from generation.tasks import decoder_start
+    from generation.families.seq2seq import decoder_start
 
     s2s = model_builders.ensure_test_models(seq2seq=True)
     model = load_model(s2s["marian-optimum"])

@@ -1,4 +1,33 @@
-"""Whisper (transformers 4.57): log-mel features from audio (audio.py), the timestamp rules a
-window's tokens follow and how they become segments (timestamps.py), and decoding a clip window
-after window (longform.py).
+"""Whisper (transformers 4.57), a model family: audio in, text (and timestamps) out.
+
+    speech.py      a request made ready: audio loaded, log-mel features, the first windows
+                   through the encoder, the decoder prompts (`prepare`)
+    audio.py       the audio front end: files, bytes or arrays to 16 kHz samples, log-mel features
+    timestamps.py  the timestamp rules a window's tokens follow, and segments from its tokens
+    longform.py    a clip decoded window after window (timestamps, audio longer than a window)
+
+The family's contract (generation.families) is below; its modules are imported when called, so
+that importing timestamps.py (the logits processors do) loads nothing else.
 """
+
+from __future__ import annotations
+
+KIND = "encoder-decoder"
+
+
+def detect(config: dict, files: list[str]) -> bool:
+    return config.get("model_type") == "whisper"
+
+
+def prepare(ctx, audios, **options):
+    """Clips ready to decode: a speech.Speech (`speech.prepare_speech`'s options)."""
+    from .speech import prepare_speech
+
+    return prepare_speech(ctx, audios, **options)
+
+
+def encode(model, features):
+    """The encoder over log-mel windows [n, n_mels, frames]."""
+    from ...runtime.encoders import encode_audio
+
+    return encode_audio(model, features)

@@ -16,6 +16,7 @@ import pytest
 
 import generation
 from generation import tasks
+from generation.families import seq2seq
 
 LAYOUTS = [("marian-optimum", "marian"), ("marian-js", "marian"), ("marian-unmerged", "marian"),
            ("t5-optimum", "t5"), ("bart-optimum", "bart")]
@@ -154,10 +155,10 @@ def test_cached_encoding_equals_the_plain_encoder_and_encodes_each_source_once(m
         assert nbytes == value[0].nbytes
         kept[repr(content)] = value
 
-    plain = tasks.encode_sources(ctx, [[5, 6, 7], [8, 9]])
-    first, computed = tasks.encode_sources_cached(ctx, [[5, 6, 7], [8, 9]], lookup, store)
+    plain = seq2seq.encode_sources(ctx, [[5, 6, 7], [8, 9]])
+    first, computed = seq2seq.encode_sources_cached(ctx, [[5, 6, 7], [8, 9]], lookup, store)
     assert computed == 2 and len(kept) == 2 and first.source_ids == plain.source_ids
     assert all(np.array_equal(a, b) for a, b in zip(first.hidden, plain.hidden))
-    again, computed = tasks.encode_sources_cached(ctx, [[8, 9], [4, 5]], lookup, store)
+    again, computed = seq2seq.encode_sources_cached(ctx, [[8, 9], [4, 5]], lookup, store)
     assert computed == 1 and again.source_ids == [[8, 9], [4, 5]]
     assert np.array_equal(again.hidden[0], plain.hidden[1])

@@ -15,6 +15,7 @@ import pytest
 
 import generation
 from generation import tasks
+from generation.families.whisper import speech
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +60,9 @@ def test_decoder_prompt_and_language_detection(model):
     lang_to_id = model.generation_config["lang_to_id"]
     features = generation.families.whisper.audio.whisper_features(clips(), chunk_seconds=2)
     encoder = generation.runtime.encoders.encode_audio(model, features.features)
-    given = tasks.whisper_prompts(ctx, encoder, language="de", task="translate")
+    given = speech.whisper_prompts(ctx, encoder, language="de", task="translate")
     assert given == [[884, lang_to_id["<|de|>"], 893, 898]] * 3
-    detected = tasks.whisper_prompts(ctx, encoder)
+    detected = speech.whisper_prompts(ctx, encoder)
     assert all(p[0] == 884 and p[1] in lang_to_id.values() and p[2:] == [894, 898] for p in detected)
 
 

@@ -222,15 +222,3 @@ def test_eos_list_in_generation_config_is_honoured(test_models, tmp_path, oracle
 def test_threads_must_be_positive(test_models):
     with pytest.raises(ModelError, match="threads must be a positive integer"):
         generation.load(test_models["llama-optimum"], threads=0)
-
-
-def test_model_kind_names_what_the_folder_holds_without_loading_it(test_models, s2s, vision_paths, tmp_path):
-    """The serving layer picks its deployments by this (deployments.app.model_kind)."""
-    from generation.runtime.model import model_kind
-
-    assert model_kind(test_models["llama-optimum"]) == "text"
-    assert model_kind(test_models["llama-genai"]) == "text"  # an onnxruntime-genai folder: no config.json
-    assert model_kind(s2s["marian-optimum"]) == model_kind(s2s["whisper-optimum"]) == "encoder-decoder"
-    assert model_kind(vision_paths["qwen2vl-onnx"]) == "vision"
-    (tmp_path / "config.json").write_text(json.dumps({"is_encoder_decoder": True}))
-    assert model_kind(tmp_path) == "encoder-decoder"  # config.json alone decides: nothing is loaded

@@ -1,0 +1,149 @@
+"""A Whisper request made ready to decode: audio loaded and checked, log-mel features, the first
+windows through the encoder, the decoder prompts (language given or detected, task, timestamps)
+as transformers 4.57 Whisper generate makes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ...cache.cross import run_first_steps
+from ...core.context import Context
+from ...core.inputs import check_seeds
+from ...core.settings import SettingError
+from ...runtime.encoders import EncoderOutputs, encode_audio
+from ...runtime.model import preprocessor_config
+from .. import Prepared
+from ..seq2seq import decoder_start
+from . import audio
+from .longform import ClipWindows, clip_windows, run_encoder, window_frames
+
+
+def whisper_prompts(ctx: Context, encoder: EncoderOutputs, language=None, task: str | None = None,
+                    timestamps: bool = False) -> list[list[int]]:
+    """Each clip's decoder prompt as transformers 4.57 Whisper builds it: <|startoftranscript|>,
+    then for a multilingual model the language (given, or detected from the first step's logits
+    over the language tokens) and the task (default transcribe), then <|notimestamps|> unless
+    `timestamps`. `encoder`: the outputs of each clip's first window (what detection reads)."""
+    config = ctx.model.generation_config
+    start = decoder_start(ctx)
+    prompts = [[start] for _ in range(len(encoder))]
+    lang_to_id, task_to_id = config.get("lang_to_id") or {}, config.get("task_to_id") or {}
+    if lang_to_id:
+        if language is None:
+            logits, _ = run_first_steps(ctx.model, [[start]] * len(encoder), encoder)
+            ids = np.array(sorted(lang_to_id.values()))
+            chosen = ids[logits[:, ids].argmax(axis=1)]
+        else:
+            languages = [language] * len(encoder) if isinstance(language, str) else list(language)
+            if len(languages) != len(encoder):
+                raise SettingError("language", f"language: give one language, or one per clip ({len(encoder)}), "
+                                               f"not {len(languages)}")
+            chosen = []
+            for name in languages:
+                token = name if name in lang_to_id else f"<|{str(name).lower()}|>"
+                if token not in lang_to_id:
+                    raise SettingError("language", f"language {name!r:.40} is not one of this model's: "
+                                                   f"{', '.join(k.strip('<|>') for k in lang_to_id)}")
+                chosen.append(lang_to_id[token])
+        task = task or "transcribe"
+        if task not in task_to_id:
+            raise SettingError("task", f"task must be one of {', '.join(task_to_id)}, not {task!r:.40}")
+        for prompt, lang in zip(prompts, chosen):
+            prompt += [int(lang), int(task_to_id[task])]
+    elif language is not None or task not in (None, "transcribe"):
+        raise SettingError("language", f"{ctx.model.folder.name} is an English-only model: language and task do "
+                                       "not apply")
+    no_timestamps = config.get("no_timestamps_token_id")
+    if no_timestamps is not None and not timestamps:
+        for prompt in prompts:
+            prompt.append(int(no_timestamps))
+    return prompts
+
+
+# Whisper generate options that change its output and that this engine does not implement
+# (name: its off value): a model whose generation_config.json turns one on is refused rather
+# than decoded differently. compression_ratio_threshold and logprob_threshold alone only choose
+# a temperature fallback, which needs a list of temperatures: with one, the output is the same.
+WHISPER_NOT_IMPLEMENTED = {"no_speech_threshold": None, "condition_on_prev_tokens": False}
+
+
+@dataclass
+class Speech(Prepared):
+    """Clips ready to decode (the first half of `speech_to_text`): their decoder prompts
+    (language given or detected), the encoder's outputs for their first windows (`encoder`),
+    their log-mel features and seeds, whether they decode with timestamps, and the `encode` that
+    runs the encoder on later windows."""
+
+    features: object  # audio.LogMelFeatures
+    seeds: list[int]
+    timestamps: bool
+    encode: Callable
+
+    def windows(self, ctx: Context) -> list[ClipWindows]:
+        """Each clip's windows, to decode one after another (timestamps)."""
+        return clip_windows(ctx, self.features.features, self.features.num_frames, self.prompts, self.seeds)
+
+
+def prepare_speech(ctx: Context, audios, sampling_rate: int = 16000, language=None, task: str | None = None,
+                   seeds=None, return_timestamps: bool | None = None, encode=None) -> Speech:
+    """Everything `speech_to_text` does before decoding (its arguments, checked): the features,
+    the first windows through the encoder, the prompts. A server decodes the result in its
+    batch (a row per clip, or with timestamps a row per window)."""
+    if not isinstance(audios, (list, tuple)) or not audios:
+        raise ValueError("audios must be a non-empty list of arrays or audio files")
+    if return_timestamps not in (None, True, False):
+        raise ValueError(f"return_timestamps must be true, false or None, not {return_timestamps!r}")
+    if ctx.settings.num_return_sequences > 1:
+        raise ValueError(f"num_return_sequences={ctx.settings.num_return_sequences}: speech_to_text gives one "
+                         "transcription per clip (set it to 1)")
+    if encode is not None and not callable(encode):
+        raise ValueError(f"encode must be a function of log-mel features, not {encode!r}")
+    clips = [audio.load_audio(a) if isinstance(a, (str, bytes)) or hasattr(a, "__fspath__")
+             else audio.load_audio(a, sampling_rate) for a in audios]
+    seeds = check_seeds(seeds, len(clips))
+    window = preprocessor_config(ctx.model).get("chunk_length", audio.CHUNK_SECONDS)
+    frames = window_frames(ctx)
+    if round(window * audio.SAMPLING_RATE) // audio.HOP_LENGTH != frames:
+        raise ValueError(f"{ctx.model.folder}: preprocessor_config.json's chunk_length ({window} s) is not the "
+                         f"encoder's window ({frames} frames)")
+    long_form = max(len(clip) for clip in clips) > window * audio.SAMPLING_RATE
+    timestamps = _timestamps_on(ctx, clips, window, return_timestamps)
+    encode = encode or (lambda features: encode_audio(ctx.model, features))
+    n_mels = ctx.model.config.get("num_mel_bins", 80)
+    features = audio.whisper_features(clips, n_mels=n_mels, long_form=long_form, chunk_seconds=window)
+    first = run_encoder(encode, features.features[..., :frames])
+    prompts = whisper_prompts(ctx, first, language, task, timestamps=timestamps)
+    check_decoder_length(ctx, max(len(p) for p in prompts))
+    return Speech(prompts, first, features, seeds, timestamps, encode)
+
+
+def _timestamps_on(ctx: Context, clips, window: float, asked: bool | None) -> bool:
+    """Whether the clips decode with timestamps, as transformers decides: `asked`, else the
+    generation config's return_timestamps; a clip longer than the window needs them."""
+    config = ctx.model.generation_config
+    timestamps = config.get("return_timestamps") if asked is None else asked
+    longest = int(np.argmax([len(clip) for clip in clips]))
+    long_form = len(clips[longest]) > window * 16000
+    if long_form and timestamps is False:
+        source = "return_timestamps=False" if asked is False else "generation_config.json's return_timestamps is false"
+        raise ValueError(f"audios[{longest}] lasts {len(clips[longest]) / 16000:.1f} s, longer than this model's "
+                         f"{window} s window: long-form decoding needs timestamps, and {source} "
+                         "(pass return_timestamps=True)")
+    timestamps = bool(timestamps) or long_form
+    for key, off in WHISPER_NOT_IMPLEMENTED.items():
+        if config.get(key, off) not in (off, None) and (timestamps or key != "condition_on_prev_tokens"):
+            raise ValueError(f"generation_config.json sets {key}={config[key]!r}; Whisper's {key} is not "
+                             f"implemented here (set it to {off!r})")
+    return timestamps
+
+
+def check_decoder_length(ctx: Context, prompt: int) -> None:
+    """As transformers' Whisper generate: the prompt and max_new_tokens within the decoder's positions."""
+    limit, new = ctx.model.config.get("max_target_positions"), ctx.settings.max_new_tokens
+    if isinstance(limit, int) and new is not None and new + prompt > limit:
+        raise SettingError("max_new_tokens", f"max_new_tokens={new} and the {prompt}-token decoder prompt exceed "
+                                             f"the decoder's {limit} positions: max_new_tokens can be at most "
+                                             f"{limit - prompt}")
