@@ -22,8 +22,10 @@ Every mode implements the same verbs over `slots` rows:
   rewind(lengths)              every slot keeps only its first lengths[b] cache rows
   verifies_row_by_row          whether verify runs each row with candidates alone (its cost,
                                for budget.py) or every slot as wide as the widest
-The in_place cache also has prefill(slots, prompts, steps, pad): prompts straight into free
-slots, no copy (`state.admit` uses it where a cache has it).
+  prefill(slots, prompts, steps, pad, apart)
+                               run fresh prompts into free slots and return their last logits
+                               [n, V]: by default apart from the batch (`apart(prompts)`) and
+                               inserted; the in_place cache runs them straight into its buffer
 The state around the cache (lengths, tokens, stops) lives in `generation.core.state`; the cache holds only
 buffers and does not advance lengths itself.
 

@@ -12,7 +12,7 @@ from ..runtime.graph import DecoderGraph
 # The cache contract: what the decode-state verbs and the scheduler call on every cache
 # (admission, each step, a beam search's row moves, a row leaving), and what verifying
 # candidates calls besides (assisted decoding). A mode missing a verb is refused when it is made.
-STEP_VERBS = ("insert", "decode", "decode_steps", "copy_rows", "release")
+STEP_VERBS = ("prefill", "insert", "decode", "decode_steps", "copy_rows", "release")
 VERIFY_VERBS = ("verify", "rewind")
 
 
@@ -40,7 +40,16 @@ def moves_by_group(groups: list[dict], dst, src, join) -> list[tuple[dict, list[
 
 
 class BaseCache:
-    """What every cache mode shares (cache.py's modes, seq2seq.py's Seq2SeqCache)."""
+    """What every cache mode shares (the decoder-only modes, cross.py's Seq2SeqCache)."""
+
+    def prefill(self, slots: list[int], prompts: list[list[int]], steps: str, pad: int, apart) -> np.ndarray:
+        """Run fresh prompts into free `slots` and return their last logits [n, V]. Here: apart
+        from the batch (`apart(prompts)`: a prefill.PromptCache of their caches), each row then
+        inserted; a mode that can run prompts straight into its buffer overrides it (in_place)."""
+        cache = apart(prompts)
+        for j, slot in enumerate(slots):
+            self.insert(slot, cache.rows[j], len(prompts[j]))
+        return cache.last_logits
 
     def decode_steps(self, lengths: np.ndarray, count: int):
         """Up to `count` decodes, the k-th (from 0) at `lengths + k`, yielding each step's logits;

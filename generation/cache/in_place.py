@@ -48,12 +48,13 @@ class InPlaceCache(BaseCache):
         self.mask[slot] = 0
         self.mask[slot, :length] = 1
 
-    def prefill(self, slots: list[int], prompts: list[list[int]], steps: str, pad: int) -> np.ndarray:
+    def prefill(self, slots: list[int], prompts: list[list[int]], steps: str, pad: int, apart=None) -> np.ndarray:
         """Run fresh prompts straight into their free slots' buffer rows; the last logits [n, V].
 
         Slots in one contiguous run share the first piece (GroupQueryAttention's first prompt
         takes any batch); later pieces run slot by slot, as onnxruntime requires. No copy: the
-        operator writes into the slots, bound by pointer."""
+        operator writes into the slots, bound by pointer. (`apart` is not needed: the prompts
+        never run apart from the buffer.)"""
         last = np.zeros((len(prompts), self.graph.vocab_size), np.float32)
         order = sorted(range(len(slots)), key=lambda j: slots[j])
         runs, run = [], [order[0]]

@@ -437,17 +437,15 @@ def _undone_on_error(ctx: Context, state: DecodeState, slots: list[int]):
 def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], seeds,
           settings: list[Settings] | None = None, max_new: list[int] | None = None, encoder=None
           ) -> tuple[DecodeState, StepTokens]:
-    """Prefill `prompts` into free `slots` of a running batch: `insert(prefill(...))`, except
-    that an in_place cache takes the prompts straight into its buffer, with no copy. Returns the
-    state and the rows' first tokens (as `prefill` gives them)."""
+    """Prefill `prompts` into free `slots` of a running batch: `insert(prefill(...))`, the
+    prompts run by the cache's own `prefill` (an in_place cache takes them straight into its
+    buffer, with no copy). Returns the state and the rows' first tokens (as `prefill` gives
+    them)."""
     slots = [int(s) for s in slots]
-    if not hasattr(state.cache, "prefill"):
-        prefix = prefill(ctx, prompts, seeds, settings, max_new, encoder)
-        return insert(ctx, prefix, state, slots), prefix.first
     _check_slots(state, prompts, slots)
     encoder_ids = _encoder_ids(ctx, prompts, encoder)
     with _undone_on_error(ctx, state, slots):
-        last = state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id)
+        last = fill_prompts(ctx, state, slots, prompts, encoder)
         prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, last, encoder_ids)
         for j, slot in enumerate(slots):
             if prefix.first.finished[j]:
@@ -462,12 +460,8 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
                  ) -> np.ndarray:
     """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
     token is chosen (the caller's search does that)."""
-    if hasattr(state.cache, "prefill"):
-        return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id)
-    cache = _prompt_cache(ctx, prompts, encoder)
-    for j, slot in enumerate(slots):
-        state.cache.insert(slot, cache.rows[j], len(prompts[j]))
-    return cache.last_logits
+    return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
+                               lambda rows: _prompt_cache(ctx, rows, encoder))
 
 
 def admit_beams(ctx: Context, state: DecodeState, slots, prompt: list[int], seed: int, settings: Settings,

@@ -245,5 +245,27 @@ def test_a_cache_mode_missing_a_verb_is_refused_when_made(ctx, monkeypatch):
 
     monkeypatch.setitem(cache.CACHES, "append", NoCopies)
     with pytest.raises(TypeError, match=r"cache mode 'append' \(NoCopies\) does not implement copy_rows: every mode "
-                                        r"implements insert, decode, decode_steps, copy_rows, release"):
+                                        r"implements prefill, insert, decode, decode_steps, copy_rows, release"):
         generation.new_state(ctx, slots=2, capacity=8)
+
+
+def test_every_cache_mode_prefills_through_the_contract(test_models, monkeypatch):
+    """admit runs prompts through the cache's own prefill, whatever the mode (no mode is asked
+    whether it has one): a mode's prefill is what admission calls."""
+    from generation import cache
+
+    calls = []
+    for mode, folder in (("append", "llama-optimum"), ("grow", "gpt2-optimum"), ("in_place", "llama-genai")):
+        ctx = generation.context(generation.load(test_models[folder]), cache_mode=mode, max_new_tokens=3)
+        original = cache.CACHES[mode].prefill
+
+        def counted(self, slots, *args, original=original, mode=mode):
+            calls.append((mode, list(slots)))
+            return original(self, slots, *args)
+
+        monkeypatch.setattr(cache.CACHES[mode], "prefill", counted)
+        state = generation.new_state(ctx, slots=2, capacity=16)
+        state, first = generation.admit(ctx, state, [1], [[3, 4, 5]], seeds=[0])
+        alone = generation.generate(ctx, [[3, 4, 5]])[0]
+        assert first.token[0] == alone[0]
+    assert [c for c in calls if c[1] == [1]] == [("append", [1]), ("grow", [1]), ("in_place", [1])]
