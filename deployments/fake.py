@@ -66,6 +66,9 @@ class _Settings:
                 raise SettingError("temperature", f"temperature must be a positive number, not {value!r}")
             if name == "max_new_tokens" and not (isinstance(value, int) and value >= 1):
                 raise SettingError("max_new_tokens", f"max_new_tokens must be a positive integer, not {value!r}")
+            if name == "structured_outputs" and value is not None:
+                raise SettingError(name, "structured_outputs: the fake engine's output (its prompt reversed) "
+                                         "follows no constraint")
             if name == "eos_token_id":
                 bad = [t for t in value if not 0 <= t < VOCAB]
                 if bad:

@@ -62,6 +62,12 @@ def add_generate_command(commands) -> None:
                      "(default: generation_config.json's)")
     gen.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeat for several); the text "
                      "ends before it")
+    shape = gen.add_mutually_exclusive_group()  # structured_outputs: one constraint
+    shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON following the schema in FILE")
+    shape.add_argument("--json", action="store_true", help="the output is a JSON object")
+    shape.add_argument("--regex", metavar="PATTERN", help="the output matches the regular expression")
+    shape.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeat)")
+    shape.add_argument("--grammar", metavar="FILE", help="the output follows the Lark (or GBNF) grammar in FILE")
     gen.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
                      help="any generation_config.json setting, e.g. --set no_repeat_ngram_size=3 "
                      "--set 'bad_words_ids=[[5]]' (repeat for several)")
@@ -81,6 +87,9 @@ def _overrides(args) -> dict:
              "top_k": args.top_k, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty,
              "stop_strings": args.stop}
     overrides = {k: v for k, v in names.items() if v is not None}
+    structured = _structured(args)
+    if structured is not None:
+        overrides["structured_outputs"] = structured
     for item in args.set:
         name, sep, value = item.partition("=")
         if not sep or not name:
@@ -90,6 +99,34 @@ def _overrides(args) -> dict:
         except json.JSONDecodeError:
             overrides[name.strip()] = value  # a bare string
     return overrides
+
+
+def _structured(args) -> dict | None:
+    """The structured_outputs setting of --json-schema, --json, --regex, --choice or --grammar."""
+    import json
+    from pathlib import Path
+
+    def read(flag: str, name: str) -> str:
+        try:
+            return Path(name).read_text()
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot read {name}: {e.strerror}") from None
+
+    if args.json_schema:
+        text = read("--json-schema", args.json_schema)
+        try:
+            return {"json": json.loads(text)}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema: {args.json_schema} is not JSON: {e}") from None
+    if args.json:
+        return {"json_object": True}
+    if args.regex:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    if args.grammar:
+        return {"grammar": read("--grammar", args.grammar)}
+    return None
 
 
 def generate_command(args) -> int:

@@ -12,8 +12,10 @@ vLLM's stop_token_ids join the eos tokens, min_tokens is min_new_tokens, ignore_
 tokens. Raymuter's own fields carry the rest of the generation config (num_beams, length_penalty,
 repetition_penalty, no_repeat_ngram_size, top_k, min_p, ...). Fields that do not change the
 output (store, metadata, user, service_tier, parallel_tool_calls, response_format text) are
-accepted; one that would and is not supported (presence_penalty, tools, json response formats,
-suffix, best_of > n) is refused by name.
+accepted; one that would and is not supported (presence_penalty, tools, suffix, best_of > n) is
+refused by name. The output's constraint comes from response_format (json_object, json_schema),
+vLLM's structured_outputs or its older guided_json / guided_regex / guided_choice /
+guided_grammar: one per request, the engine's structured_outputs setting.
 
 Every number has its range here (generation.core.limits), so the OpenAPI document states them and no
 request can reach the engine with a value it cannot hold; the engine checks what depends on the
@@ -22,6 +24,7 @@ model (token ids against its vocabulary, lengths against its context).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -95,10 +98,64 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = None  # vLLM's; usage comes once, at the end
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: the schema the output follows (strict or not: it is
+    always held to the schema)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(default="response", max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = Field(default=None, max_length=4096)
+    schema_: dict | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs its json_schema: {\"name\": ..., \"schema\": {...}}")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is given with type '{self.type}'; set type to 'json_schema'")
+        return self
+
+
+GRAMMAR_TEXT = Annotated[str, Field(min_length=1, max_length=limits.MAX_GRAMMAR_LENGTH)]
+CHOICES = Annotated[list[Annotated[str, Field(min_length=1, max_length=limits.MAX_GRAMMAR_LENGTH)]],
+                    Field(min_length=1, max_length=limits.MAX_CONSTRAINT_CHOICES)]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    json_: dict | bool | str | None = Field(default=None, alias="json")
+    regex: GRAMMAR_TEXT | None = None
+    choice: CHOICES | None = None
+    grammar: GRAMMAR_TEXT | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, "json_" if name == "json" else name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar or json_object, not "
+                             f"{', '.join(given) or 'none'}")
+        return self
+
+    def constraint(self) -> dict:
+        """The engine's structured_outputs setting."""
+        if self.json_ is not None:
+            return {"json": self.json_}
+        if self.json_object:
+            return {"json_object": True}
+        name = next(n for n in ("regex", "choice", "grammar") if getattr(self, n) is not None)
+        return {name: getattr(self, name)}
 
 
 STOP = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_LENGTH)]
@@ -131,6 +188,13 @@ class _Request(_Strict):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = Field(default=None, max_length=128)  # refused below when given
+    # structured outputs (one constraint per request, from whichever field gives it): vLLM's
+    # structured_outputs and its older guided_* fields, beside OpenAI's response_format
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: GRAMMAR_TEXT | None = None
+    guided_choice: CHOICES | None = None
+    guided_grammar: GRAMMAR_TEXT | None = None
     tool_choice: Literal["none", "auto"] | dict | None = None  # without tools: no effect
     # vLLM's
     stop_token_ids: list[TOKEN_ID] | None = Field(default=None, max_length=limits.MAX_SEQUENCES)
@@ -188,13 +252,41 @@ class _Request(_Strict):
             raise ValueError("a named function needs tools, which are not supported yet")
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: ResponseFormat | None):
-        if value is not None and value.type != "text":
-            raise ValueError(f"type '{value.type}' is not supported yet (structured outputs); "
-                             "only {\"type\": \"text\"}")
-        return value
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = constraint_fields(self)
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: a request takes one constraint, and {given[0]} already gives one")
+        return self
+
+
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+
+
+def constraint_fields(request) -> list[str]:
+    """The fields of `request` that constrain its output (response_format text does not)."""
+    found = []
+    for name in CONSTRAINT_FIELDS:
+        value = getattr(request, name)
+        if value is None or name == "response_format" and value.type == "text":
+            continue
+        found.append(name)
+    return found
+
+
+def structured_outputs(request) -> dict | None:
+    """The engine's structured_outputs setting of a request: from response_format (json_object,
+    json_schema), structured_outputs or a guided_* field; None when unconstrained."""
+    given = constraint_fields(request)
+    if not given:
+        return None
+    name, value = given[0], getattr(request, given[0])
+    if name == "response_format":
+        return {"json_object": True} if value.type == "json_object" else {"json": value.json_schema.schema_}
+    if name == "structured_outputs":
+        return value.constraint()
+    return {name.removeprefix("guided_"): value}
 
 
 class CompletionRequest(_Request):
@@ -445,6 +537,9 @@ def validation_error(errors: list[dict]) -> ApiError:
     message = message.removeprefix("Value error, ")
     if chosen["type"] == "extra_forbidden":
         message = f"unknown field '{field}'"
+    named = re.match(r"^([a-z_]+): ", message) if field is None else None
+    if named:  # a check across fields that names the one at fault first (best_of, a second constraint)
+        return ApiError(400, message, param=named.group(1))
     return ApiError(400, f"{field}: {message}" if field else message, param=field)
 
 
@@ -478,6 +573,9 @@ def settings_of(request: _Request) -> dict:
         settings["min_new_tokens"] = request.min_tokens
     if request.logit_bias:
         settings["sequence_bias"] = [[[int(token)], float(bias)] for token, bias in request.logit_bias.items()]
+    constraint = structured_outputs(request)
+    if constraint is not None:
+        settings["structured_outputs"] = constraint
     for name in EXTRA_SETTINGS:
         value = getattr(request, name)
         if value is None:
@@ -509,6 +607,9 @@ def field_of(request: _Request, setting: str | None) -> str | None:
         return setting  # the request named the engine's setting itself
     if setting == "max_new_tokens" and getattr(request, "max_completion_tokens", None) is not None:
         return "max_completion_tokens"
+    if setting == "structured_outputs":
+        given = constraint_fields(request)
+        return given[0] if given else setting
     if setting == "eos_token_id":
         return "stop_token_ids" if request.stop_token_ids else "ignore_eos" if request.ignore_eos else None
     return _FIELDS.get(setting, setting)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..logits.constraints import constrain
+
 SCHEDULES = ("constant", "heuristic")
 
 
@@ -108,15 +110,26 @@ class Draft:
         pick = _picker(state, rows, self.speculative)
         ids = np.zeros((len(rows), width), np.int64)
         probs = [] if pick.sampling.size else None
+        shaped = [state.settings.constraints[b] for b in rows.tolist()]
+        history = state.tokens[rows].copy() if any(shaped) else None
         for j in range(width):  # the row's j-th candidate follows its (j-1)-th
             if j:
                 draft.cache.token_input[rows] = ids[:, j - 1]
                 logits = draft.cache.decode(draft.lengths)[rows]
                 draft.lengths[rows] += 1
+            if history is not None:  # structured_outputs: the draft proposes only what the grammar allows
+                logits = constrain(np.array(logits, np.float32), shaped, history, lengths + 1 + j)
             ids[:, j], q = pick(logits, j)
+            if history is not None:
+                history[np.arange(len(rows)), np.minimum(lengths + 1 + j, history.shape[1] - 1)] = ids[:, j]
             if probs is not None:
                 probs.append(q)
         draft.tokens[rows[:, None], (lengths + 1)[:, None] + np.arange(width)] = ids
+        if history is not None:  # a constrained row's candidates end at its eos (nothing follows the end)
+            eos = state.settings.eos[rows]
+            is_eos = (ids[:, :, None] == eos[:, None, :]).any(axis=2) & (eos[:, None, :] >= 0).any(axis=2)
+            first = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, width)
+            counts = np.minimum(counts, first)
         self._run = (rows, lengths, width)
         return ids, counts, None if probs is None else np.stack(probs, axis=1)
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..assisted.verify import verify
 from ..families.whisper.timestamps import timestamp_rule_ids
+from ..logits.constraints import Grammars
 from ..logits.selection import LogProbs
 from ..search.beam import Hypothesis
 from . import limits
@@ -149,6 +150,8 @@ class Scheduler:
         if resolved.prompt_lookup_num_tokens and (resolved.num_beams > 1 or ctx.model.is_seq2seq or vision):
             raise SettingError("prompt_lookup_num_tokens", "prompt_lookup_num_tokens: prompt lookup runs decoder-only "
                                                            "text models with num_beams=1")
+        if resolved.structured_outputs is not None:
+            Grammars.of(ctx).check(resolved.structured_outputs)
         if resolved.num_beams > self.slots:
             raise SettingError("num_beams", f"num_beams: {resolved.num_beams} beams need as many slots; this decoder "
                                             f"has {self.slots}")

@@ -10,6 +10,7 @@ Defaults are those of transformers 4.57 `GenerationConfig` (top_k 50 when sampli
 
 from __future__ import annotations
 
+import json
 import math
 import reprlib
 from dataclasses import dataclass, fields, replace
@@ -71,6 +72,10 @@ class Settings:
     eta_cutoff: float = 0.0
     renormalize_logits: bool = False
     stop_strings: tuple[str, ...] | None = None
+    # a constraint on the output (logits/constraints.py): vLLM's structured_outputs, one of
+    # {"json": schema}, {"json_object": true}, {"regex": ...}, {"choice": [...]}, {"grammar": ...},
+    # held as (kind, text)
+    structured_outputs: tuple[str, str] | None = None
     # beam search (beam.py)
     num_beams: int = 1
     num_return_sequences: int = 1
@@ -245,6 +250,52 @@ def _stop_strings(value):
     return tuple(items) or None
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _structured(value) -> tuple[str, str] | None:
+    """structured_outputs as (kind, text): a JSON schema serialized compactly, a regex, the
+    choices as a JSON list, a grammar ("" for json_object); None stays None."""
+    name = "structured_outputs"
+    if value is None:
+        return None
+    if isinstance(value, tuple) and len(value) == 2 and value[0] in STRUCTURED_KINDS and isinstance(value[1], str):
+        return value
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in STRUCTURED_KINDS:
+        raise SettingError(name, f"{name} must be one of {{\"json\": schema}}, {{\"json_object\": true}}, "
+                                 f"{{\"regex\": pattern}}, {{\"choice\": [strings]}} or {{\"grammar\": text}}, "
+                                 f"not {shown(value)}")
+    kind, given = next(iter(value.items()))
+    if kind == "json":
+        if isinstance(given, str):
+            try:
+                given = json.loads(given)
+            except ValueError as e:
+                raise SettingError(name, f"{name}.json is not valid JSON: {e}") from None
+        if not isinstance(given, (dict, bool)):
+            raise SettingError(name, f"{name}.json must be a JSON schema (an object), not {shown(given)}")
+        text = json.dumps(given, separators=(",", ":"))  # keys in the schema's order: the properties' order
+    elif kind == "json_object":
+        if given is not True:
+            raise SettingError(name, f"{name}.json_object must be true, not {shown(given)}")
+        text = ""
+    elif kind == "choice":
+        most = limits.MAX_CONSTRAINT_CHOICES
+        if (not isinstance(given, (list, tuple)) or not given or len(given) > most
+                or not all(isinstance(c, str) and c for c in given)):
+            raise SettingError(name, f"{name}.choice must be a list of 1 to {most} non-empty strings, "
+                                     f"not {shown(given)}")
+        text = json.dumps(list(given))
+    else:
+        if not isinstance(given, str) or not given:
+            raise SettingError(name, f"{name}.{kind} must be a non-empty string, not {shown(given)}")
+        text = given
+    if len(text) > limits.MAX_GRAMMAR_LENGTH:
+        raise SettingError(name, f"{name}.{kind} has {len(text)} characters; at most "
+                                 f"{limits.MAX_GRAMMAR_LENGTH} are allowed")
+    return kind, text
+
+
 def _decay(value, context: int, where: str):
     if value is None:
         return None
@@ -266,7 +317,7 @@ def _normalize(s: Settings, context: int, where: str, vocab: int) -> Settings:
         forced_eos_token_id=_id_list("forced_eos_token_id", s.forced_eos_token_id) or None,
         suppress_tokens=_id_list("suppress_tokens", s.suppress_tokens, vocab) or None,
         begin_suppress_tokens=_id_list("begin_suppress_tokens", s.begin_suppress_tokens, vocab) or None,
-        stop_strings=_stop_strings(s.stop_strings))
+        stop_strings=_stop_strings(s.stop_strings), structured_outputs=_structured(s.structured_outputs))
 
 
 def check_vocabulary(s: Settings, vocab: int | None) -> None:

@@ -26,6 +26,7 @@ from ..cache import new_cache
 from ..cache.cross import run_first_steps
 from ..cache.prefill import PromptCache, run_prompts
 from ..families.vision import check_images
+from ..logits.constraints import Grammars
 from ..logits.processors import RowSettings, apply
 from ..logits.selection import LogProbs, SamplingRows, logprobs, pick
 from ..search.beam import BeamGroup, advance_groups, beam_min_keep, new_group
@@ -157,7 +158,7 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
         prompt_length=np.zeros(slots, np.int64), limit=np.zeros(slots, np.int64),
         live=np.zeros(slots, bool), used=np.zeros(slots, bool),
         seeds=np.zeros(slots, np.uint64), draws=np.zeros(slots, np.uint64),
-        settings=RowSettings(slots, ctx.model.vocab_size), next_input=cache.token_input, stops=[None] * slots,
+        settings=RowSettings(slots, ctx.model.vocab_size, Grammars.of(ctx)), next_input=cache.token_input, stops=[None] * slots,
         lean=not (ctx.token_logprobs or ctx.processors))
     if ctx.token_logprobs:
         state.logprob = np.full((slots, capacity), np.nan, np.float32)
@@ -262,7 +263,7 @@ def _select_alone(ctx: Context, scores, rows: RowSettings, processes, history, l
 
 
 def _row_settings(ctx: Context, prompts, settings: list[Settings], limit: np.ndarray, encoder_ids) -> RowSettings:
-    rows = RowSettings(len(prompts), ctx.model.vocab_size)
+    rows = RowSettings(len(prompts), ctx.model.vocab_size, Grammars.of(ctx))
     for j, (prompt, s) in enumerate(zip(prompts, settings)):
         rows.set_row(j, s, len(prompt), int(limit[j]), encoder_ids=encoder_ids[j])
     return rows

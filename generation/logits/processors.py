@@ -19,8 +19,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..core.settings import Settings
+from ..core.settings import SettingError, Settings
 from ..families.whisper.timestamps import apply_timestamp_rules, timestamp_history
+from .constraints import RowConstraint, constrain
 
 NEG_INF = np.float32(-np.inf)
 
@@ -297,8 +298,9 @@ class RowSettings:
     Rows enter with `set_row` (which builds that row's fixed masks) and are read through
     `take(rows)`; a table is allocated only once some row uses it."""
 
-    def __init__(self, n: int, vocab: int):
+    def __init__(self, n: int, vocab: int, grammars=None):
         self.n, self.vocab = n, vocab
+        self.grammars = grammars  # constraints.Grammars: the matchers of structured_outputs rows
         self.version = 0  # counts set_row calls: a view taken before one is stale
         f32, i64 = np.float32, np.int64
         self.do_sample = np.zeros(n, bool)
@@ -325,6 +327,7 @@ class RowSettings:
         self.encoder_ids: list[np.ndarray] = [np.zeros(0, i64)] * n
         self.bias_rules: list[SequenceRules | None] = [None] * n  # multi-token entries, per row
         self.bad_rules: list[SequenceRules | None] = [None] * n
+        self.constraints: list[RowConstraint | None] = [None] * n  # structured_outputs, per row
         self.one_token_bias: np.ndarray | None = None  # [n, V] float32
         self.bad_mask: np.ndarray | None = None  # [n, V] bool: one-token bad words
         self.suppress_mask: np.ndarray | None = None  # [n, V] bool
@@ -383,6 +386,13 @@ class RowSettings:
         first = prompt_length + (1 if prompt_length == 1 and s.forced_bos_token_id is not None else 0)
         self.begin_index[i] = first if s.begin_suppress_tokens else -1
         self.timestamp_rules[i] = s.timestamp_rules or (-1, -1, -1)
+        self.constraints[i] = None
+        if s.structured_outputs is not None:
+            if self.grammars is None:
+                raise SettingError("structured_outputs", "structured_outputs: this batch was made without the "
+                                                         "model's grammars (constraints.Grammars)")
+            self.constraints[i] = RowConstraint(self.grammars.matcher(s.structured_outputs), prompt_length,
+                                                self.grammars.eos_ids)
 
     def _set_mask(self, name: str, i: int, tokens) -> None:
         if tokens:
@@ -444,7 +454,7 @@ class RowSettings:
                     or self.remove_invalid.any() or (self.decay_start >= 0).any() or (self.begin_index >= 0).any()
                     or self.one_token_bias is not None or self.bad_mask is not None
                     or self.suppress_mask is not None or any(self.bias_rules) or any(self.bad_rules)
-                    or (self.timestamp_rules[:, 0] >= 0).any())
+                    or (self.timestamp_rules[:, 0] >= 0).any() or any(self.constraints))
 
 
 def timestamps(scores: np.ndarray, rules: np.ndarray, history: np.ndarray, length: np.ndarray,
@@ -471,7 +481,7 @@ def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np
           custom: Sequence[CustomProcessor] = (), prompt_length: np.ndarray | None = None,
           inplace: bool = False) -> np.ndarray:
     """The processors of transformers' `_get_logits_processor` before the warpers, in its order,
-    then the custom processors. scores [n, V]; history [n, W] and length [n] as in the module
+    then the custom processors, then the rows' structured_outputs constraints. scores [n, V]; history [n, W] and length [n] as in the module
     docstring; `prompt_length` [n] (for custom processors) splits each row's history.
     `inplace`: the caller owns float32 `scores` and lets them be overwritten (saves a copy)."""
     out = scores if inplace and scores.dtype == np.float32 else scores.astype(np.float32, copy=True)
@@ -511,4 +521,6 @@ def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np
             out = np.asarray(process(out, states), np.float32)
             if out.shape != scores.shape:
                 raise ValueError(f"a custom processor returned scores of shape {out.shape}, not {scores.shape}")
+    if any(rows.constraints):  # as a LogitsProcessor given to generate(): after the others, before the warpers
+        constrain(out, rows.constraints, history, length)
     return out

@@ -296,7 +296,8 @@ def top_k_candidates(scores: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.
     every other token has probability 0, and the id order keeps the inverse-CDF draw the same;
     but it costs O(V) compares instead of a sort or partition of the vocabulary. A threshold from
     every 32nd score lets a few hundred tokens through, which are then cut to the top k exactly;
-    a row where fewer than k pass takes an exact partition.
+    a row where fewer than k pass takes an exact partition, or, with k or fewer tokens above -inf
+    (a grammar's mask), those. Tokens at -inf (probability 0) are never candidates.
 
     >>> ids, values = top_k_candidates(np.array([[0., 5., 1., 4.]], np.float32), np.array([2]))
     >>> ids.tolist(), values.tolist()
@@ -310,16 +311,21 @@ def top_k_candidates(scores: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.
     j = np.minimum(-(-k // stride) + 6, sample.shape[1])
     jmax = int(j.max())
     head = np.sort(np.partition(sample, sample.shape[1] - jmax, axis=1)[:, sample.shape[1] - jmax:], axis=1)
-    passed = scores >= head[np.arange(n), jmax - j][:, None]
+    finite = scores > NEG_INF  # a token at -inf has probability 0: never a candidate
+    passed = (scores >= head[np.arange(n), jmax - j][:, None]) & finite
     flat = np.flatnonzero(passed)
     short = np.flatnonzero(np.bincount(flat // vocab, minlength=n) < k)
-    if short.size:  # exact: at least everything >= the k-th largest
-        passed[short] = scores[short] >= _kth_largest(scores[short], k[short])[:, None]
+    if short.size:  # exact: at least everything >= the k-th largest (all a row has, when it has k or fewer)
+        few = finite[short].sum(axis=1) <= k[short]
+        passed[short[few]] = finite[short[few]]
+        rest = short[~few]
+        if rest.size:
+            passed[rest] = (scores[rest] >= _kth_largest(scores[rest], k[rest])[:, None]) & finite[rest]
         flat = np.flatnonzero(passed)
     ids, values = _pack(flat, n, vocab, None, scores)
     width = values.shape[1]
     kth = np.sort(values, axis=1)[np.arange(n), width - np.minimum(k, width)]  # sorts of a few hundred
-    return _pack(np.flatnonzero(values >= kth[:, None]), n, width, ids, values)
+    return _pack(np.flatnonzero((values >= kth[:, None]) & (ids >= 0)), n, width, ids, values)  # pads left out
 
 
 def pick(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.ndarray,

@@ -93,7 +93,8 @@ def test_vllm_fields_map_onto_settings():
 @pytest.mark.parametrize("body, field", [
     (dict(store=True, metadata={"a": "b"}, user="u", service_tier="auto", parallel_tool_calls=False,
           response_format={"type": "text"}, tool_choice="none"), None),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "json_schema"}), "response_format"),  # without its schema
+    (dict(guided_regex="a+", response_format={"type": "json_object"}), "guided_regex"),  # one constraint only
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(suffix="x"), "suffix"),
     (dict(best_of=3), "best_of"),
@@ -187,3 +188,41 @@ def test_template_variables_render_as_transformers_passes_them(test_models):
         assert ours == hf.apply_chat_template(messages, chat_template=template, tokenize=False,
                                               add_generation_prompt=True, **variables), variables
     assert render_chat(template, messages, special_tokens(folder), True, {"enable_thinking": False}).startswith("/no_think")
+
+
+@pytest.mark.parametrize("body, expected, field", [
+    (dict(response_format={"type": "json_object"}), {"json_object": True}, "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"},
+                                                                    "strict": True}}),
+     {"json": {"type": "object"}}, "response_format"),
+    (dict(structured_outputs={"regex": "a+"}), {"regex": "a+"}, "structured_outputs"),
+    (dict(structured_outputs={"choice": ["x", "y"]}), {"choice": ["x", "y"]}, "structured_outputs"),
+    (dict(structured_outputs={"json": {"type": "array"}}), {"json": {"type": "array"}}, "structured_outputs"),
+    (dict(guided_json='{"type": "object"}'), {"json": '{"type": "object"}'}, "guided_json"),
+    (dict(guided_regex="[0-9]+"), {"regex": "[0-9]+"}, "guided_regex"),
+    (dict(guided_choice=["a"]), {"choice": ["a"]}, "guided_choice"),
+    (dict(guided_grammar='start: "a"'), {"grammar": 'start: "a"'}, "guided_grammar"),
+])
+def test_each_constraint_field_maps_onto_structured_outputs(body, expected, field):
+    from deployments.http.openai import field_of
+
+    request = parse(CompletionRequest, dict(model="m", prompt="a", **body))
+    assert settings_of(request) == {"structured_outputs": expected}
+    assert field_of(request, "structured_outputs") == field  # an engine error names the request's own field
+    chat = parse(ChatCompletionRequest, dict(model="m", messages=[{"role": "user", "content": "a"}], **body))
+    assert settings_of(chat) == {"structured_outputs": expected}
+
+
+@pytest.mark.parametrize("body, field", [
+    (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+    (dict(structured_outputs={}), "structured_outputs"),
+    (dict(structured_outputs={"regexp": "a"}), "structured_outputs.regexp"),
+    (dict(guided_choice=[]), "guided_choice"),
+    (dict(response_format={"type": "json_object", "json_schema": {"schema": {}}}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}),
+     "response_format.json_schema.name"),
+])
+def test_a_malformed_constraint_is_refused_naming_its_field(body, field):
+    with pytest.raises(ApiError) as caught:
+        parse(CompletionRequest, dict(model="m", prompt="a", **body))
+    assert caught.value.param == field, caught.value.message

@@ -124,3 +124,29 @@ def test_bad_setting_exits_2_naming_it(folder, tmp_path):
     assert done.returncode == 2
     assert "top_p must be a number in (0, 1] (1 turns it off), not 2.0" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_constraint_flags_constrain_the_output(folder, model, tokenizer, tmp_path):
+    import json
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "abc.lark").write_text('start: "<" /[a-c]{2}/ ">"')
+    for flags, setting in [(["--json-schema", "schema.json"], {"json": schema}), (["--json"], {"json_object": True}),
+                           (["--regex", "[a-f]{4}"], {"regex": "[a-f]{4}"}),
+                           (["--choice", "yes", "--choice", "no"], {"choice": ["yes", "no"]}),
+                           (["--grammar", "abc.lark"], {"grammar": 'start: "<" /[a-c]{2}/ ">"'})]:
+        done = raymuter("generate", "--model", folder, "--max-new-tokens", 30, *flags, "ka lo mi", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        ctx = generation.context(model, max_new_tokens=30, structured_outputs=setting)
+        row = generation.generate(ctx, [tokenizer.encode("ka lo mi").ids])[0]
+        assert done.stdout == tokenizer.decode(row, skip_special_tokens=True) + "\n", flags
+    assert json.loads(raymuter("generate", "--model", folder, "--max-new-tokens", 30, "--json-schema", "schema.json",
+                               "ka", cwd=tmp_path).stdout)["n"] in range(10)
+    missing = raymuter("generate", "--model", folder, "--json-schema", "nope.json", "ka", cwd=tmp_path)
+    assert missing.returncode == 2 and "--json-schema: cannot read nope.json" in missing.stderr
+    bad = raymuter("generate", "--model", folder, "--regex", "(", "ka", cwd=tmp_path)
+    assert bad.returncode == 2 and "structured_outputs.regex:" in bad.stderr and "Traceback" not in bad.stderr
+    both = raymuter("generate", "--model", folder, "--json", "--regex", "a", "ka", cwd=tmp_path)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
