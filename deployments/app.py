@@ -629,7 +629,7 @@ class Ingress:
                 text = result.prompt_text + text
                 tokens = [t.model_dump() for t in result.prompt_logprobs or []] + tokens
             logprobs = None if result.logprobs is None else completion_logprobs(tokens, chat)
-            choices.append(completion_choice(k, text, result.finish_reason, logprobs, chat))
+            choices.append(completion_choice(k, text, result.finish_reason, logprobs, chat, result.tool_calls))
             if k % body.n == 0:
                 prompt_tokens += result.prompt_tokens
         return completion_response(rid, model, choices, usage(prompt_tokens, sum(r.completion_tokens for r in results)),
@@ -671,7 +671,7 @@ class Ingress:
                         offsets[i] += sum(len(t["text"]) for t in tokens)
                     if text or item.finish_reason or logprobs or (chat and i not in started):
                         yield event(stream_chunk(rid, model, created, i, text, item.finish_reason, chat, fingerprint,
-                                                 logprobs, first=i not in started))
+                                                 logprobs, first=i not in started, tool_calls=item.tool_calls))
                         started.add(i)
                     if item.finish_reason is not None:
                         if i % body.n == 0:

@@ -45,6 +45,11 @@ class GenerateRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
     chat_template_kwargs: dict[str, Any] | None = None  # messages: more of the chat template's variables
+    # messages: OpenAI's tools, given to the template; tool_choice "auto" reads calls out of the output,
+    # "required" or {"type": "function", "function": {"name": ...}} holds it to calls ("none": no tools)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     echo: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     request_id: str | None = None
@@ -82,6 +87,7 @@ request was refused before it ran) and the counts."""
     prompt_text: str | None = None  # echo: in the first chunk
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with prompt_logprobs: in the first chunk (the
     # first token's logprob is None: nothing comes before it)
+    tool_calls: list[dict] | None = None  # tools: the calls read out of the output, in the last chunk
 
 
 class GenerateResponse(BaseModel):
@@ -98,6 +104,7 @@ class GenerateResponse(BaseModel):
     field: str | None = None
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[dict] | None = None  # OpenAI's: [{"id", "type": "function", "function": {"name", "arguments"}}]
 
 
 class ModelCard(BaseModel):

@@ -12,8 +12,9 @@ vLLM's stop_token_ids join the eos tokens, min_tokens is min_new_tokens, ignore_
 tokens. Raymuter's own fields carry the rest of the generation config (num_beams, length_penalty,
 repetition_penalty, no_repeat_ngram_size, top_k, min_p, ...). Fields that do not change the
 output (store, metadata, user, service_tier, parallel_tool_calls, response_format text) are
-accepted; one that would and is not supported (presence_penalty, tools, suffix, best_of > n) is
-refused by name. The output's constraint comes from response_format (json_object, json_schema),
+accepted; one that would and is not supported (presence_penalty, suffix, best_of > n) is refused
+by name. Chat takes tools (tool_choice none, auto, required or a named function;
+generation.text.tools). The output's constraint comes from response_format (json_object, json_schema),
 vLLM's structured_outputs or its older guided_json / guided_regex / guided_choice /
 guided_grammar: one per request, the engine's structured_outputs setting.
 
@@ -125,6 +126,17 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class FunctionName(BaseModel):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice {"type": "function", "function": {"name": ...}}: a call of that function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 GRAMMAR_TEXT = Annotated[str, Field(min_length=1, max_length=limits.MAX_GRAMMAR_LENGTH)]
 CHOICES = Annotated[list[Annotated[str, Field(min_length=1, max_length=limits.MAX_GRAMMAR_LENGTH)]],
                     Field(min_length=1, max_length=limits.MAX_CONSTRAINT_CHOICES)]
@@ -187,7 +199,7 @@ class _Request(_Strict):
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = Field(default=None, max_length=128)  # refused below when given
+    tools: list[dict] | None = Field(default=None, max_length=128)  # chat only
     # structured outputs (one constraint per request, from whichever field gives it): vLLM's
     # structured_outputs and its older guided_* fields, beside OpenAI's response_format
     structured_outputs: StructuredOutputs | None = None
@@ -195,7 +207,7 @@ class _Request(_Strict):
     guided_regex: GRAMMAR_TEXT | None = None
     guided_choice: CHOICES | None = None
     guided_grammar: GRAMMAR_TEXT | None = None
-    tool_choice: Literal["none", "auto"] | dict | None = None  # without tools: no effect
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # vLLM's
     stop_token_ids: list[TOKEN_ID] | None = Field(default=None, max_length=limits.MAX_SEQUENCES)
     min_tokens: int | None = Field(default=None, ge=0, le=INT_MAX)
@@ -240,17 +252,31 @@ class _Request(_Strict):
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value: list | None):
+    def _tools(cls, value: list | None):
         if value:
-            raise ValueError("tool calling is not supported yet; send the request without tools")
+            from generation.text.tools import ToolError, check_tools
+
+            try:
+                check_tools(value)
+            except ToolError as e:
+                raise ValueError(str(e)) from None
         return value
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value):
-        if isinstance(value, dict):
-            raise ValueError("a named function needs tools, which are not supported yet")
-        return value
+    @model_validator(mode="after")
+    def _tool_choice_of_the_tools(self):
+        choice = self.tool_choice
+        if self.tools and not isinstance(self, ChatCompletionRequest):
+            raise ValueError("tools: tool calling takes /v1/chat/completions")
+        if isinstance(choice, NamedToolChoice) or choice == "required":
+            if not self.tools:
+                raise ValueError("tool_choice: a named function or \"required\" needs tools")
+            names = [t["function"]["name"] for t in self.tools]
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+                raise ValueError(f"tool_choice: '{choice.function.name}' is not one of the tools ({', '.join(names)})")
+            if constraint_fields(self):
+                raise ValueError(f"tool_choice: \"required\" or a named function holds the output to tool calls, "
+                                 f"and {constraint_fields(self)[0]} already constrains it")
+        return self
 
     @model_validator(mode="after")
     def _one_constraint(self):
@@ -448,16 +474,28 @@ class Completion(BaseModel):
     usage: Usage | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletion(BaseModel):
@@ -607,9 +645,9 @@ def field_of(request: _Request, setting: str | None) -> str | None:
         return setting  # the request named the engine's setting itself
     if setting == "max_new_tokens" and getattr(request, "max_completion_tokens", None) is not None:
         return "max_completion_tokens"
-    if setting == "structured_outputs":
+    if setting == "structured_outputs":  # from a constraint field, or tool_choice's grammar of the tools
         given = constraint_fields(request)
-        return given[0] if given else setting
+        return given[0] if given else "tools" if getattr(request, "tools", None) else setting
     if setting == "eos_token_id":
         return "stop_token_ids" if request.stop_token_ids else "ignore_eos" if request.ignore_eos else None
     return _FIELDS.get(setting, setting)
@@ -665,6 +703,10 @@ def generate_request(request: _Request, prompt=None, index: int = 0) -> dict:
         body["add_generation_prompt"] = request.add_generation_prompt
         if request.chat_template_kwargs:
             body["chat_template_kwargs"] = request.chat_template_kwargs
+        if request.tools and request.tool_choice != "none":
+            choice = request.tool_choice
+            body.update(tools=request.tools, tool_choice=choice.model_dump() if isinstance(choice, BaseModel)
+                        else choice or "auto", parallel_tool_calls=request.parallel_tool_calls is not False)
     else:
         body["prompt"] = prompt
         body["add_special_tokens"] = request.add_special_tokens
@@ -694,8 +736,8 @@ def completion_logprobs(tokens: list[dict], chat: bool, offset: int = 0) -> dict
 
 
 def finish_reason(reason: str | None) -> str | None:
-    """OpenAI's finish_reason ("stop" or "length") of the decoder's."""
-    return None if reason is None else "length" if reason == "length" else "stop"
+    """OpenAI's finish_reason ("stop", "length" or "tool_calls") of the decoder's."""
+    return None if reason is None else reason if reason in ("length", "tool_calls") else "stop"
 
 
 def completion_response(request_id: str, model: str, choices: list[dict], usage: dict, fingerprint: str,
@@ -706,10 +748,13 @@ def completion_response(request_id: str, model: str, choices: list[dict], usage:
             "model": model, "system_fingerprint": fingerprint, "choices": choices, "usage": usage}
 
 
-def completion_choice(index: int, text: str, reason: str, logprobs: dict | None, chat: bool) -> dict:
+def completion_choice(index: int, text: str, reason: str, logprobs: dict | None, chat: bool,
+                      tool_calls: list[dict] | None = None) -> dict:
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
 
@@ -719,10 +764,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def stream_chunk(request_id: str, model: str, created: int, index: int, text: str, reason: str | None,
-                 chat: bool, fingerprint: str, logprobs: dict | None = None, first: bool = False) -> dict:
-    """One server-sent event's body."""
+                 chat: bool, fingerprint: str, logprobs: dict | None = None, first: bool = False,
+                 tool_calls: list[dict] | None = None) -> dict:
+    """One server-sent event's body; `tool_calls` go as OpenAI's deltas (each call whole, with its
+    index)."""
     if chat:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
         kind = "chat.completion.chunk"
     else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 from pathlib import Path
@@ -47,8 +48,8 @@ def refusal(error: ValueError, request: GenerateRequest) -> RequestError:
     setting = getattr(error, "setting", None)
     field = request_field(request, setting)
     message = str(error)
-    if setting and field and not field.endswith(setting):
-        message = message.replace(setting, field.removeprefix("settings."))
+    if setting and field and not field.endswith(setting):  # the engine's "prompts[0]" is this request's field
+        message = re.sub(rf"\b{re.escape(setting)}(s\[\d+\])?", field.removeprefix("settings."), message)
     return RequestError(message, field)
 
 
@@ -152,9 +153,17 @@ class TextGenerator:
         if request.messages is not None:
             from generation.text.chat import ChatTemplateError, render_chat
 
+            from generation.text.tools import ToolError, template_messages
+
             messages = [_plain(m.model_dump(exclude_none=True), i, self.takes_images)
                         for i, m in enumerate(request.messages)]
+            try:
+                messages = template_messages(messages)
+            except ToolError as e:
+                raise RequestError(str(e), e.field) from None
             variables = request.chat_template_kwargs
+            if self._calls_tools(request):  # as transformers' apply_chat_template(tools=...)
+                variables = {**(variables or {}), "tools": request.tools}
             if self.takes_images:
                 from .vision import prompt_images
 
@@ -217,6 +226,15 @@ class TextGenerator:
                                    f"(asked {asked})" if self.max_logprobs >= 0 else
                                    f"{name}: this server runs without log-probabilities", name)
         settings = dict(request.settings)
+        if self._calls_tools(request) and request.tool_choice != "auto":  # required, or a named function
+            from generation.text.tools import ToolError, tool_format, tool_grammar
+
+            name = request.tool_choice["function"]["name"] if isinstance(request.tool_choice, dict) else None
+            try:
+                grammar = tool_grammar(tool_format(self.template), request.tools, name, request.parallel_tool_calls)
+            except ToolError as e:
+                raise RequestError(str(e), e.field) from None
+            settings["structured_outputs"] = {"grammar": grammar}
         if request.stop_token_ids:
             settings["eos_token_id"] = [*self._eos(settings), *request.stop_token_ids]
         budget = settings.get("max_new_tokens")
@@ -233,6 +251,24 @@ class TextGenerator:
         except ValueError as e:
             raise refusal(e, request) from None
         return handle, prompt
+
+    @staticmethod
+    def _calls_tools(request: GenerateRequest) -> bool:
+        return bool(request.messages is not None and request.tools and request.tool_choice != "none")
+
+    def _tool_calls(self, request: GenerateRequest, text: str) -> tuple[str, list[dict] | None]:
+        """The output's text outside its tool calls and the calls as OpenAI gives them (ids
+        call_<request>_<k>), read in the template family's format; (text, None) without calls."""
+        from generation.text.tools import parse_calls, tool_format
+
+        names = [t["function"]["name"] for t in request.tools]
+        parsed = parse_calls(tool_format(self.template), text, names)
+        if not parsed.calls:
+            return text, None
+        base = (request.request_id or secrets.token_hex(8)).replace("-", "")[:24]
+        calls = [{"id": f"call_{base}_{k}", "type": "function",
+                  "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(parsed.calls)]
+        return parsed.content or "", calls
 
     def _eos(self, settings: dict) -> tuple:
         """The eos tokens a request's settings leave (ignore_eos gives none)."""
@@ -251,6 +287,7 @@ class TextGenerator:
         if isinstance(request.settings.get("stop_strings"), str):
             stops = [request.settings["stop_strings"]]
         hold = max((len(s) for s in stops), default=1) - 1
+        tools = self._calls_tools(request)  # the text waits for the end, where its calls are read out
         detok = Detokenizer(self.tokenizer)
         text, sent, last = "", 0, None
         echo = request.echo  # the prompt first (once the batcher has admitted it, with its log-probabilities)
@@ -268,6 +305,8 @@ class TextGenerator:
                     text += detok.add(token.id)
                 visible = cut_at_stop(text, stops)
                 end = len(visible) if len(visible) < len(text) else max(sent, len(visible) - hold)
+                if tools:
+                    end = sent
                 piece, sent = visible[sent:end], max(sent, end)
                 yield GenerateChunk(text=piece, token_ids=[t.id for t in tokens],
                                     logprobs=None if request.logprobs is None else
@@ -289,7 +328,11 @@ class TextGenerator:
                 logger.error("request %s failed in the batch: %s", request.request_id, error)
         elif echo:
             yield self._echo(request, handle, prompt)
-        yield GenerateChunk(text=visible[sent:], finish_reason=completion.finish_reason, error=error, status=status,
+        rest, calls, reason = visible[sent:], None, completion.finish_reason
+        if tools and reason != "error":
+            rest, calls = self._tool_calls(request, visible)
+            reason = "tool_calls" if calls and reason == "stop" else reason  # cut short: "length", as OpenAI
+        yield GenerateChunk(text=rest, finish_reason=reason, error=error, status=status, tool_calls=calls,
                             field=field, prompt_tokens=len(prompt), completion_tokens=len(completion.tokens))
 
     async def generate(self, request: GenerateRequest, encoder=None, images=()) -> GenerateResponse:
@@ -307,7 +350,8 @@ class TextGenerator:
                                 logprobs=logprobs if request.logprobs is not None else None, error=last.error,
                                 status=last.status, field=last.field,
                                 prompt_text=None if echoed is None else echoed.prompt_text,
-                                prompt_logprobs=None if echoed is None else echoed.prompt_logprobs)
+                                prompt_logprobs=None if echoed is None else echoed.prompt_logprobs,
+                                tool_calls=last.tool_calls)
 
     def _prompt_text(self, request: GenerateRequest, prompt: list[int]) -> str:
         """The prompt as text, as echo gives it back: the text sent, or the ids decoded."""

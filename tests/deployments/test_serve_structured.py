@@ -132,3 +132,25 @@ def test_a_constrained_request_leaves_the_others_as_they_are_alone(serve_apps, e
             assert f.result() == alone(engine, "The", s, do_sample=True, temperature=0.9)
         for s, f in enumerate(jsons):
             assert f.result() == constrained(engine, "The list", s, {"json": SCHEMA})
+
+
+def test_the_python_handle_takes_the_constraint_and_tools(serve_apps, engine):
+    from ray import serve
+
+    from deployments.schema import GenerateRequest
+
+    handle = serve.get_app_handle("real")
+    setting = {"regex": "[a-c]{3}"}
+    out = handle.generate.remote(GenerateRequest(prompt="The", seed=0, settings={"structured_outputs": setting,
+                                                                                 "max_new_tokens": 10})).result()
+    assert out.text == constrained(engine, "The", 0, setting, max_new_tokens=10)
+    assert re.fullmatch("[a-c]{3}", out.text)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}}}
+    called = handle.generate.remote(GenerateRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool],
+                                                    tool_choice="required", parallel_tool_calls=False, seed=0,
+                                                    settings={"max_new_tokens": 60})).result()
+    assert called.finish_reason in ("tool_calls", "length")
+    if called.finish_reason == "tool_calls":
+        assert [c["function"]["name"] for c in called.tool_calls] == ["f"]
+        assert json.loads(called.tool_calls[0]["function"]["arguments"])["x"] in (1, 2)

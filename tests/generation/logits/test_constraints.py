@@ -154,10 +154,12 @@ def test_a_constrained_row_beside_others_gives_what_it_gives_alone(models):
     model = models("llama-optimum")
     ctx = generation.context(model, max_new_tokens=16)
     rows = [dict(), dict(structured_outputs={"regex": "[a-c]+"}), dict(do_sample=True),
-            dict(structured_outputs={"json": SCHEMA}, do_sample=True), dict(num_beams=2, structured_outputs={"choice": ["ab", "cd"]})]
+            dict(structured_outputs={"json": SCHEMA}, do_sample=True), dict(num_beams=2, structured_outputs={"choice": ["ab", "cd"]}),
+            dict(prompt_lookup_num_tokens=3, structured_outputs={"regex": "([a-c] ?)+"}), dict(prompt_lookup_num_tokens=3)]
+    from generation.assisted.prompt_lookup import PromptLookup
     from generation.core.scheduler import Scheduler
 
-    scheduler = Scheduler(ctx, slots=8, capacity=64, isolate=False)
+    scheduler = Scheduler(ctx, slots=10, capacity=64, isolate=False, lookup=PromptLookup())
     jobs = [scheduler.job(PROMPTS[i % 3], seed=i, settings=s) for i, s in enumerate(rows)]
     for job in jobs:
         scheduler.add(job)
@@ -335,7 +337,7 @@ def test_random_schemas_give_outputs_that_validate(models, which):
         model = generation.load(default_model_path())
     tokenizer = model_tokenizer(model)
 
-    @hyp_settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @hyp_settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(random_schemas())
     def check(schema):
         for sample in (False, True):
