@@ -88,6 +88,9 @@ class AppConfig(BaseModel):
     slots: int = Field(default=8, ge=1, le=1024)  # rows the decoder steps together
     capacity: int | None = Field(default=None, ge=2)  # tokens per slot (default: the model's context, <= 4096)
     max_waiting: int = Field(default=256, ge=0)  # decoder queue; beyond it, 503
+    # prompt prefixes kept per decoder replica (KV rows, bytes; 0: off): a prompt that starts as one
+    # seen before runs only its rest (generation/cache/prefix.py)
+    prefix_cache_bytes: int = Field(default=256 * 2**20, ge=0, le=2**40)
     max_logprobs: int = Field(default=5, ge=-1, le=20)  # -1: no log-probabilities (the lean greedy loop)
     threads: int | None = Field(default=None, ge=1)  # onnxruntime intra-op threads per decoder replica
     provider: str | None = None  # cuda, cpu; default: CUDA where the replica has a GPU
@@ -239,6 +242,7 @@ class Decoder:
                 model = str(default_model_path())
             self.generator = TextGenerator.from_model(
                 model, name=cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else None), slots=cfg.slots, capacity=cfg.capacity, max_waiting=cfg.max_waiting,
+                prefix_cache_bytes=cfg.prefix_cache_bytes,
                 max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
                 stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft, **cfg.settings)
 

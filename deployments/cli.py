@@ -29,6 +29,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--port", type=port_number, default=8000, help="port of the HTTP API")
     parser.add_argument("--slots", type=int, default=8, help="rows the decoder steps together")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=256 * 2**20,
+                        help="bytes of prompt prefixes each decoder replica keeps, so a prompt that starts as one seen "
+                             "before runs only its rest; 0: off")
     parser.add_argument("--max-logprobs", type=int, default=5,
                         help="most alternatives per token a request may ask; -1: no log-probabilities")
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
@@ -138,6 +141,7 @@ def app_config(args) -> dict:
         except json.JSONDecodeError:
             settings[name.strip()] = value
     return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
+                prefix_cache_bytes=args.prefix_cache_bytes,
                 max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
                 draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
                 settings=settings, engine=args.engine)

@@ -60,6 +60,8 @@ class DecoderMetrics:
                       registry=r)).set_function(lambda: batcher.occupied / batcher.slots)
             one(Gauge("raymuter:num_slots", "The decoder's batch slots.", labels,
                       registry=r)).set_function(lambda: batcher.slots)
+            if getattr(batcher, "prefix", None) is not None:
+                r.register(_PrefixCache(model_name, batcher.prefix))
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -75,6 +77,29 @@ class DecoderMetrics:
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+class _PrefixCache:
+    """The decoder's prefix store, read when scraped: vLLM's prefix_cache_queries and
+    prefix_cache_hits (prompt tokens looked up and found, counters) and the store's bytes."""
+
+    def __init__(self, model_name: str, store):
+        self.model_name, self.store = model_name, store
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name, text, value in (("raymuter:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                   self.store.queries),
+                                  ("raymuter:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   self.store.hits)):
+            family = CounterMetricFamily(name, text, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        family = GaugeMetricFamily("raymuter:prefix_cache_bytes", "Bytes the prefix cache holds.",
+                                   labels=["model_name"])
+        family.add_metric([self.model_name], self.store.bytes)
+        yield family
 
 
 class EncoderMetrics:

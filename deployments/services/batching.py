@@ -203,7 +203,8 @@ class ContinuousBatcher:
     own. `max_waiting` bounds the queue: `submit` raises `QueueFull` beyond it (the server
     answers 503)."""
 
-    def __init__(self, ctx, slots: int = 8, capacity: int | None = None, max_waiting: int = 256):
+    def __init__(self, ctx, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
+                 prefix_cache_bytes: int = 0):
         from generation.assisted.budget import CostAware
         from generation.assisted.prompt_lookup import PromptLookup
 
@@ -214,7 +215,9 @@ class ContinuousBatcher:
         # a context with a draft model verifies the draft's for every row
         self.scheduler = Scheduler(ctx, slots, self.capacity,
                                    lookup=CostAware(PromptLookup(), max_slowdown=limits.MAX_STEP_SLOWDOWN),
-                                   assistant=assisted.candidates_for(ctx) if ctx.draft is not None else None)
+                                   assistant=assisted.candidates_for(ctx) if ctx.draft is not None else None,
+                                   prefix_cache_bytes=prefix_cache_bytes)
+        self.prefix = self.scheduler.state.prefix  # the prompt prefixes kept (None: off, or a model that cannot)
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._ids = itertools.count()
         self._stop = threading.Event()

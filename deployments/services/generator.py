@@ -99,11 +99,13 @@ class TextGenerator:
     def from_model(cls, source: str | Path, name: str | None = None, slots: int = 8, capacity: int | None = None,
                    max_waiting: int = 256, max_logprobs: int = 5, threads: int | None = None,
                    provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
-                   stream_interval: float = 0.0, draft: str | Path | None = None, **settings) -> "TextGenerator":
+                   stream_interval: float = 0.0, draft: str | Path | None = None, prefix_cache_bytes: int = 0,
+                   **settings) -> "TextGenerator":
         """Load `source` (folder or hub id) and start its batcher. `settings`: defaults over the
         model's generation_config.json for every request (max_new_tokens, ...). `draft`: a small
         model with the same tokenizer (folder or hub id) whose proposals every step verifies
-        (num_assistant_tokens and its schedule from `settings`)."""
+        (num_assistant_tokens and its schedule from `settings`). `prefix_cache_bytes`: prompt
+        prefixes kept for reuse (0: none)."""
         import generation
         from generation import families
         from generation.runtime.model import config_texts
@@ -117,7 +119,8 @@ class TextGenerator:
         ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
                                  top_logprobs=max(0, max_logprobs), draft=draft, **settings)
         ctx = generation.compile(ctx, batch_size=slots)
-        batcher = ContinuousBatcher(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting)
+        batcher = ContinuousBatcher(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting,
+                                    prefix_cache_bytes=prefix_cache_bytes)
         name = name or (Path(source).name if Path(source).is_dir() else str(source))
         kind = families.family(model).KIND
         generator = cls(name, batcher, model_tokenizer(model), batcher.capacity, chat_template(model.folder),
@@ -152,7 +155,6 @@ class TextGenerator:
         PromptImages that place the features."""
         if request.messages is not None:
             from generation.text.chat import ChatTemplateError, render_chat
-
             from generation.text.tools import ToolError, template_messages
 
             messages = [_plain(m.model_dump(exclude_none=True), i, self.takes_images)

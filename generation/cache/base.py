@@ -46,10 +46,7 @@ class BaseCache:
         """Run fresh prompts into free `slots` and return their last logits [n, V]. Here: apart
         from the batch (`apart(prompts)`: a prefill.PromptCache of their caches), each row then
         inserted; a mode that can run prompts straight into its buffer overrides it (in_place)."""
-        cache = apart(prompts)
-        for j, slot in enumerate(slots):
-            self.insert(slot, cache.rows[j], len(prompts[j]))
-        return cache.last_logits
+        return prefill_apart(self, slots, prompts, apart)
 
     def decode_steps(self, lengths: np.ndarray, count: int):
         """Up to `count` decodes, the k-th (from 0) at `lengths + k`, yielding each step's logits;
@@ -57,6 +54,15 @@ class BaseCache:
         advances its lengths by the steps it took. `lengths` is not changed."""
         for k in range(count):
             yield self.decode(lengths + k)
+
+
+def prefill_apart(cache, slots: list[int], prompts: list[list[int]], apart) -> np.ndarray:
+    """BaseCache.prefill for any mode: the prompts run apart from the batch, then inserted (what a
+    prefix cache needs even of in_place: the rows it reuses come from elsewhere)."""
+    found = apart(prompts)
+    for j, slot in enumerate(slots):
+        cache.insert(slot, found.rows[j], len(prompts[j]))
+    return found.last_logits
 
 
 class CacheInputs:

@@ -74,6 +74,15 @@ def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: li
     return last, past
 
 
+def run_from(session, graph: DecoderGraph, prompt: list[int], offset: int, past: dict[str, np.ndarray], steps: str,
+             pad: int, max_position: int):
+    """One prompt's tokens from `offset` on, after `past` (its first `offset` tokens' cache,
+    [1, heads, offset, head_dim] per input: a cached prefix), in `steps`: (last logits [1, V],
+    presents [1, heads, len(prompt), head_dim] per cache input)."""
+    return _run_rows(session, graph, [prompt], prompt_widths(len(prompt) - offset, steps), pad, max_position,
+                     past, offset)
+
+
 def run_prompts(session, graph: DecoderGraph, mode: str, steps: str, prompts: list[list[int]],
                 pad: int, max_position: int, embed=None, images=None) -> PromptCache:
     """Prefill non-empty `prompts` for cache `mode` with `steps` ('whole' or 'pieces').

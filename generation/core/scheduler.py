@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..assisted.verify import verify
+from ..cache.prefix import PrefixStore
 from ..families.whisper.timestamps import timestamp_rule_ids
 from ..logits.constraints import Grammars
 from ..logits.selection import LogProbs
@@ -114,13 +115,15 @@ class Scheduler:
     greedy steps need no step-by-step bookkeeping. `state`: an empty DecodeState to reuse.
     `isolate=False`: a failed admission or model run raises out of `step` as it is (generate's
     way: the whole call fails, naming the prompt by its index in the batch) instead of ending
-    the jobs it concerns."""
+    the jobs it concerns. `prefix_cache_bytes`: keep computed prompt prefixes within that many
+    bytes (cache/prefix.py), so a prompt that starts as one seen before runs only its rest."""
 
     def __init__(self, ctx: Context, slots: int, capacity: int, lookup=None, assistant=None, stream: bool = True,
-                 state=None, isolate: bool = True):
+                 state=None, isolate: bool = True, prefix_cache_bytes: int = 0):
         self.ctx, self.slots, self.capacity, self.isolate = ctx, slots, capacity, isolate
         self.lookup, self.assistant, self.stream = lookup, assistant, stream
-        self.state = state if state is not None else new_state(ctx, slots, capacity)
+        self.prefix = PrefixStore(prefix_cache_bytes) if prefix_cache_bytes else None
+        self.state = state if state is not None else new_state(ctx, slots, capacity, self.prefix)
         self.waiting: deque[Job] = deque()
         self.holder: dict[int, Job] = {}  # slot -> the job of a plain row
         self.groups: dict[int, Job] = {}  # first slot -> the job of a beam search
@@ -212,7 +215,7 @@ class Scheduler:
                 for slot in [*self.holder, *self.groups]:
                     job = self.holder.pop(slot, None) or self.groups.pop(slot)
                     self._close(job, "error", e)
-                self.state = new_state(self.ctx, self.slots, self.capacity)
+                self.state = new_state(self.ctx, self.slots, self.capacity, self.prefix)
         return updates, ended
 
     def _run(self, updates: list[Update]) -> None:

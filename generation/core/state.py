@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cache import new_cache
+from ..cache.base import prefill_apart
 from ..cache.cross import run_first_steps
-from ..cache.prefill import PromptCache, run_prompts
+from ..cache.prefill import PromptCache, run_from, run_prompts
+from ..cache.prefix import PrefixStore
 from ..families.vision import check_images
 from ..logits.constraints import Grammars
 from ..logits.processors import RowSettings, apply
@@ -107,6 +109,7 @@ class DecodeState:
     lean: bool = True  # the context allows the lean step (no log-probabilities, no custom processors)
     groups: dict = field(default_factory=dict)  # first slot -> BeamGroup: beam searches (their slots are used, not live)
     beam_settings: tuple | None = None  # (key, RowSettings) of the groups' rows, taken once per change
+    prefix: PrefixStore | None = None  # cached prompt prefixes (cache/prefix.py), shared by the state's rows
     _settings_of: int = -1  # the settings.version live_settings was taken at
 
     @property
@@ -140,9 +143,11 @@ class DecodeState:
                      and (self.no_eos or self.single_eos is not None) and not self.any_stops)
 
 
-def new_state(ctx: Context, slots: int | None = None, capacity: int | None = None) -> DecodeState:
+def new_state(ctx: Context, slots: int | None = None, capacity: int | None = None,
+              prefix: PrefixStore | None = None) -> DecodeState:
     """An empty state of `slots` rows (default: the compiled batch size), each holding up to
-    `capacity` tokens (default: the model's context)."""
+    `capacity` tokens (default: the model's context). `prefix`: a PrefixStore its prompts reuse
+    and fill (decoder-only text models; ignored for others)."""
     slots = slots or ctx.batch_size
     if not slots:
         raise ValueError("slots: give the number of slots, or compile(ctx, batch_size) first")
@@ -165,6 +170,8 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
         if ctx.top_logprobs:
             state.top_ids = np.zeros((slots, capacity, ctx.top_logprobs), np.int64)
             state.top = np.full((slots, capacity, ctx.top_logprobs), np.nan, np.float32)
+    if prefix is not None and not ctx.model.is_seq2seq and not ctx.model.graph.has_inputs_embeds:
+        state.prefix = prefix
     state.next_input[:] = ctx.settings.pad_token_id
     state.refresh()
     return state
@@ -461,8 +468,35 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
                  ) -> np.ndarray:
     """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
     token is chosen (the caller's search does that)."""
+    if state.prefix is not None and encoder is None:
+        return prefill_apart(state.cache, slots, prompts, lambda rows: _cached_prompts(ctx, state.prefix, rows))
     return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
                                lambda rows: _prompt_cache(ctx, rows, encoder))
+
+
+def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]]) -> PromptCache:
+    """`_prompt_cache` of decoder-only text prompts through `store`: a prompt with a cached
+    prefix runs only the rest of it from the prefix's rows (as a later piece of the prompt runs),
+    the others run together as always; every prompt's full blocks are then kept."""
+    model = ctx.model
+    found = [store.lookup(p) for p in prompts]
+    cold = [j for j, (length, _) in enumerate(found) if not length]
+    rows: list = [None] * len(prompts)
+    last = np.zeros((len(prompts), model.vocab_size), np.float32)
+    if cold:
+        fresh = _prompt_cache(ctx, [prompts[j] for j in cold])
+        for i, j in enumerate(cold):
+            rows[j], last[j] = fresh.rows[i], fresh.last_logits[i]
+    for j, (length, cached) in enumerate(found):
+        if length:
+            past = {name: np.ascontiguousarray(array[None]) for name, array in cached.items()}
+            row_last, presents = run_from(model.session, model.graph, prompts[j], length, past, ctx.prompt_steps,
+                                          ctx.settings.pad_token_id, ctx.max_position)
+            rows[j] = {name: array[0, :, :len(prompts[j])] for name, array in presents.items()}
+            last[j] = row_last[0]
+    for j, prompt in enumerate(prompts):
+        store.store(prompt, rows[j])
+    return PromptCache(rows, np.array([len(p) for p in prompts]), last)
 
 
 def admit_beams(ctx: Context, state: DecodeState, slots, prompt: list[int], seed: int, settings: Settings,

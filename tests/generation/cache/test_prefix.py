@@ -1,0 +1,89 @@
+"""Prefix caching in the engine (generation.cache.prefix, Scheduler(prefix_cache_bytes=...)).
+
+Invariants: with the cache, every job's tokens and log-probabilities equal those without it,
+in every cache mode, for prefixes cut anywhere (inside a block, a prompt seen whole, a prompt
+that is a prefix of another, a cached prefix longer than the new prompt), for greedy, sampled
+and beam jobs, interleaved through one scheduler; the store finds what it should (its hit
+count is the blocks shared) and keeps within its byte budget, the least recently used leaving
+first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import generation
+from generation.cache.prefix import BLOCK, PrefixStore
+from generation.core.scheduler import Scheduler
+
+MODES = [("llama-optimum", "append"), ("llama-genai", "in_place"), ("gpt2-grow", "grow")]
+SYSTEM = [int(t) for t in np.random.default_rng(0).integers(3, 900, 40)]  # 2.5 blocks
+PROMPTS = [
+    SYSTEM + [11, 12, 13],               # a system prompt and a question
+    SYSTEM + [21, 22, 23, 24, 25],       # the same system prompt, another question
+    SYSTEM + [11, 12, 13],               # the first prompt again, whole
+    SYSTEM[:20],                         # a prefix of the others, cut inside a block
+    SYSTEM[:16],                         # exactly one block: its last block cannot be reused
+    SYSTEM + [11, 12, 13] + SYSTEM[:30],  # longer than anything cached
+    [7, 8, 9],                           # shorter than a block
+]
+JOBS = [dict(), dict(do_sample=True, temperature=0.9), dict(num_beams=3, num_return_sequences=2)]
+
+
+def run(ctx, jobs, prefix_cache_bytes=0, together=False):
+    """Each (prompt, seed, settings) job's (tokens, logprobs, hypotheses), through one scheduler:
+    one after another (each prompt sees the ones before it cached), or all added at once."""
+    scheduler = Scheduler(ctx, slots=6, capacity=160, isolate=False, prefix_cache_bytes=prefix_cache_bytes)
+    made = [scheduler.job(p, seed=s, settings=settings) for p, s, settings in jobs]
+    for job in made:
+        scheduler.add(job)
+        if not together:
+            while scheduler.busy:
+                scheduler.step()
+    while scheduler.busy:
+        scheduler.step()
+    out = [(j.tokens, j.logprobs, [(h.tokens, h.score) for h in j.hypotheses or []]) for j in made]
+    return out, scheduler.prefix
+
+
+def same(a, b):
+    for (tokens, logprobs, hypotheses), (tokens2, logprobs2, hypotheses2) in zip(a, b):
+        assert tokens == tokens2
+        if logprobs is not None:
+            np.testing.assert_allclose(logprobs, logprobs2, atol=1e-4)
+        assert [h for h, _ in hypotheses] == [h for h, _ in hypotheses2]
+        np.testing.assert_allclose([s for _, s in hypotheses], [s for _, s in hypotheses2], atol=1e-4)
+
+
+@pytest.mark.parametrize("folder, mode", MODES, ids=[m[1] for m in MODES])
+@pytest.mark.parametrize("together", [False, True], ids=["one after another", "interleaved"])
+def test_the_cache_changes_no_token_and_no_logprob(test_models, load_model, folder, mode, together):
+    ctx = generation.context(load_model(test_models[folder]), cache_mode=mode, max_new_tokens=8, token_logprobs=True)
+    jobs = [(p, i, JOBS[i % len(JOBS)]) for i, p in enumerate(PROMPTS)]
+    plain, _ = run(ctx, jobs)
+    cached, store = run(ctx, jobs, prefix_cache_bytes=64 * 2**20, together=together)
+    same(plain, cached)
+    if not together:  # each prompt found what the ones before it left: the system prompt's two blocks
+        assert store.hits == 3 * 2 * BLOCK + BLOCK  # prompts 1, 2 and 5 the two blocks, 3 the first
+        assert store.queries == sum(len(p) for p in PROMPTS)
+
+
+def test_the_store_finds_prefixes_by_blocks_and_keeps_its_budget():
+    rows = lambda n: {"k": np.arange(2 * n * 4, dtype=np.float32).reshape(2, n, 4)}  # noqa: E731 - [heads, n, dim]
+    store = PrefixStore(max_bytes=2 * 48 * 4 * 4 + 10)  # room for 48 + a few rows, not 96
+    a = list(range(100, 148))  # 3 blocks
+    store.store(a, rows(48))
+    assert store.lookup(a + [1])[0] == 48 and store.lookup(a)[0] == 32  # whole: its last token must run
+    assert store.lookup(a[:40])[0] == 32 and store.lookup(a[:17])[0] == 16 and store.lookup(a[:16])[0] == 0
+    length, found = store.lookup(a[:20] + [999] * 20)
+    assert length == 16 and np.array_equal(found["k"], rows(48)["k"][:, :16])
+    assert store.lookup([5] + a)[0] == 0  # a block is named by what comes before it too
+    b = list(range(500, 548))
+    store.store(b, rows(48))  # over the budget: the least recently used (a) leaves
+    assert store.lookup(a + [1])[0] == 0 and store.lookup(b + [1])[0] == 48
+    assert store.bytes <= store.max_bytes and len(store.entries) == 1
+    store.store(b[:32], rows(32))  # held already (a prefix of b): nothing added
+    assert len(store.entries) == 1
+    with pytest.raises(ValueError, match="prefix cache bytes"):
+        PrefixStore(-1)
