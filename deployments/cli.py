@@ -262,6 +262,25 @@ def local_environment(args) -> bool:
     return local_only
 
 
+def wait_routed(url: str, timeout: float = 60.0) -> None:
+    """Return once the proxy routes `url`/health to the application: Serve reports an
+    application ready before every proxy has its route (a request then gets "Path not found"),
+    so the URL is printed only when it answers."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    print(f"[raymuter] {url}/health does not answer yet; the application may need a moment", file=sys.stderr)
+
+
 def start(args, config: dict, local_only: bool) -> None:
     """A local Ray, Serve on --host:--port and the application on it; prints the URL."""
     import ray
@@ -288,6 +307,7 @@ def start(args, config: dict, local_only: bool) -> None:
     url = f"http://{host}:{args.port}"
     name = args.name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(
         os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model)
+    wait_routed(url)
     print(f"[raymuter] serving '{name}' at {url}/v1 (ready in {time.perf_counter() - started:.1f} s); Ctrl-C stops\n"
           f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{name}\", \"prompt\": \"The list type\", \"max_tokens\": 40}}'",
