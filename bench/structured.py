@@ -19,6 +19,7 @@ note, so the constraint is active for every measured step):
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -89,10 +90,10 @@ def main() -> None:
     grammars.tokenizer
     tokenizer_ms = (time.perf_counter() - started) * 1e3
     started = time.perf_counter()
-    grammars.matcher(("json", __import__("json").dumps(SCHEMA)))
+    grammars.matcher(("json", json.dumps(SCHEMA)))
     cold_ms = (time.perf_counter() - started) * 1e3
     started = time.perf_counter()
-    grammars.matcher(("json", __import__("json").dumps(SCHEMA)))
+    grammars.matcher(("json", json.dumps(SCHEMA)))
     cached_ms = (time.perf_counter() - started) * 1e3
 
     print(f"## The mask beside the step ({args.model} model, {args.steps} steps, median of {args.rounds})\n")

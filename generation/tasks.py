@@ -103,27 +103,11 @@ def timestamped(ctx: Context, segments: list[Segment]) -> TaskResult:
 
 def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[TaskResult]:
     """Answer each prompt of a Qwen2-VL or Idefics3 (SmolVLM) model: a list of parts, in order,
-    each a text (tokenized without special tokens), a list of token ids, or an image (a PIL
-    image, an [H, W, 3] uint8 array, encoded bytes, or a pathlib.Path). Tokens, text and
-    log-probabilities are what transformers 4.57 generate gives with every setting of the
-    context (beam search included), the prompt being what the model's processor makes of the
-    text with an image placeholder where each image is
-    (`generation.families.vl_prompts.prepare_parts`):
-
-    - Qwen2-VL: an image becomes <|vision_start|>, one image token per feature, <|vision_end|>;
-      pixels as Qwen2VLImageProcessor (`generation.families.images`), M-RoPE positions. A video part (a
-      [frames, H, W, 3] uint8 array) becomes <|vision_start|>, its video tokens, <|vision_end|>,
-      pixels as Qwen2VLImageProcessor(videos=...), its features in the video tokens as
-      transformers' second masked_scatter places them.
-      encode: (pixel_values [patches, C*T*P*P], image_grid_thw [n, 3]) -> features [tokens, hidden]
-      (default `vision.encode_images`), run on the images, then on the videos.
-    - Idefics3: an image becomes Idefics3Processor's expansion of <image> (frames with row and
-      column tokens, then the global image), tokenized; pixels as Idefics3ImageProcessor
-      (`generation.families.idefics3`). encode: pixel_values [frames, 3, F, F] -> features
-      [frames * image_seq_len, hidden] (default `idefics3.encode_frames`).
-
-    encode runs the batch's images in order; a server runs it in its own deployment and caches
-    features by image content.
+    each a text, a list of token ids, an image or (Qwen2-VL) a video, made into the prompt the
+    model's processor makes of them, and `encode` (the vision encoder's stand-in, which a server
+    runs in its own deployment) as `generation.families.vl_prompts.prepare_parts` says. Tokens,
+    text and log-probabilities are what transformers 4.57 generate gives with every setting of
+    the context (beam search included).
     """
     prepared = vl_prompts.prepare_parts(ctx, prompts, encode)
     return [_result(ctx, row) for row in generate(ctx, prepared.prompts, seeds=seeds, encoder=prepared.encoder)]
@@ -146,7 +130,7 @@ def image_to_text(ctx: Context, images, seeds=None, encode=None) -> list[TaskRes
     cross-attends): images as `load_image` takes them (str: a file path), preprocessed as
     ViTImageProcessor; tokens and text as transformers 4.57 generate(pixel_values) gives them,
     with every setting of the context. encode: pixel_values [n, 3, H, W] -> EncoderOutputs
-    (default: this model's encoder, `seq2seq.encode_pixels`), for a server's own deployment."""
+    (default: this model's encoder, `runtime.encoders.encode_pixels`), for a server's own deployment."""
     prepared = _family(ctx, "image_to_text", ("vit_gpt2",), "a vision-encoder-decoder (ViT + GPT-2)"
                        ).prepare(ctx, images, encode)
     rows = generate(ctx, prepared.prompts, seeds=seeds, encoder=prepared.encoder)

@@ -273,9 +273,10 @@ class _Request(_Strict):
             names = [t["function"]["name"] for t in self.tools]
             if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
                 raise ValueError(f"tool_choice: '{choice.function.name}' is not one of the tools ({', '.join(names)})")
-            if constraint_fields(self):
+            other = constraint_fields(self)
+            if other:
                 raise ValueError(f"tool_choice: \"required\" or a named function holds the output to tool calls, "
-                                 f"and {constraint_fields(self)[0]} already constrains it")
+                                 f"and {other[0]} already constrains it")
         return self
 
     @model_validator(mode="after")

@@ -127,7 +127,7 @@ class Draft:
         draft.tokens[rows[:, None], (lengths + 1)[:, None] + np.arange(width)] = ids
         if history is not None:  # a constrained row's candidates end at its eos (nothing follows the end)
             eos = state.settings.eos[rows]
-            is_eos = (ids[:, :, None] == eos[:, None, :]).any(axis=2) & (eos[:, None, :] >= 0).any(axis=2)
+            is_eos = (ids[:, :, None] == eos[:, None, :]).any(axis=2)  # (eos pads are -1: never an id)
             first = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, width)
             counts = np.minimum(counts, first)
         self._run = (rows, lengths, width)

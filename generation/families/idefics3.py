@@ -31,6 +31,7 @@ import math
 
 import numpy as np
 
+from ..runtime.model import preprocessor_config
 from ..text.tokenizer import model_tokenizer
 from . import has_vision_encoder
 from .images import load_image
@@ -223,7 +224,7 @@ def preprocess(model, images: list[np.ndarray], videos=()) -> Images:
     if len(videos):
         raise ValueError(f"{folder} is an Idefics3 model: it takes images, not videos")
     seq_len = image_seq_len(model, folder_json(folder / "processor_config.json"))
-    pixel_values, grids = idefics3_pixels(images, folder_json(folder / "preprocessor_config.json"))
+    pixel_values, grids = idefics3_pixels(images, preprocessor_config(model))
     texts = [image_prompt(rows, cols, seq_len) for rows, cols in grids]
     tokenizer = model_tokenizer(model)
     ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in texts]

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime.model import preprocessor_config
 from ..text.tokenizer import model_tokenizer
 from . import has_vision_encoder
 from .images import qwen2vl_pixels, qwen2vl_video_pixels
 from .vision import VisionTokens, encode_images, rope_positions
-from .vl_prompts import Images, folder_json, prepare_chat, prepare_parts
+from .vl_prompts import Images, prepare_chat, prepare_parts
 
 KIND = "vision"
 
@@ -40,7 +41,7 @@ def preprocess(model, images: list[np.ndarray], videos=()) -> Images:
     """Images (and [frames, H, W, 3] videos) as Qwen2VLImageProcessor: patches, grids, and each
     one's expansion, vision_start + one image (video) token per feature + vision_end."""
     tokens = VisionTokens.of(model.config)
-    config = folder_json(model.folder / "preprocessor_config.json")
+    config = preprocessor_config(model)
     pixel_values, grids = qwen2vl_pixels(images, config)
     counts = (grids.prod(axis=1) // tokens.merge ** 2).tolist()
     pad = model_tokenizer(model).id_to_token(tokens.image) if model.tokenizer_path else ""

@@ -36,10 +36,10 @@ def encode(model, pixel_values: np.ndarray) -> EncoderOutputs:
     return encode_pixels(model, pixel_values)
 
 
-def prepare(ctx, images, encode_pixels=None) -> Prepared:
-    """Each image through the encoder (or `encode_pixels`, a server's own deployment); each row's
+def prepare(ctx, images, run_encoder=None) -> Prepared:
+    """Each image through the encoder (or `run_encoder`, a server's own deployment); each row's
     prompt the decoder start token."""
-    if encode_pixels is not None and not callable(encode_pixels):
-        raise ValueError(f"encode must be a function of pixel_values, not {encode_pixels!r}")
-    encoder = (encode_pixels or (lambda p: encode(ctx.model, p)))(pixels(ctx, images))
+    if run_encoder is not None and not callable(run_encoder):
+        raise ValueError(f"encode must be a function of pixel_values, not {run_encoder!r}")
+    encoder = (run_encoder or (lambda p: encode(ctx.model, p)))(pixels(ctx, images))
     return Prepared([[decoder_start(ctx)] for _ in range(len(images))], encoder)

@@ -199,13 +199,6 @@ class RowConstraint:
         lnp.fill_next_token_bitmask(self.matcher, mask, 0)
         return np.unpackbits(mask.view(np.uint8), axis=1, count=vocab, bitorder="little")[0].astype(bool)
 
-    def valid_prefix(self, generated, candidates) -> int:
-        """How many of `candidates` (proposed after the row's `generated` tokens) the grammar
-        takes, in order."""
-        if not self.follow(generated) or self.ended or not len(candidates):
-            return 0
-        return self.matcher.validate_tokens([int(t) for t in candidates])
-
 
 def constrain(scores: np.ndarray, constraints: list, history: np.ndarray, length: np.ndarray) -> np.ndarray:
     """-inf in `scores` [n, V] where a constrained row's grammar forbids the token, each row's

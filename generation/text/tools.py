@@ -26,9 +26,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from ..logits.constraints import JSON_LAYOUT
+
 FORMATS = ("hermes", "llama3_json", "mistral", "json")
-# the JSON layout of a call as the grammar writes it (json.dumps'), and of its arguments
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ToolError(ValueError):
@@ -137,7 +137,7 @@ def call_schema(fmt: str, tools: list[dict], name: str | None = None) -> dict:
     if not options:
         raise ToolError("tool_choice", f"tool_choice names the function '{name}', which is not one of the tools")
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": _LAYOUT}
+    return {**schema, "x-guidance": JSON_LAYOUT}  # a call written as structured_outputs' JSON is
 
 
 def tool_grammar(fmt: str, tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
@@ -222,8 +222,9 @@ def parse_calls(fmt: str, text: str, names=None) -> Parsed:
             return Parsed(text, [])
         head, body = text[:marker], text[marker + len("[TOOL_CALLS]"):]
     elif fmt == "llama3_json":
-        body = text.split("<|python_tag|>", 1)[-1] if "<|python_tag|>" in text else text
-        head = text[:len(text) - len(body) - len("<|python_tag|>")] if "<|python_tag|>" in text else ""
+        head, tag, body = text.partition("<|python_tag|>")
+        if not tag:
+            head, body = "", text
     calls, spans = [], []
     for start, end, value in _objects(body):
         items = value if isinstance(value, list) else [value]

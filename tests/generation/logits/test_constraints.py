@@ -51,13 +51,11 @@ class GrammarMask:
         grammars = constraints.Grammars(model.tokenizer_path, model.vocab_size, model_eos(model))
         self.tokenizer, self.grammar = grammars.tokenizer, constraints.grammar(_structured(structured))
         self.llguidance = llguidance
-        self.calls = 0
 
     def __call__(self, input_ids, scores):
         import llguidance.numpy as lnp
         import torch
 
-        self.calls += 1
         vocab = scores.shape[1]
         for r in range(len(input_ids)):
             matcher = self.llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
