@@ -262,22 +262,29 @@ def local_environment(args) -> bool:
     return local_only
 
 
-def wait_routed(url: str, timeout: float = 60.0) -> None:
-    """Return once the proxy routes `url`/health to the application: Serve reports an
-    application ready before every proxy has its route (a request then gets "Path not found"),
-    so the URL is printed only when it answers."""
+def wait_routed(url: str, timeout: float = 60.0, settle: float = 1.0) -> None:
+    """Return once the proxy routes `url`/health to the application on every fresh connection
+    for `settle` seconds: Serve reports an application ready before its proxy has the route, and
+    right after HAProxy reloads a displaced process can still accept a connection with the config
+    it started with (no routes: "Path not found"), so one answer is not enough (CI saw both)."""
     import urllib.error
     import urllib.request
 
-    deadline = time.monotonic() + timeout
+    deadline, answering_since = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
+                routed = response.status == 200
         except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
+            routed = False
+        now = time.monotonic()
+        if not routed:
+            answering_since = None
+        elif answering_since is None:
+            answering_since = now
+        elif now - answering_since >= settle:
+            return
+        time.sleep(0.1)
     print(f"[raymuter] {url}/health does not answer yet; the application may need a moment", file=sys.stderr)
 
 

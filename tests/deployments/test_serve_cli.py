@@ -224,3 +224,36 @@ def test_version_is_the_distribution_s_or_the_checkout_s(monkeypatch):
     monkeypatch.setattr(metadata, "version", not_installed)
     checkout = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert cli.version() == f"{checkout} (not installed)"
+
+
+def test_the_url_is_printed_only_once_every_connection_for_a_while_is_routed():
+    """A stand-in proxy that routes /health on some connections only (as a displaced HAProxy process
+    with the config from before the application does, right after a reload): wait_routed returns
+    only after a second of consecutive answers, not at the first one."""
+    import http.server
+    import threading
+
+    from deployments.cli import wait_routed
+
+    answers = iter([200, 404, 200, 200, 404] + [200] * 1000)
+    served = []
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status = next(answers)
+            served.append((time.monotonic(), status))
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        wait_routed(f"http://127.0.0.1:{server.server_address[1]}", timeout=20, settle=1.0)
+    finally:
+        server.shutdown()
+    last_refusal = max(t for t, status in served if status != 200)
+    assert [status for _, status in served[:5]] == [200, 404, 200, 200, 404]
+    assert served[-1][0] - last_refusal >= 1.0
