@@ -626,7 +626,7 @@ class Ingress:
             for call in calls:  # one choice failed: the others are not waited for
                 call.cancel()
             raise
-        choices, prompt_tokens = [], 0
+        choices, prompt_tokens, cached_tokens = [], 0, 0
         for k, ((p, _), result) in enumerate(zip(jobs, results)):
             text, tokens = result.text, [t.model_dump() for t in result.logprobs or []]
             if result.prompt_text is not None:  # echo: the prompt, then the completion
@@ -634,10 +634,11 @@ class Ingress:
                 tokens = [t.model_dump() for t in result.prompt_logprobs or []] + tokens
             logprobs = None if result.logprobs is None else completion_logprobs(tokens, chat)
             choices.append(completion_choice(k, text, result.finish_reason, logprobs, chat, result.tool_calls))
-            if k % body.n == 0:
+            if k % body.n == 0:  # a prompt's n choices: its tokens once
                 prompt_tokens += result.prompt_tokens
-        return completion_response(rid, model, choices, usage(prompt_tokens, sum(r.completion_tokens for r in results)),
-                                   fingerprint, chat)
+                cached_tokens += result.cached_tokens
+        return completion_response(rid, model, choices, usage(prompt_tokens, sum(r.completion_tokens for r in results),
+                                                              cached_tokens), fingerprint, chat)
 
     async def _sse(self, jobs, rid, model, fingerprint, chat, body) -> StreamingResponse:
         streams = [self._chunks(r, body, p) for p, r in jobs]
@@ -658,7 +659,7 @@ class Ingress:
             return f"data: {json.dumps(data)}\n\n"
 
         async def events():
-            prompt_tokens, completion_tokens, started = 0, 0, set()
+            prompt_tokens, completion_tokens, cached_tokens, started = 0, 0, 0, set()
             offsets = [0] * len(jobs)  # each choice's characters so far: its logprobs' text_offset runs on
             merged = merged_streams([f.result() for f in firsts], streams)
             try:
@@ -680,11 +681,12 @@ class Ingress:
                     if item.finish_reason is not None:
                         if i % body.n == 0:
                             prompt_tokens += item.prompt_tokens or 0
+                            cached_tokens += item.cached_tokens or 0
                         completion_tokens += item.completion_tokens or 0
                 if include_usage:
                     yield event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                  "created": created, "model": model, "system_fingerprint": fingerprint, "choices": [],
-                                 "usage": usage(prompt_tokens, completion_tokens)})
+                                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
                 yield "data: [DONE]\n\n"
             finally:
                 await merged.aclose()  # the pumps of the other choices stop

@@ -84,6 +84,7 @@ request was refused before it ran) and the counts."""
     field: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # in the last chunk: prompt tokens that came from the prefix cache
     prompt_text: str | None = None  # echo: in the first chunk
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with prompt_logprobs: in the first chunk (the
     # first token's logprob is None: nothing comes before it)
@@ -98,6 +99,7 @@ class GenerateResponse(BaseModel):
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens that came from the decoder replica's prefix cache
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     status: int | None = None

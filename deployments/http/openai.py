@@ -431,10 +431,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens the replica's prefix cache held (not computed again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
@@ -759,9 +764,11 @@ def completion_choice(index: int, text: str, reason: str, logprobs: dict | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens as OpenAI's and vLLM's prefix caching report it."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def stream_chunk(request_id: str, model: str, created: int, index: int, text: str, reason: str | None,

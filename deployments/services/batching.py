@@ -75,6 +75,7 @@ class Completion:
     first_token_seconds: float | None = None
     status: int | None = None
     field: str | None = None
+    cached_tokens: int = 0  # prompt tokens that came from the replica's prefix cache
 
 
 @dataclass
@@ -182,7 +183,8 @@ class Request:
             first = None if self._first is None else self._first - self.submitted
             self._completion = Completion(list(tokens), reason, error,
                                           queued_seconds=(started or time.perf_counter()) - self.submitted,
-                                          first_token_seconds=first, status=status, field=field)
+                                          first_token_seconds=first, status=status, field=field,
+                                          cached_tokens=getattr(self.job, "cached_tokens", 0))
             self._done.set()
         self._put(_DONE)
 

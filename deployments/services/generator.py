@@ -335,7 +335,8 @@ class TextGenerator:
             rest, calls = self._tool_calls(request, visible)
             reason = "tool_calls" if calls and reason == "stop" else reason  # cut short: "length", as OpenAI
         yield GenerateChunk(text=rest, finish_reason=reason, error=error, status=status, tool_calls=calls,
-                            field=field, prompt_tokens=len(prompt), completion_tokens=len(completion.tokens))
+                            field=field, prompt_tokens=len(prompt), completion_tokens=len(completion.tokens),
+                            cached_tokens=getattr(completion, "cached_tokens", 0))
 
     async def generate(self, request: GenerateRequest, encoder=None, images=()) -> GenerateResponse:
         """The whole generation at once."""
@@ -349,7 +350,7 @@ class TextGenerator:
             last = chunk
         return GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
                                 prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-                                logprobs=logprobs if request.logprobs is not None else None, error=last.error,
+                                cached_tokens=last.cached_tokens or 0, logprobs=logprobs if request.logprobs is not None else None, error=last.error,
                                 status=last.status, field=last.field,
                                 prompt_text=None if echoed is None else echoed.prompt_text,
                                 prompt_logprobs=None if echoed is None else echoed.prompt_logprobs,

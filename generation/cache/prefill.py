@@ -32,6 +32,7 @@ class PromptCache:
     rows: list[dict[str, np.ndarray]]
     lengths: np.ndarray
     last_logits: np.ndarray
+    cached: np.ndarray | None = None  # [n] tokens of each prompt taken from a prefix cache
 
 
 def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: list[int], pad: int,

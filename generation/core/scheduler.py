@@ -78,6 +78,7 @@ class Job:
     admitting: bool = False  # the error came while admitting the job
     prompt_logprobs: object = None  # a prompt_logprobs.PromptLogprobs, before the first token
     started: float | None = None  # perf_counter() when it was admitted (or ended waiting)
+    cached_tokens: int = 0  # prompt tokens that came from the prefix cache (OpenAI's usage.prompt_tokens_details)
 
     @property
     def beams(self) -> int:
@@ -329,6 +330,7 @@ class Scheduler:
             if self.stream:
                 updates.append(Update(group_jobs, first))
             for j, (slot, job) in enumerate(zip(group_slots, group_jobs)):
+                job.cached_tokens = int(self.state.cached[slot])
                 if j in first.failed:
                     self._close(job, "error", first.failed[j], admitting=True)
                 elif first.finished[j]:  # ended at its first token: the slot stayed free
@@ -354,6 +356,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - this job's own failure (the engine freed its slots)
             self._close(job, "error", e, admitting=True)
             return
+        job.cached_tokens = int(self.state.cached[slots[0]])
         if stopped is not None:
             self._end_beams(job, stopped.hypotheses())
         else:

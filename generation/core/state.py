@@ -110,6 +110,7 @@ class DecodeState:
     groups: dict = field(default_factory=dict)  # first slot -> BeamGroup: beam searches (their slots are used, not live)
     beam_settings: tuple | None = None  # (key, RowSettings) of the groups' rows, taken once per change
     prefix: PrefixStore | None = None  # cached prompt prefixes (cache/prefix.py), shared by the state's rows
+    cached: np.ndarray = None  # [B] the prompt tokens of each slot's last admission that came from `prefix`
     _settings_of: int = -1  # the settings.version live_settings was taken at
 
     @property
@@ -164,7 +165,7 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
         live=np.zeros(slots, bool), used=np.zeros(slots, bool),
         seeds=np.zeros(slots, np.uint64), draws=np.zeros(slots, np.uint64),
         settings=RowSettings(slots, ctx.model.vocab_size, Grammars.of(ctx)), next_input=cache.token_input, stops=[None] * slots,
-        lean=not (ctx.token_logprobs or ctx.processors))
+        lean=not (ctx.token_logprobs or ctx.processors), cached=np.zeros(slots, np.int64))
     if ctx.token_logprobs:
         state.logprob = np.full((slots, capacity), np.nan, np.float32)
         if ctx.top_logprobs:
@@ -467,9 +468,15 @@ def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], see
 def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: list[list[int]], encoder=None
                  ) -> np.ndarray:
     """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
-    token is chosen (the caller's search does that)."""
+    token is chosen (the caller's search does that). Sets `state.cached` of the slots."""
+    state.cached[slots] = 0
     if state.prefix is not None and encoder is None:
-        return prefill_apart(state.cache, slots, prompts, lambda rows: _cached_prompts(ctx, state.prefix, rows))
+        def apart(rows):
+            found = _cached_prompts(ctx, state.prefix, rows)
+            state.cached[slots] = found.cached
+            return found
+
+        return prefill_apart(state.cache, slots, prompts, apart)
     return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
                                lambda rows: _prompt_cache(ctx, rows, encoder))
 
@@ -496,7 +503,8 @@ def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]]) 
             last[j] = row_last[0]
     for j, prompt in enumerate(prompts):
         store.store(prompt, rows[j])
-    return PromptCache(rows, np.array([len(p) for p in prompts]), last)
+    return PromptCache(rows, np.array([len(p) for p in prompts]), last,
+                       cached=np.array([length for length, _ in found], np.int64))
 
 
 def admit_beams(ctx: Context, state: DecodeState, slots, prompt: list[int], seed: int, settings: Settings,

@@ -64,7 +64,8 @@ def test_response_shapes():
     body = completion_response("cmpl-1", "m", [completion_choice(0, "hello", "length", None, False)], usage(3, 5),
                                "fp_1")
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "hello"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["system_fingerprint"] == "fp_1" and body["choices"][0]["finish_reason"] == "length"
     chat = completion_response("chat-1", "m", [completion_choice(0, "hi", "cancelled", None, True)], usage(2, 1),
                                "fp_1", chat=True)

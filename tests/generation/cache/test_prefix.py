@@ -44,7 +44,7 @@ def run(ctx, jobs, prefix_cache_bytes=0, together=False):
     while scheduler.busy:
         scheduler.step()
     out = [(j.tokens, j.logprobs, [(h.tokens, h.score) for h in j.hypotheses or []]) for j in made]
-    return out, scheduler.prefix
+    return out, scheduler.prefix, [j.cached_tokens for j in made]
 
 
 def same(a, b):
@@ -61,11 +61,14 @@ def same(a, b):
 def test_the_cache_changes_no_token_and_no_logprob(test_models, load_model, folder, mode, together):
     ctx = generation.context(load_model(test_models[folder]), cache_mode=mode, max_new_tokens=8, token_logprobs=True)
     jobs = [(p, i, JOBS[i % len(JOBS)]) for i, p in enumerate(PROMPTS)]
-    plain, _ = run(ctx, jobs)
-    cached, store = run(ctx, jobs, prefix_cache_bytes=64 * 2**20, together=together)
+    plain, _, none_cached = run(ctx, jobs)
+    cached, store, reused = run(ctx, jobs, prefix_cache_bytes=64 * 2**20, together=together)
     same(plain, cached)
+    assert none_cached == [0] * len(PROMPTS)
+    assert sum(reused) == store.hits  # each job's own share (its usage.prompt_tokens_details.cached_tokens)
     if not together:  # each prompt found what the ones before it left: the system prompt's two blocks
-        assert store.hits == 3 * 2 * BLOCK + BLOCK  # prompts 1, 2 and 5 the two blocks, 3 the first
+        assert reused == [0, 2 * BLOCK, 2 * BLOCK, BLOCK, 0, 2 * BLOCK, 0]  # prompts 1, 2 and 5 two blocks, 3 one
+        assert store.hits == 3 * 2 * BLOCK + BLOCK
         assert store.queries == sum(len(p) for p in PROMPTS)
 
 
