@@ -54,9 +54,10 @@ def serve_application(args: dict, deployments: dict[str, dict] | None = None) ->
 def chart_parts() -> dict:
     """What the Helm chart reads (files/deployments.json)."""
     from deployments.app import PARTS
+    from deployments.services.routing import ROUTERS
 
     return {"generated_by": "python -m cluster.render", "import_path": IMPORT_PATH, "app_name": APP_NAME,
-            "kinds": {kind: deployment_defaults(kind) for kind in PARTS}}
+            "kinds": {kind: deployment_defaults(kind) for kind in PARTS}, "routers": ROUTERS}
 
 
 def args_schema() -> dict:

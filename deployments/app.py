@@ -26,6 +26,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from generation.cli import version
@@ -71,6 +72,7 @@ from .http.openai import (
 from .http.openai import Transcription as TranscriptionBody
 from .metrics import IngressMetrics
 from .schema import GenerateChunk, GenerateRequest, GenerateResponse, Refusal, Transcription, TranscriptionRequest
+from .services.routing import ROUTERS
 
 DEFAULT_MODEL_NAME = "raymuter-default"  # the model id of the default model (no `model` given)
 
@@ -216,8 +218,10 @@ class Vision:
 
 
 
+# The ingress sends a request to the decoder replica that most likely holds its prompt's prefix
+# (deployments/services/routing.py); a Serve config's request_router_config replaces it (ROUTERS).
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024, health_check_period_s=2,
-                  health_check_timeout_s=10)
+                  health_check_timeout_s=10, request_router_config=RequestRouterConfig(request_router_class=ROUTERS["prefix"]))
 class Decoder:
     """Owns the model and its continuous batching loop (deployments.services.generator.TextGenerator). An
     encoder-decoder model's decoder gets its sources' encoder outputs from the Encoder

@@ -112,9 +112,12 @@ def test_the_rendered_application_is_the_one_raymuter_serve_builds(helm, tmp_pat
     from cluster.render import serve_application
 
     folder = str({**test_models, **s2s, **vision_paths}[fixture])
-    deployments = {"decoder": {"replicas": 2, "cpus": 1.5, "memoryMiB": 2048}, "ingress": {
+    from deployments.services.routing import ROUTERS
+
+    deployments = {"decoder": {"replicas": 2, "cpus": 1.5, "memoryMiB": 2048, "router": "round_robin"}, "ingress": {
         "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetOngoingRequests": 64}}}
-    serve_options = {"Decoder": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1.5, "memory": 2048 * 2**20}},
+    serve_options = {"Decoder": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1.5, "memory": 2048 * 2**20},
+                                 "request_router_config": {"request_router_class": ROUTERS["round_robin"]}},
                      "Ingress": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3,
                                                         "target_ongoing_requests": 64}}}
     if kind != "text":
@@ -151,6 +154,7 @@ def test_the_rendered_application_is_the_one_raymuter_serve_builds(helm, tmp_pat
 BAD = [
     ({"deployments": {"decoder": {"replicas": -1}}}, "/deployments/decoder/replicas"),
     ({"deployments": {"decodr": {"replicas": 1}}}, "decodr"),
+    ({"deployments": {"decoder": {"router": "random"}}}, "/deployments/decoder/router"),
     ({"workers": {"cpu": {"enabled": True, "gpus": 1}}}, "gpus"),
     ({"deployments": {"decoder": {"gpus": 1}}}, "/workers/gpu/enabled"),
     ({"model": {"kind": "audio", "source": "bundled"}}, "/model/kind"),

@@ -67,6 +67,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $d "ray_actor_options" $actor -}}
 {{- if $v.maxOngoingRequests }}{{ $_ := set $d "max_ongoing_requests" $v.maxOngoingRequests }}{{ end -}}
 {{- if $v.maxQueuedRequests }}{{ $_ := set $d "max_queued_requests" $v.maxQueuedRequests }}{{ end -}}
+{{- if $v.router }}{{ $_ := set $d "request_router_config" (dict "request_router_class" (index .routers $v.router)) }}{{ end -}}
 {{- if and $v.autoscaling $v.autoscaling.enabled -}}
 {{- $a := $v.autoscaling -}}
 {{- $cfg := dict "min_replicas" $a.minReplicas "max_replicas" $a.maxReplicas "target_ongoing_requests" $a.targetOngoingRequests -}}
@@ -85,7 +86,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $entries := index $parts.kinds .Values.model.kind -}}
 {{- $deployments := list -}}
 {{- range $entries -}}
-{{- $deployments = append $deployments (include "raymuter.deployment" (dict "entry" . "values" $.Values) | fromJson) -}}
+{{- $deployments = append $deployments (include "raymuter.deployment" (dict "entry" . "values" $.Values "routers" $parts.routers) | fromJson) -}}
 {{- end -}}
 {{- $app := dict "name" $parts.app_name "route_prefix" "/" "import_path" $parts.import_path "args" (include "raymuter.args" . | fromJson) "deployments" $deployments -}}
 {{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) -}}
