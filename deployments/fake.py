@@ -26,9 +26,14 @@ FAIL = 1  # a prompt holding this token fails inside the loop, as an engine bug 
 VOCAB = 0x250  # code points up to here
 
 
+def fake_count(settings: dict) -> int:
+    """The new tokens asked: max_new_tokens (0: a prompt-only pass), 8 by default."""
+    return 8 if settings.get("max_new_tokens") is None else int(settings["max_new_tokens"])
+
+
 def fake_tokens(prompt: list[int], seed: int, settings: dict) -> list[int]:
     """The new tokens the fake engine gives (the eos token, when reached, is left out)."""
-    count = int(settings.get("max_new_tokens") or 8)
+    count = fake_count(settings)
     shift = seed % 7 if settings.get("do_sample") else 0
     source = [t for t in reversed(prompt)] or [ord("x")]
     out = []
@@ -64,8 +69,8 @@ class _Settings:
         for name, value in settings.items():
             if name == "temperature" and not (isinstance(value, (int, float)) and value > 0):
                 raise SettingError("temperature", f"temperature must be a positive number, not {value!r}")
-            if name == "max_new_tokens" and not (isinstance(value, int) and value >= 1):
-                raise SettingError("max_new_tokens", f"max_new_tokens must be a positive integer, not {value!r}")
+            if name == "max_new_tokens" and not (isinstance(value, int) and value >= 0):
+                raise SettingError("max_new_tokens", f"max_new_tokens must be an integer >= 0, not {value!r}")
             if name == "structured_outputs" and value is not None:
                 raise SettingError(name, "structured_outputs: the fake engine's output (its prompt reversed) "
                                          "follows no constraint")
@@ -102,7 +107,7 @@ class FakeBatcher:
         resolved = _Settings(settings or {})
         if len(prompt) >= self.capacity:
             raise SettingError("prompt", f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
-        request = Request(next(self._ids), list(prompt), seed, resolved, int(resolved.raw.get("max_new_tokens") or 8))
+        request = Request(next(self._ids), list(prompt), seed, resolved, fake_count(resolved.raw))
         request.planned = fake_tokens(prompt, seed, resolved.raw)
         if prompt_logprobs is not None:  # each prompt token after the first at -0.5, its own best alternative
             from generation.logits.prompt_logprobs import from_lists

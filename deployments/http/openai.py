@@ -177,7 +177,9 @@ POSITIVE = Annotated[float, Field(gt=0, le=limits.MAX_FLOAT)]
 
 class _Request(_Strict):
     model: str = Field(max_length=512)
-    max_tokens: int | None = Field(default=None, ge=1, le=INT_MAX)
+    # 0: a prompt-only pass: no token; the prompt's blocks stay in the decoder replica's prefix cache
+    # (a later request that starts with it runs only its rest), and echo with logprobs scores it
+    max_tokens: int | None = Field(default=None, ge=0, le=INT_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=limits.MAX_CHOICES)
@@ -381,7 +383,7 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions: messages, rendered with the model folder's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=limits.MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=0, le=INT_MAX)
     logprobs: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=64)  # the template's variables
     add_generation_prompt: bool = True  # vLLM's
@@ -599,7 +601,8 @@ def parse(kind: type[BaseModel], body: dict):
 def settings_of(request: _Request) -> dict:
     """The generation settings a request asks for (validated by the engine when used)."""
     settings: dict = {}
-    max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    max_tokens = getattr(request, "max_completion_tokens", None)
+    max_tokens = request.max_tokens if max_tokens is None else max_tokens
     if max_tokens is not None:
         settings["max_new_tokens"] = max_tokens
     if request.temperature is not None:

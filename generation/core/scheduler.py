@@ -159,11 +159,14 @@ class Scheduler:
         if resolved.num_beams > self.slots:
             raise SettingError("num_beams", f"num_beams: {resolved.num_beams} beams need as many slots; this decoder "
                                             f"has {self.slots}")
-        if resolved.new_tokens_for(len(prompt)) < 1:
+        prompt_only = resolved.max_new_tokens == 0
+        if prompt_only and (ctx.model.is_seq2seq or vision):
+            raise SettingError("max_new_tokens", "max_new_tokens: 0 (a prompt-only pass) runs decoder-only text models")
+        if not prompt_only and resolved.new_tokens_for(len(prompt)) < 1:
             name = "max_new_tokens" if resolved.max_new_tokens is not None else "max_length"
             raise SettingError(name, f"{name}: the settings leave no new token for a prompt of {len(prompt)} tokens")
-        max_new = min(resolved.new_tokens_for(len(prompt)), self.capacity - len(prompt))
-        if max_new < 1:
+        max_new = 0 if prompt_only else min(resolved.new_tokens_for(len(prompt)), self.capacity - len(prompt))
+        if max_new < 1 and not (prompt_only and len(prompt) <= self.capacity):
             raise SettingError("prompt", f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
         if prompt_logprobs is not None:
             check_integer("prompt_logprobs", prompt_logprobs, 0, limits.MAX_LOGPROBS)
@@ -263,7 +266,12 @@ class Scheduler:
 
     # -- admission ------------------------------------------------------------------------
     def _admit(self, updates: list[Update]) -> None:
-        """Seat the waiting jobs that fit, in arrival order."""
+        """Seat the waiting jobs that fit, in arrival order; prompt-only jobs (max_new 0) take no
+        slot: they run together at once."""
+        passes = [job for job in self.waiting if job.max_new == 0 and not job.cancelled]
+        if passes:
+            taken = {id(job) for job in passes}
+            self.waiting = deque(job for job in self.waiting if id(job) not in taken)
         free = [s for s in self.state.free_slots().tolist()]
         plain, beams = [], []
         while self.waiting:
@@ -282,32 +290,51 @@ class Scheduler:
             self.waiting.popleft()
             taken, free = free[:job.beams], free[job.beams:]
             (plain if job.beams == 1 else beams).append((taken, job))
-        if not plain and not beams:
+        if not plain and not beams and not passes:
             return
         now = time.perf_counter()
-        self._admitting = [job for _, job in plain + beams]
-        for _, job in plain + beams:
+        self._admitting = [job for _, job in plain + beams] + passes
+        for job in self._admitting:
             job.started = now
-        plain = [(slots, job) for slots, job in plain if self._prompt_pass(job)]
+        if passes:  # their log-probabilities if asked, their KV rows into the prefix store
+            for job in self._prompt_passes(passes, self.state.prefix):
+                job.tokens, job.logprobs = [], [] if self.ctx.token_logprobs else None
+                self._close(job, "length")
+        wanting = {id(job) for job in self._prompt_passes([job for _, job in plain if job.prompt_top is not None])}
+        plain = [(slots, job) for slots, job in plain if job.prompt_top is None or id(job) in wanting]
         if plain:
             self._admit_plain([slots[0] for slots, _ in plain], [job for _, job in plain], updates)
         for slots, job in beams:
             self._admit_beams(slots, job)
         self._admitting = []
 
-    def _prompt_pass(self, job: Job) -> bool:
-        """The prompt's log-probabilities of a job that asked (echo with logprobs): one more
-        pass over its prompt. False when it failed (the job has ended)."""
-        if job.prompt_top is None:
-            return True
-        from ..logits.prompt_logprobs import prompt_logprobs
+    def _prompt_passes(self, jobs: list[Job], store=None) -> list[Job]:
+        """The prompt log-probabilities of the jobs that asked (echo with logprobs, or a
+        prompt-only job), one batched pass over their prompts (prompt_logprobs.prompt_passes),
+        their KV rows into `store` when given; when it raises, one pass per job, so only a job
+        that fails alone fails. Returns the jobs that did not fail (the others have ended)."""
+        if not jobs:
+            return []
+        from ..logits.prompt_logprobs import prompt_passes
 
-        try:
-            job.prompt_logprobs = prompt_logprobs(self.ctx, job.prompt, job.prompt_top)
-        except Exception as e:  # noqa: BLE001 - this job's alone
-            self._close(job, "error", e, admitting=True)
-            return False
-        return True
+        groups = [jobs]
+        done = []
+        while groups:
+            group = groups.pop()
+            try:
+                found = prompt_passes(self.ctx, [j.prompt for j in group], [j.prompt_top for j in group], store)
+            except Exception as e:  # noqa: BLE001 - someone's prompt, or the run: find out one by one
+                if not self.isolate:
+                    raise
+                if len(group) == 1:
+                    self._close(group[0], "error", e, admitting=True)
+                else:
+                    groups += [[job] for job in group]
+                continue
+            for job, logprobs in zip(group, found):
+                job.prompt_logprobs = logprobs
+                done.append(id(job))
+        return [job for job in jobs if id(job) in done]
 
     def _admit_plain(self, slots: list[int], jobs: list[Job], updates: list[Update]) -> None:
         """One batched admission, or, when it raises, one per job, so only a job that fails alone fails."""

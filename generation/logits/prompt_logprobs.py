@@ -1,10 +1,12 @@
 """The log-probability of each prompt token given the tokens before it (vLLM's prompt_logprobs,
 what OpenAI's completions return with `echo` and `logprobs`).
 
-The prompt runs once more through the decoder with an empty past, in pieces, so the logits of
-every position never sit in memory together (a 4096-token prompt over a 32000-token vocabulary
-would be 0.5 GB); each piece's log-softmax of the raw logits is read at the next prompt token.
-Decoder-only text models.
+The prompts run once more through the decoder with an empty past, together (padded; the
+scheduler passes every job it admits at once), in pieces, so the logits of every position never
+sit in memory together (a 4096-token prompt over a 32000-token vocabulary would be 0.5 GB); each
+piece's log-softmax of the raw logits is read at the next prompt token. The same pass serves
+prompt-only jobs (max_new_tokens 0): it keeps their KV rows in the prefix store, so a later
+prompt that starts with one runs only its rest. Decoder-only text models.
 """
 
 from __future__ import annotations
@@ -43,27 +45,72 @@ def prompt_logprobs(ctx, prompt: list[int], top: int = 0) -> PromptLogprobs:
     """The prompt tokens' log-probabilities (the raw logits' log-softmax: no processor runs on
     a prompt), and the `top` best tokens at each position: for a prompt [a, b, c], logprob is
     [log p(b | a), log p(c | a b)]."""
+    return prompt_passes(ctx, [prompt], [top])[0]
+
+
+LOGITS_BYTES = 256 * 2**20  # the most all-position logits a run of prompt_passes holds at once
+
+
+def prompt_passes(ctx, prompts: list[list[int]], tops: list[int | None], store=None) -> list[PromptLogprobs | None]:
+    """Prompts that need no new token, run together (padded, in pieces of PIECE): each prompt's
+    log-probabilities where `tops[i]` is not None (as `prompt_logprobs` gives them, with that
+    many alternatives), and, with a PrefixStore `store`, its KV rows kept there (so a later
+    prompt that starts with it runs only its rest). The rows go in groups small enough that a
+    piece's logits stay within LOGITS_BYTES."""
     model = ctx.model
     if model.is_seq2seq or model.graph.has_inputs_embeds:
         raise ValueError("prompt log-probabilities are given for decoder-only text models")
-    n = len(prompt)
+    out: list[PromptLogprobs | None] = [None] * len(prompts)
+    graph, rows = model.graph, max(1, LOGITS_BYTES // (PIECE * model.vocab_size * 4))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
+    if graph.has_group_query_attention or not graph.has_position_ids:
+        # GroupQueryAttention reads each row's length off the mask, which a row that ended in an
+        # earlier piece leaves with holes; without position_ids a graph counts positions off the
+        # past: prompts of one piece go together, longer ones alone (as cache.prefill runs them)
+        order = [i for i in order if len(prompts[i]) <= PIECE] + [[i] for i in order if len(prompts[i]) > PIECE]
+    batch: list[int] = []
+    for item in order + [None]:
+        if isinstance(item, int) and len(batch) < rows:
+            batch.append(item)
+            continue
+        if batch:
+            _pass_group(ctx, [prompts[i] for i in batch], [tops[i] for i in batch], store, out, batch)
+        batch = [item] if isinstance(item, int) else []
+        if isinstance(item, list):
+            _pass_group(ctx, [prompts[i] for i in item], [tops[i] for i in item], store, out, item)
+    return out
+
+
+def _empty(n: int, top: int) -> PromptLogprobs:
     out = PromptLogprobs(np.zeros(max(n - 1, 0), np.float32))
     if top:
         out.top_ids, out.top = np.zeros((max(n - 1, 0), top), np.int64), np.zeros((max(n - 1, 0), top), np.float32)
-    if n < 2:
-        return out
+    return out
+
+
+def _pass_group(ctx, prompts, tops, store, out, where) -> None:
+    model = ctx.model
+    longest = max(len(p) for p in prompts)
+    if longest < 2 and store is None:  # nothing to predict, nothing to keep
+        for b, (prompt, top) in enumerate(zip(prompts, tops)):
+            out[where[b]] = None if top is None else _empty(len(prompt), top)
+        return
+    got = [None if top is None else _empty(len(prompt), top) for prompt, top in zip(prompts, tops)]
 
     def read(logits: np.ndarray, offset: int) -> None:
-        # position offset + j predicts token offset + j + 1; the last position predicts nothing
-        width = min(logits.shape[1], n - 1 - offset)
-        if width <= 0:
-            return
-        got = logprobs(logits[0, :width], np.asarray(prompt[offset + 1:offset + 1 + width]), top)
-        out.logprob[offset:offset + width] = got.token
-        if top:
-            out.top_ids[offset:offset + width], out.top[offset:offset + width] = got.top_ids, got.top
+        for b, (prompt, top, found) in enumerate(zip(prompts, tops, got)):
+            width = min(logits.shape[1], len(prompt) - 1 - offset)
+            if found is None or width <= 0:
+                continue
+            lp = logprobs(logits[b, :width], np.asarray(prompt[offset + 1:offset + 1 + width]), top)
+            found.logprob[offset:offset + width] = lp.token
+            if top:
+                found.top_ids[offset:offset + width], found.top[offset:offset + width] = lp.top_ids, lp.top
 
-    widths = [min(PIECE, n - start) for start in range(0, n, PIECE)]
-    _run_rows(model.session, model.graph, [list(prompt)], widths, ctx.settings.pad_token_id, ctx.max_position,
-              on_logits=read)
-    return out
+    widths = [min(PIECE, longest - start) for start in range(0, longest, PIECE)]
+    _, past = _run_rows(model.session, model.graph, [list(p) for p in prompts], widths, ctx.settings.pad_token_id,
+                        ctx.max_position, on_logits=read)
+    for b, prompt in enumerate(prompts):
+        if store is not None:
+            store.store(prompt, {name: array[b, :, :len(prompt)] for name, array in past.items()})
+        out[where[b]] = got[b]

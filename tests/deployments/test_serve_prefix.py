@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
+
+import generation
 
 from test_serve import alone, metric
 
@@ -50,3 +53,26 @@ def test_a_stream_reports_its_cached_tokens_in_its_usage(serve_apps):
             events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     usage = json.loads(events[-2])["usage"]
     assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
+
+
+def test_max_tokens_0_warms_the_cache_and_scores_the_prompt(serve_apps, engine):
+    """A prompt-only pass (max_tokens 0): no completion, the prompt's log-probabilities with echo
+    and logprobs (as the engine's), and a later request that starts with the prompt finds it."""
+    from generation.logits.prompt_logprobs import prompt_logprobs
+
+    model, tokenizer = engine
+    system = "Warm me: the dict type maps hashable keys to values, and the set type holds keys. " * 2
+    warm = httpx.post(serve_apps.real + "/v1/completions", json=dict(model="tiny", prompt=system, max_tokens=0,
+                                                                      echo=True, logprobs=1), timeout=60).json()
+    (choice,) = warm["choices"]
+    assert choice["text"] == system and choice["finish_reason"] == "length"
+    assert warm["usage"]["completion_tokens"] == 0
+    ids = tokenizer.encode(system).ids
+    expected = prompt_logprobs(generation.context(model), ids).logprob
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][1:], expected, atol=1e-4)
+    chat = httpx.post(serve_apps.real + "/v1/chat/completions", timeout=60, json=dict(
+        model="tiny", messages=[{"role": "user", "content": system}], max_completion_tokens=0)).json()
+    assert chat["choices"][0]["message"]["content"] == "" and chat["usage"]["completion_tokens"] == 0
+    later = httpx.post(serve_apps.real + "/v1/completions", json=dict(model="tiny", prompt=system + "And a list?",
+                                                                       max_tokens=4), timeout=60).json()
+    assert later["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(ids) // 16 * 16 - 16

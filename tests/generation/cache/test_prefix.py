@@ -90,3 +90,32 @@ def test_the_store_finds_prefixes_by_blocks_and_keeps_its_budget():
     assert len(store.entries) == 1
     with pytest.raises(ValueError, match="prefix cache bytes"):
         PrefixStore(-1)
+
+
+@pytest.mark.parametrize("folder, mode", MODES, ids=[m[1] for m in MODES])
+def test_a_prompt_only_job_warms_the_cache_for_the_prompts_that_follow(test_models, load_model, folder, mode):
+    """max_new_tokens 0: no slot, no token, the prompt's log-probabilities if asked (as alone),
+    and its blocks kept, so a later prompt that starts with it finds them; its tokens are the
+    ones it gets without the cache."""
+    from generation.logits.prompt_logprobs import prompt_logprobs
+
+    ctx = generation.context(load_model(test_models[folder]), cache_mode=mode, max_new_tokens=8, token_logprobs=True)
+    scheduler = Scheduler(ctx, slots=2, capacity=160, isolate=False, prefix_cache_bytes=64 * 2**20)
+    warm = [scheduler.job(SYSTEM, settings={"max_new_tokens": 0}, prompt_logprobs=2),
+            scheduler.job(SYSTEM[:20] + [5, 6], settings={"max_new_tokens": 0})]
+    for job in warm:
+        scheduler.add(job)
+    _, ended = scheduler.step()
+    assert {id(j) for j in ended} == {id(j) for j in warm} and scheduler.state.free_slots().size == 2
+    assert [(j.reason, j.tokens) for j in warm] == [("length", []), ("length", [])]
+    np.testing.assert_allclose(warm[0].prompt_logprobs.logprob, prompt_logprobs(ctx, SYSTEM, 2).logprob, atol=1e-5)
+    assert warm[1].prompt_logprobs is None and scheduler.prefix.hits == 0
+    later = [(SYSTEM + [11, 12, 13], 1, dict()), (SYSTEM + [21, 22], 2, dict(do_sample=True))]
+    plain, _, _ = run(ctx, later)  # no cache
+    follow = [scheduler.job(p, seed=s, settings=settings) for p, s, settings in later]
+    for job in follow:
+        scheduler.add(job)
+    while scheduler.busy:
+        scheduler.step()
+    same(plain, [(j.tokens, j.logprobs, []) for j in follow])
+    assert [j.cached_tokens for j in follow] == [2 * BLOCK, 2 * BLOCK]  # the warmed system prompt's blocks

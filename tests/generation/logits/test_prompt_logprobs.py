@@ -12,16 +12,23 @@ import numpy as np
 import pytest
 
 import generation
-from generation.logits.prompt_logprobs import PIECE, prompt_logprobs
+from generation.logits.prompt_logprobs import PIECE, prompt_logprobs, prompt_passes
 
 
 @pytest.mark.parametrize("name", ["llama-genai", "llama-optimum", "gpt2-grow", "llama-merged"])
 def test_prompt_logprobs_equal_transformers(test_models, oracle, load_model, name):
+    """Each prompt alone, and all of them in one batched pass (padded, with a row that asks
+    for nothing between them)."""
     ctx = generation.context(load_model(test_models[name]))
     rng = np.random.default_rng(0)
-    for length in (2, 7, PIECE, PIECE + 1, 2 * PIECE - 1):
-        prompt = rng.integers(3, 900, length).tolist()
+    lengths = (2, 7, PIECE, PIECE + 1, 2 * PIECE - 1)
+    prompts = [rng.integers(3, 900, length).tolist() for length in lengths]
+    together = prompt_passes(ctx, prompts + [prompts[1]], [3, 3, 3, 3, 3, None])
+    assert together[-1] is None
+    for length, prompt, batched in zip(lengths, prompts, together):
         got = prompt_logprobs(ctx, prompt, top=3)
+        np.testing.assert_allclose(batched.logprob, got.logprob, atol=1e-5)
+        assert (batched.top_ids == got.top_ids).mean() > 0.99
         logits = oracle.logits(name.split("-")[0], prompt)
         shifted = logits - logits.max(1, keepdims=True)
         expected = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
