@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
+from ray.serve._private.request_router.request_router import FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter
 
 ROUTERS = {
     "prefix": "deployments.services.routing.PrefixRouter",
@@ -76,9 +76,15 @@ def ranked(chain: list[bytes], owners, candidates: list, queue_lens: dict, held:
     return by_load, False
 
 
-class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class PrefixRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
     """Serve's request router for the Decoder deployment (see the module docstring). Options
-    (request_router_kwargs): block_chars, max_blocks, match_rate, imbalanced_requests, max_entries."""
+    (request_router_kwargs): block_chars, max_blocks, match_rate, imbalanced_requests, max_entries.
+
+    The replica chosen for a request goes to that request (FIFOMixin's matching, by the request's
+    own metadata): Serve's default matching by internal request id finds only the first of the
+    calls one ingress request fans out (the n choices, the prompts of a list: they share the id),
+    and the others would wait forever; with FIFOMixin's plain order a request could take the
+    replica chosen for another's prefix."""
 
     def initialize_state(self, block_chars: int = 64, max_blocks: int = 256, match_rate: float = 0.1,
                          imbalanced_requests: int = 8, max_entries: int = 200_000, **unknown) -> None:
@@ -89,6 +95,12 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.imbalanced_requests, self.max_entries = imbalanced_requests, max_entries
         self.owners: OrderedDict[bytes, object] = OrderedDict()  # block hash -> ReplicaID, least recent first
         self.held: dict = {}  # ReplicaID -> blocks it owns
+
+    def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
+        for pending in self._pending_requests_to_fulfill:
+            if pending.metadata is request_metadata and not pending.future.done():
+                return pending
+        return None
 
     def _chain(self, pending_request: PendingRequest | None) -> list[bytes]:
         if pending_request is None or not pending_request.args:

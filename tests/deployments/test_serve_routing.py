@@ -86,3 +86,15 @@ def test_with_two_decoder_replicas_every_repeat_of_a_prefix_finds_it_cached(rout
     assert cached[:3] == [0, 0, 0]  # each prefix's first request: nothing to find
     for found, shared in zip(cached[3:], blocks[3:]):
         assert found >= shared - 16, cached  # the replica that ran the prefix got it again
+
+
+def test_the_calls_one_request_fans_out_each_reach_a_replica(serve_apps):
+    """A list of prompts with n choices each: 6 decoder calls that share the ingress request's
+    id; each must be given the replica chosen for it (Serve's own matching by that id found only
+    the first, and the rest waited forever)."""
+    import httpx
+
+    body = dict(model="tiny", prompt=["abc", "def", "ghi"], n=2, max_tokens=3)
+    out = httpx.post(serve_apps.real + "/v1/completions", json=body, timeout=30)
+    assert out.status_code == 200, out.text
+    assert sorted(c["index"] for c in out.json()["choices"]) == list(range(6))
