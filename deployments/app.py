@@ -54,6 +54,8 @@ from .http.openai import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingList,
+    EmbeddingRequest,
     ModelInfo,
     ModelList,
     TokenizeRequest,
@@ -62,6 +64,7 @@ from .http.openai import (
     completion_choice,
     completion_logprobs,
     completion_response,
+    embedding_response,
     for_request,
     generate_request,
     parse,
@@ -71,7 +74,16 @@ from .http.openai import (
 )
 from .http.openai import Transcription as TranscriptionBody
 from .metrics import IngressMetrics
-from .schema import GenerateChunk, GenerateRequest, GenerateResponse, Refusal, Transcription, TranscriptionRequest
+from .schema import (
+    EmbedRequest,
+    EmbedResponse,
+    GenerateChunk,
+    GenerateRequest,
+    GenerateResponse,
+    Refusal,
+    Transcription,
+    TranscriptionRequest,
+)
 from .services.routing import ROUTERS
 
 DEFAULT_MODEL_NAME = "raymuter-default"  # the model id of the default model (no `model` given)
@@ -237,6 +249,10 @@ class Decoder:
                                             cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else "fake"))
             self.generator.stream_interval = cfg.stream_interval_ms / 1000
         else:
+            from generation.core.embed import is_embedding_folder
+            from generation.runtime.model import resolve_folder
+
+            from .services.embeddings import EmbeddingService
             from .services.generator import TextGenerator
 
             model = cfg.model
@@ -244,6 +260,10 @@ class Decoder:
                 from generation.default_model import default_model_path
 
                 model = str(default_model_path())
+            if is_embedding_folder(resolve_folder(model, cfg.variant)):
+                self.generator = EmbeddingService.from_model(model, name=cfg.name, threads=cfg.threads,
+                                                             provider=cfg.provider, variant=cfg.variant)
+                return
             self.generator = TextGenerator.from_model(
                 model, name=cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else None), slots=cfg.slots, capacity=cfg.capacity, max_waiting=cfg.max_waiting,
                 prefix_cache_bytes=cfg.prefix_cache_bytes,
@@ -263,6 +283,17 @@ class Decoder:
                 yield chunk
         except (RequestError, Overloaded) as e:
             yield GenerateChunk(finish_reason="rejected", **_refusal(e))
+
+    async def embed(self, request: EmbedRequest) -> EmbedResponse:
+        embed = getattr(self.generator, "embed", None)
+        if embed is None:
+            return EmbedResponse(**_refusal(RequestError(
+                f"model: '{self.generator.name}' gives no embeddings (an embedding model's ONNX graph gives "
+                "last_hidden_state: optimum's --task feature-extraction)", "model")))
+        try:
+            return await embed(request)
+        except (RequestError, Overloaded) as e:
+            return EmbedResponse(**_refusal(e))
 
     async def transcribe(self, samples, request: TranscriptionRequest):
         if self.encoder is None:
@@ -316,7 +347,7 @@ api = FastAPI(title="Raymuter", version=version(), docs_url=None, redoc_url=None
                           "needs the API key (Authorization: Bearer KEY) when the server has one.")
 install_error_handlers(api)
 # What /openapi.json lists as request bodies (the routes read their bodies themselves).
-REQUEST_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+REQUEST_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest]
 ERRORS = (400, 401, 404, 413, 500, 503)
 AUDIO_FORM = {"type": "object", "required": ["file", "model"], "properties": {
     "file": {"type": "string", "format": "binary", "description": "WAV, FLAC, OGG or MP3"},
@@ -376,6 +407,12 @@ class Ingress:
         """GenerateChunks (handle.options(stream=True).generate_stream.remote(...))."""
         async for chunk in self._chunks(self._with_id(_typed(request))):
             yield chunk
+
+    async def embed(self, request: EmbedRequest | dict) -> EmbedResponse:
+        """Embeddings of texts or token ids (handle.embed.remote(EmbedRequest(inputs=[...]))); a
+        refusal is an EmbedResponse with its error, status and field."""
+        request = request if isinstance(request, EmbedRequest) else EmbedRequest(**request)
+        return await self._call(self.decoder.embed.remote(request), request.request_id or request_id("embd-"))
 
     async def transcribe(self, audio: bytes, request: TranscriptionRequest | dict | None = None,
                          filename: str = "audio") -> Transcription:
@@ -484,6 +521,19 @@ class Ingress:
                 raise _refused(out, rid)
             return {"prompt": out}
         return await self._route(request, DetokenizeRequest, run)
+
+    @api.post("/v1/embeddings", openapi_extra=body_of(EmbeddingRequest), responses=answers(EmbeddingList, *ERRORS))
+    async def embeddings(self, request: Request):
+        async def run(body: EmbeddingRequest, card: dict, rid: str):
+            if body.dimensions is not None and body.dimensions > 2**20:
+                raise ApiError(400, f"dimensions: {body.dimensions} is more than any model has", param="dimensions")
+            out = await self._call(self.decoder.embed.remote(EmbedRequest(
+                inputs=body.inputs(), dimensions=body.dimensions, request_id=rid)), rid)
+            if out.error is not None:
+                raise _busy(out.error) if out.status == 503 else ApiError(out.status or 400, out.error,
+                                                                           param=out.field)
+            return embedding_response(card["id"], out.embeddings, out.prompt_tokens, body.encoding_format)
+        return await self._route(request, EmbeddingRequest, run, prefix="embd-")
 
     @api.post("/v1/audio/transcriptions", openapi_extra=body_of(None, "multipart/form-data", AUDIO_FORM),
               responses=answers(TranscriptionBody, *ERRORS, text=True))

@@ -109,13 +109,35 @@ class GenerateResponse(BaseModel):
     tool_calls: list[dict] | None = None  # OpenAI's: [{"id", "type": "function", "function": {"name", "arguments"}}]
 
 
+class EmbedRequest(BaseModel):
+    """Embeddings of texts or token-id lists (handle.embed.remote(EmbedRequest(inputs=[...])));
+    `dimensions` keeps the first that many of each (normalized again when the model normalizes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[str] | list[list[int]] = Field(min_length=1)
+    dimensions: int | None = Field(default=None, ge=1)
+    request_id: str | None = None
+
+
+class EmbedResponse(BaseModel):
+    """One vector per input, in order, and the tokens they took; a refusal's `error`, `status`
+    and `field` as a Refusal's."""
+
+    embeddings: list[list[float]] = Field(default_factory=list)
+    prompt_tokens: int = 0
+    error: str | None = None
+    status: int | None = None
+    field: str | None = None
+
+
 class ModelCard(BaseModel):
     """What the decoder serves (GET /v1/models)."""
 
     id: str
     context_length: int | None
     slots: int
-    kind: str  # "decoder" or "encoder-decoder"
+    kind: str  # "decoder", "encoder-decoder" or "embedding"
     has_chat_template: bool
     fingerprint: str = ""  # OpenAI's system_fingerprint: the version and the model's configuration
 

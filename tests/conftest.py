@@ -132,6 +132,15 @@ def s2s(test_models) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def embedding_models(test_models) -> dict[str, Path]:
+    """The embedding fixtures (embedding_builders: feature-extraction exports of the tiny Qwen2
+    and Llama with sentence-transformers configs), built on demand."""
+    import embedding_builders
+
+    return embedding_builders.ensure_embedding_models(test_models)
+
+
+@pytest.fixture(scope="session")
 def vision_paths() -> dict[str, Path]:
     """The vision-language fixtures (built on demand: ``ensure_test_models(vision=True)``)."""
     return model_builders.ensure_test_models(vision=True)
@@ -178,7 +187,8 @@ class ServeApps:
     small queue and body limit), encoder-decoder apps at `translate` (tiny Marian) and
     `speech` (tiny Whisper: 2 s windows), each with an Encoder deployment, and a
     vision-language apps at `vision` (tiny Qwen2-VL) and `smolvlm` (tiny Idefics3), each with
-    a Vision deployment."""
+    a Vision deployment, and an embedding app at `embed` (the tiny Qwen2's feature-extraction
+    export, last-token pooling, normalized)."""
 
     def __init__(self, port: int, real_model: Path):
         self.port, self.real_model = port, real_model
@@ -241,5 +251,11 @@ def serve_apps(test_models):
     serve.run(build(dict(model=str(apps.vl["idefics3-onnx"]), name="smol", slots=4, threads=1,
                          settings={"max_new_tokens": 10})), name="smolvlm", route_prefix="/smolvlm")
     apps.vision, apps.smolvlm = apps.url + "/vision", apps.url + "/smolvlm"
+    import embedding_builders
+
+    apps.embedding_models = embedding_builders.ensure_embedding_models(test_models)
+    serve.run(build(dict(model=str(apps.embedding_models["qwen2-embed"]), name="embed", threads=1)), name="embed",
+              route_prefix="/embed")
+    apps.embed = apps.url + "/embed"
     yield apps
     ray.shutdown()

@@ -790,3 +790,59 @@ def stream_chunk(request_id: str, model: str, created: int, index: int, text: st
         kind = "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model,
             "system_fingerprint": fingerprint, "choices": [choice]}
+
+
+# -- embeddings ------------------------------------------------------------------------------------
+EMBEDDING_TEXT = Annotated[str, Field(min_length=1, max_length=2**24)]
+EMBEDDING_IDS = Annotated[list[TOKEN_ID], Field(min_length=1, max_length=2**20)]
+
+
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings (OpenAI's): a text, token ids, or a list of either; `dimensions`
+    keeps the first that many of each vector; `encoding_format` base64: each vector's float32
+    little-endian bytes, base64-encoded (what the openai client asks by default and decodes)."""
+
+    model: str = Field(max_length=512)
+    input: (EMBEDDING_TEXT | EMBEDDING_IDS
+            | Annotated[list[EMBEDDING_TEXT], Field(min_length=1, max_length=limits.MAX_EMBEDDING_INPUTS)]
+            | Annotated[list[EMBEDDING_IDS], Field(min_length=1, max_length=limits.MAX_EMBEDDING_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1, le=INT_MAX)
+    user: str | None = Field(default=None, max_length=256)
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        if isinstance(self.input, str):
+            return [self.input]
+        return [self.input] if self.input and isinstance(self.input[0], int) else list(self.input)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+def embedding_response(model: str, vectors: list[list[float]], prompt_tokens: int, encoding_format: str) -> dict:
+    import base64
+    import struct
+
+    def encoded(vector: list[float]):
+        if encoding_format == "float":
+            return vector
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

@@ -23,6 +23,7 @@ MAX_STEP_SLOWDOWN = 1.5  # a shared step that verifies one row's prompt lookup: 
 MAX_CHOICES = 16  # n
 MAX_LOGPROBS = 20  # top_logprobs
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit)
 MAX_MESSAGES = 2048  # chat messages in one request
 MAX_GRAMMAR_LENGTH = 65536  # characters of a structured_outputs schema, regex or grammar
 MAX_CONSTRAINT_CHOICES = 256  # strings of a structured_outputs choice

@@ -98,3 +98,16 @@ def flatten(nodes: list[Node]) -> list[Node]:
         out.append(node)
         out.extend(flatten(node.subgraph_nodes))
     return out
+
+
+_GRAPH_OUTPUT, _VALUE_INFO_NAME = 12, 1
+
+
+def read_output_names(path: str | Path) -> list[str]:
+    """The names of the main graph's outputs (what a task can read from it), without its weights."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for number, start, end in _fields(buf, 0, len(buf)):
+            if number == _MODEL_GRAPH:
+                return [bytes(buf[s:e]).decode() for n, gs, ge in _fields(buf, start, end) if n == _GRAPH_OUTPUT
+                        for m, s, e in _fields(buf, gs, ge) if m == _VALUE_INFO_NAME]
+    raise ValueError(f"{path}: no graph in this ONNX file")

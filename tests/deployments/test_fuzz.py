@@ -4,7 +4,8 @@ within a time limit, and its answers match the document's response schemas. Boun
 per route and mode, so it fits the CI budget; `bench/fuzz.py` runs a longer fuzz (every phase,
 every check) against any running server.
 
-The real app (the tiny llama-genai model, 4 slots) takes the JSON routes. The cases come from
+The real app (the tiny llama-genai model, 4 slots) takes the JSON routes; /v1/embeddings goes to
+the embedding app (the tiny Qwen2's feature-extraction export). The cases come from
 schemathesis' strategies and run under hypothesis directly: its pytest plugin reads node
 internals that pytest 9.2 no longer has.
 """
@@ -29,6 +30,8 @@ def operations(serve_apps):
     # the one model this server serves, so that valid bodies get past the model check and run
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
         document["components"]["schemas"][name]["properties"]["model"] = {"const": "tiny"}
+    # embeddings go to the session's embedding app (the real app refuses them)
+    document["components"]["schemas"]["EmbeddingRequest"]["properties"]["model"] = {"const": "embed"}
     schema = schemathesis.openapi.from_dict(document)
     found = {}
     for result in schema.get_all_operations():
@@ -36,14 +39,14 @@ def operations(serve_apps):
         if operation.path.startswith("/v1/audio"):
             continue  # multipart: the speech app's, fuzzed by bench/fuzz.py
         found[f"{operation.method.upper()} {operation.path}"] = operation
-    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize", "POST /v1/embeddings",
             "GET /v1/models", "GET /v1/models/{model_id}", "GET /health", "GET /version", "GET /metrics"} <= set(found)
     return found
 
 
 # (route, mode); a path parameter is any text, so that route has no negative cases to draw
 CASES = [(route, mode) for route in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
-                                     "POST /detokenize") for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
+                                     "POST /detokenize", "POST /v1/embeddings") for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
 CASES.append(("GET /v1/models/{model_id}", GenerationMode.POSITIVE))
 
 
@@ -56,7 +59,8 @@ def test_no_request_near_the_document_gets_a_server_error(operations, serve_apps
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     def check(case):
-        response = case.call(base_url=serve_apps.real, timeout=TIMEOUT)
+        response = case.call(base_url=serve_apps.embed if route == "POST /v1/embeddings" else serve_apps.real,
+                             timeout=TIMEOUT)
         seen.append(response.status_code)
         case.validate_response(response, checks=[not_a_server_error, response_schema_conformance,
                                                  content_type_conformance])

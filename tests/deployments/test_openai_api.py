@@ -35,7 +35,7 @@ def test_the_settings_are_the_engines(test_models, load_model):
 
 @pytest.mark.parametrize("body, field, message", [
     (dict(prompt="hi"), "model", "Field required"),
-    (dict(model="m", prompt="hi", max_tokens=0), "max_tokens", "greater than or equal to 1"),
+    (dict(model="m", prompt="hi", max_tokens=-1), "max_tokens", "greater than or equal to 0"),
     (dict(model="m", prompt="hi", temperature=3), "temperature", "less than or equal to 2"),
     (dict(model="m", prompt="hi", top_p=0), "top_p", "greater than 0"),
     (dict(model="m", prompt="hi", n=17), "n", "less than or equal to 16"),
