@@ -228,7 +228,9 @@ def serve_apps(test_models):
 
     root = str(_HERE.parent)
     path = os.environ.get("PYTHONPATH")
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+    # 16 logical CPUs: the session's apps ask about 9, and a module's own app (test_serve_routing's
+    # 2 decoder replicas) more; with too few, serve.run waits forever for room
+    ray.init(num_cpus=16, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": root + (os.pathsep + path if path else "")}})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -76,12 +76,13 @@ def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: li
 
 
 def run_from(session, graph: DecoderGraph, prompt: list[int], offset: int, past: dict[str, np.ndarray], steps: str,
-             pad: int, max_position: int):
+             pad: int, max_position: int, embed=None, images=None):
     """One prompt's tokens from `offset` on, after `past` (its first `offset` tokens' cache,
     [1, heads, offset, head_dim] per input: a cached prefix), in `steps`: (last logits [1, V],
-    presents [1, heads, len(prompt), head_dim] per cache input)."""
+    presents [1, heads, len(prompt), head_dim] per cache input). embed, images: as run_prompts'
+    (a vision-language prompt's embedding and its PromptImages, one row)."""
     return _run_rows(session, graph, [prompt], prompt_widths(len(prompt) - offset, steps), pad, max_position,
-                     past, offset)
+                     past, offset, embed=embed, images=images)
 
 
 def run_prompts(session, graph: DecoderGraph, mode: str, steps: str, prompts: list[list[int]],

@@ -27,7 +27,7 @@ from ..cache.base import prefill_apart
 from ..cache.cross import run_first_steps
 from ..cache.prefill import PromptCache, run_from, run_prompts
 from ..cache.prefix import PrefixStore
-from ..families.vision import check_images
+from ..families.vision import PromptImages, check_images
 from ..logits.constraints import Grammars
 from ..logits.processors import RowSettings, apply
 from ..logits.selection import LogProbs, SamplingRows, logprobs, pick
@@ -171,7 +171,7 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
         if ctx.top_logprobs:
             state.top_ids = np.zeros((slots, capacity, ctx.top_logprobs), np.int64)
             state.top = np.full((slots, capacity, ctx.top_logprobs), np.nan, np.float32)
-    if prefix is not None and not ctx.model.is_seq2seq and not ctx.model.graph.has_inputs_embeds:
+    if prefix is not None and not ctx.model.is_seq2seq:
         state.prefix = prefix
     state.next_input[:] = ctx.settings.pad_token_id
     state.refresh()
@@ -470,9 +470,9 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
     """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
     token is chosen (the caller's search does that). Sets `state.cached` of the slots."""
     state.cached[slots] = 0
-    if state.prefix is not None and encoder is None:
+    if state.prefix is not None and (encoder is None or isinstance(encoder, PromptImages)):
         def apart(rows):
-            found = _cached_prompts(ctx, state.prefix, rows)
+            found = _cached_prompts(ctx, state.prefix, rows, encoder)
             state.cached[slots] = found.cached
             return found
 
@@ -481,28 +481,35 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
                                lambda rows: _prompt_cache(ctx, rows, encoder))
 
 
-def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]]) -> PromptCache:
-    """`_prompt_cache` of decoder-only text prompts through `store`: a prompt with a cached
-    prefix runs only the rest of it from the prefix's rows (as a later piece of the prompt runs),
-    the others run together as always; every prompt's full blocks are then kept."""
+def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]],
+                    images: PromptImages | None = None) -> PromptCache:
+    """`_prompt_cache` of decoder-only prompts through `store`: a prompt with a cached prefix runs
+    only the rest of it from the prefix's rows (as a later piece of the prompt runs), the others
+    run together as always; every prompt's full blocks are then kept. A vision-language prompt
+    is named by its images too (`PromptImages.prefix_key`), and its rows keep its M-RoPE delta."""
     model = ctx.model
-    found = [store.lookup(p) for p in prompts]
+    keyed = prompts if images is None else [images.take([j]).prefix_key(p) for j, p in enumerate(prompts)]
+    found = [store.lookup(k) for k in keyed]
     cold = [j for j, (length, _) in enumerate(found) if not length]
     rows: list = [None] * len(prompts)
     last = np.zeros((len(prompts), model.vocab_size), np.float32)
     if cold:
-        fresh = _prompt_cache(ctx, [prompts[j] for j in cold])
+        fresh = _prompt_cache(ctx, [prompts[j] for j in cold], None if images is None else images.take(cold))
         for i, j in enumerate(cold):
             rows[j], last[j] = fresh.rows[i], fresh.last_logits[i]
     for j, (length, cached) in enumerate(found):
         if length:
             past = {name: np.ascontiguousarray(array[None]) for name, array in cached.items()}
+            row_images = None if images is None else images.take([j])
             row_last, presents = run_from(model.session, model.graph, prompts[j], length, past, ctx.prompt_steps,
-                                          ctx.settings.pad_token_id, ctx.max_position)
+                                          ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(
+                                              model, [prompts[j]], row_images))
             rows[j] = {name: array[0, :, :len(prompts[j])] for name, array in presents.items()}
+            if row_images is not None and row_images.positions[0] is not None:
+                rows[j]["position_delta"] = row_images.deltas([len(prompts[j])])[0]
             last[j] = row_last[0]
-    for j, prompt in enumerate(prompts):
-        store.store(prompt, rows[j])
+    for j, key in enumerate(keyed):
+        store.store(key, rows[j])
     return PromptCache(rows, np.array([len(p) for p in prompts]), last,
                        cached=np.array([length for length, _ in found], np.int64))
 

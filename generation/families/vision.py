@@ -24,6 +24,8 @@ cache the features of repeated images by content hash).
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +81,21 @@ class PromptImages:
                     cursor = int(np.count_nonzero(np.asarray(prompt[:offset]) == token))
                     embeds[b, where] = features[b][cursor:cursor + where.size]
         return embeds
+
+    def prefix_key(self, prompt: list[int]) -> list[int]:
+        """The one-row `prompt` as a prefix store names it (cache/prefix.py): each image or video
+        token replaced by a hash of its feature row and its M-RoPE position, so a cached prefix
+        holds the same images at the same places, not only the same placeholders."""
+        out = [int(t) for t in prompt]
+        ids = np.asarray(out)
+        positions = self.positions[0]
+        for token, features in self.kinds():
+            for k, i in enumerate(np.flatnonzero(ids == token).tolist()):
+                digest = hashlib.blake2b(np.ascontiguousarray(features[0][k]).tobytes(), digest_size=7)
+                if positions is not None:
+                    digest.update(np.ascontiguousarray(positions[:, i]).tobytes())
+                out[i] = (1 << 62) | int.from_bytes(digest.digest(), "little")
+        return out
 
     def piece_positions(self, default: np.ndarray, real: np.ndarray, offset: int) -> np.ndarray:
         """[3, n, S] positions of a piece: each row's own from `offset` on, `default` [n, S]

@@ -212,8 +212,8 @@ def test_python_handles_typed_and_streaming(serve_apps):
     assert all(isinstance(c, GenerateChunk) for c in chunks)
     assert "".join(c.text for c in chunks) == fake_text("abcd", 2, do_sample=True)
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 8
-    with pytest.raises(Exception, match="max_new_tokens must be a positive integer"):
-        handle.generate.remote(GenerateRequest(prompt="abc", settings={"max_new_tokens": 0})).result()
+    with pytest.raises(Exception, match="max_new_tokens must be an integer >= 0"):
+        handle.generate.remote(GenerateRequest(prompt="abc", settings={"max_new_tokens": -1})).result()
 
 
 # -- batching through the server ---------------------------------------------------------------
@@ -293,7 +293,7 @@ def metric(text: str, name: str) -> float:
     (dict(model="nope", prompt="a"), 404, "model"),
     (dict(model="fake", prompt="a", temperature=3), 400, "temperature"),
     (dict(model="fake", prompt="a", top_p=0), 400, "top_p"),
-    (dict(model="fake", prompt="a", max_tokens=0), 400, "max_tokens"),
+    (dict(model="fake", prompt="a", max_tokens=-1), 400, "max_tokens"),
     (dict(model="fake", prompt="a", max_tokens=10**6), 400, "max_tokens"),
     (dict(model="fake", prompt="a", frobnicate=1), 400, "frobnicate"),
     (dict(model="fake", prompt="a", presence_penalty=0.5), 400, "presence_penalty"),

@@ -119,3 +119,43 @@ def test_a_prompt_only_job_warms_the_cache_for_the_prompts_that_follow(test_mode
         scheduler.step()
     same(plain, [(j.tokens, j.logprobs, []) for j in follow])
     assert [j.cached_tokens for j in follow] == [2 * BLOCK, 2 * BLOCK]  # the warmed system prompt's blocks
+
+
+@pytest.mark.parametrize("folder", ["qwen2vl-onnx", "idefics3-onnx"])
+def test_a_vision_language_prefix_is_named_by_its_images_too(vision_paths, load_model, folder):
+    """Prompts with images (Qwen2-VL: M-RoPE positions and deltas): one that repeats an earlier
+    prompt's text and image finds it cached through the image; the same text with another image
+    finds only the blocks before the image; the tokens and log-probabilities equal those without
+    the cache, interleaved or one after another."""
+    from generation.families.vl_prompts import prepare_parts
+
+    rng = np.random.default_rng(3)
+    image, other = (rng.integers(0, 256, (20, 28, 3), dtype=np.uint8) for _ in range(2))
+    lead = "a long opening that every prompt shares before its image " * 2
+    parts = [[lead, image, " what is it?"], [lead, image, " and its colour?"], [lead, other, " what is it?"],
+             [lead + " no image here"]]
+    ctx = generation.context(load_model(vision_paths[folder]), max_new_tokens=6, token_logprobs=True)
+    prepared = prepare_parts(ctx, parts)
+    jobs = [(p, i, JOBS[i % 2]) for i, p in enumerate(prepared.prompts)]
+
+    def run_images(prefix_cache_bytes, together):
+        scheduler = Scheduler(ctx, slots=4, capacity=400, isolate=False, prefix_cache_bytes=prefix_cache_bytes)
+        made = [scheduler.job(p, seed=s, settings=settings, encoder=prepared.encoder.take([i]))
+                for i, (p, s, settings) in enumerate(jobs)]
+        for job in made:
+            scheduler.add(job)
+            while not together and scheduler.busy:
+                scheduler.step()
+        while scheduler.busy:
+            scheduler.step()
+        return [(j.tokens, j.logprobs, []) for j in made], [j.cached_tokens for j in made]
+
+    plain, _ = run_images(0, False)
+    for together in (False, True):
+        cached, reused = run_images(64 * 2**20, together)
+        same(plain, cached)
+    _, reused = run_images(64 * 2**20, False)
+    image_at = prepared.prompts[0].index(prepared.encoder.image_token_id)
+    assert reused[1] >= (len(prepared.prompts[0]) - 8) // BLOCK * BLOCK - BLOCK  # through the image
+    assert 0 < reused[2] <= image_at // BLOCK * BLOCK  # another image: only what comes before it
+    assert reused[3] >= BLOCK
