@@ -4,6 +4,9 @@ Seq2SeqCache holds it beside the decoder cache, in groups of rows of one decoder
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+
 import numpy as np
 
 from ..runtime.encoders import EncoderOutputs
@@ -144,3 +147,48 @@ class Seq2SeqCache(BaseCache):
             group["length"] += 1
             logits[slots[live]] = out[live, 0]
         return logits
+
+
+class FirstStepStore:
+    """An encoder-decoder's prefix cache: each row's first decoder step (its decoder cache, its
+    cross cache, its encoder hidden states, its last logits) by a hash of the row's encoder hidden
+    states and decoder prompt, least recently used out first, within `max_bytes`. A repeated
+    source (the Encoder deployment's cache hands the same hidden states back) skips its first
+    step; later steps depend on the tokens chosen, and run. `queries` and `hits` count decoder
+    prompt tokens looked up and found, as PrefixStore's."""
+
+    def __init__(self, max_bytes: int):
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"prefix cache bytes must be an integer >= 0, not {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[bytes, tuple[dict, np.ndarray, int]] = OrderedDict()
+        self.bytes = self.queries = self.hits = 0
+
+    @staticmethod
+    def key(hidden: np.ndarray, prompt: list[int]) -> bytes:
+        digest = hashlib.blake2b(np.ascontiguousarray(hidden).tobytes(), digest_size=16)
+        digest.update(repr((hidden.shape, str(hidden.dtype), [int(t) for t in prompt])).encode())
+        return digest.digest()
+
+    def lookup(self, key: bytes, length: int):
+        """(row, last logits) of `key`, or None."""
+        self.queries += length
+        found = self.entries.get(key)
+        if found is None:
+            return None
+        self.entries.move_to_end(key)
+        self.hits += length
+        return found[0], found[1]
+
+    def store(self, key: bytes, row: dict, last: np.ndarray) -> None:
+        if key in self.entries or self.max_bytes == 0:
+            return
+        kept = {name: np.array(array) for name, array in row.items()}
+        nbytes = sum(a.nbytes for a in kept.values()) + last.nbytes
+        if nbytes > self.max_bytes:
+            return
+        self.entries[key] = (kept, np.array(last), nbytes)
+        self.bytes += nbytes
+        while self.bytes > self.max_bytes:
+            _, (_, _, gone) = self.entries.popitem(last=False)
+            self.bytes -= gone

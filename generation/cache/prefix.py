@@ -11,7 +11,8 @@ first, within `max_bytes`.
 
 The rows are those a prompt's own run computed, so a prompt with a cached prefix runs its rest
 from them as the prefill runs a prompt in pieces (`prompt_steps="pieces"`): the same tokens.
-Decoder-only text rows only: a prompt with image features, or an encoder-decoder's, runs whole.
+Decoder-only prompts; a vision-language prompt is named by its images too (PromptImages.prefix_key).
+An encoder-decoder keeps its rows' first steps instead (cache/cross.py, FirstStepStore).
 """
 
 from __future__ import annotations

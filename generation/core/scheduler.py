@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..assisted.verify import verify
+from ..cache.cross import FirstStepStore
 from ..cache.prefix import PrefixStore
 from ..families.whisper.timestamps import timestamp_rule_ids
 from ..logits.constraints import Grammars
@@ -123,7 +124,8 @@ class Scheduler:
                  state=None, isolate: bool = True, prefix_cache_bytes: int = 0):
         self.ctx, self.slots, self.capacity, self.isolate = ctx, slots, capacity, isolate
         self.lookup, self.assistant, self.stream = lookup, assistant, stream
-        self.prefix = PrefixStore(prefix_cache_bytes) if prefix_cache_bytes else None
+        store = FirstStepStore if ctx.model.is_seq2seq else PrefixStore  # an encoder-decoder's: its first steps
+        self.prefix = store(prefix_cache_bytes) if prefix_cache_bytes else None
         self.state = state if state is not None else new_state(ctx, slots, capacity, self.prefix)
         self.waiting: deque[Job] = deque()
         self.holder: dict[int, Job] = {}  # slot -> the job of a plain row

@@ -24,13 +24,14 @@ import numpy as np
 
 from ..cache import new_cache
 from ..cache.base import prefill_apart
-from ..cache.cross import run_first_steps
+from ..cache.cross import FirstStepStore, run_first_steps
 from ..cache.prefill import PromptCache, run_from, run_prompts
 from ..cache.prefix import PrefixStore
 from ..families.vision import PromptImages, check_images
 from ..logits.constraints import Grammars
 from ..logits.processors import RowSettings, apply
 from ..logits.selection import LogProbs, SamplingRows, logprobs, pick
+from ..runtime.encoders import EncoderOutputs
 from ..search.beam import BeamGroup, advance_groups, beam_min_keep, new_group
 from .context import Context
 from .settings import SettingError, Settings
@@ -109,7 +110,8 @@ class DecodeState:
     lean: bool = True  # the context allows the lean step (no log-probabilities, no custom processors)
     groups: dict = field(default_factory=dict)  # first slot -> BeamGroup: beam searches (their slots are used, not live)
     beam_settings: tuple | None = None  # (key, RowSettings) of the groups' rows, taken once per change
-    prefix: PrefixStore | None = None  # cached prompt prefixes (cache/prefix.py), shared by the state's rows
+    # cached prompt prefixes (cache/prefix.py; an encoder-decoder's first steps, cache/cross.py), shared by the rows
+    prefix: PrefixStore | FirstStepStore | None = None
     cached: np.ndarray = None  # [B] the prompt tokens of each slot's last admission that came from `prefix`
     _settings_of: int = -1  # the settings.version live_settings was taken at
 
@@ -145,7 +147,7 @@ class DecodeState:
 
 
 def new_state(ctx: Context, slots: int | None = None, capacity: int | None = None,
-              prefix: PrefixStore | None = None) -> DecodeState:
+              prefix: PrefixStore | FirstStepStore | None = None) -> DecodeState:
     """An empty state of `slots` rows (default: the compiled batch size), each holding up to
     `capacity` tokens (default: the model's context). `prefix`: a PrefixStore its prompts reuse
     and fill (decoder-only text models; ignored for others)."""
@@ -171,7 +173,7 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
         if ctx.top_logprobs:
             state.top_ids = np.zeros((slots, capacity, ctx.top_logprobs), np.int64)
             state.top = np.full((slots, capacity, ctx.top_logprobs), np.nan, np.float32)
-    if prefix is not None and not ctx.model.is_seq2seq:
+    if prefix is not None and ctx.model.is_seq2seq == isinstance(prefix, FirstStepStore):
         state.prefix = prefix
     state.next_input[:] = ctx.settings.pad_token_id
     state.refresh()
@@ -470,7 +472,14 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
     """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
     token is chosen (the caller's search does that). Sets `state.cached` of the slots."""
     state.cached[slots] = 0
-    if state.prefix is not None and (encoder is None or isinstance(encoder, PromptImages)):
+    if isinstance(state.prefix, FirstStepStore) and isinstance(encoder, EncoderOutputs):
+        def first_steps(rows):
+            found = _cached_first_steps(ctx, state.prefix, rows, encoder)
+            state.cached[slots] = found.cached
+            return found
+
+        return prefill_apart(state.cache, slots, prompts, first_steps)
+    if isinstance(state.prefix, PrefixStore) and (encoder is None or isinstance(encoder, PromptImages)):
         def apart(rows):
             found = _cached_prompts(ctx, state.prefix, rows, encoder)
             state.cached[slots] = found.cached
@@ -479,6 +488,27 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
         return prefill_apart(state.cache, slots, prompts, apart)
     return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
                                lambda rows: _prompt_cache(ctx, rows, encoder))
+
+
+def _cached_first_steps(ctx: Context, store: FirstStepStore, prompts: list[list[int]],
+                        encoder: EncoderOutputs) -> PromptCache:
+    """`_prompt_cache` of encoder-decoder rows through `store`: a row whose hidden states and
+    decoder prompt were seen takes that first step's cache and logits; the others run together."""
+    keys = [store.key(hidden, prompt) for hidden, prompt in zip(encoder.hidden, prompts)]
+    found = [store.lookup(key, len(prompt)) for key, prompt in zip(keys, prompts)]
+    cold = [j for j, f in enumerate(found) if f is None]
+    rows: list = [None] * len(prompts)
+    last = np.zeros((len(prompts), ctx.model.vocab_size), np.float32)
+    if cold:
+        fresh = _prompt_cache(ctx, [prompts[j] for j in cold], encoder.take(cold))
+        for i, j in enumerate(cold):
+            rows[j], last[j] = fresh.rows[i], fresh.last_logits[i]
+            store.store(keys[j], rows[j], last[j])
+    for j, f in enumerate(found):
+        if f is not None:
+            rows[j], last[j] = f
+    return PromptCache(rows, np.array([len(p) for p in prompts]), last,
+                       cached=np.array([0 if f is None else len(p) for f, p in zip(found, prompts)], np.int64))
 
 
 def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]],

@@ -25,7 +25,6 @@ cache the features of repeated images by content hash).
 from __future__ import annotations
 
 import hashlib
-
 from dataclasses import dataclass
 
 import numpy as np

@@ -159,3 +159,38 @@ def test_a_vision_language_prefix_is_named_by_its_images_too(vision_paths, load_
     assert reused[1] >= (len(prepared.prompts[0]) - 8) // BLOCK * BLOCK - BLOCK  # through the image
     assert 0 < reused[2] <= image_at // BLOCK * BLOCK  # another image: only what comes before it
     assert reused[3] >= BLOCK
+
+
+@pytest.mark.parametrize("folder", ["marian-optimum", "whisper-optimum"])
+def test_an_encoder_decoders_repeated_source_skips_its_first_step(s2s, load_model, folder):
+    """An encoder-decoder's store keeps each row's first step by its hidden states and decoder
+    prompt: a source seen before takes it (its decoder prompt counted as cached), another source
+    runs; greedy, sampled and beam jobs give what they give without the store."""
+    from generation.cache.cross import FirstStepStore
+    from generation.runtime.encoders import EncoderOutputs
+
+    model = load_model(s2s[folder])
+    ctx = generation.context(model, max_new_tokens=6, token_logprobs=True)
+    rng = np.random.default_rng(5)
+    width = model.config.get("d_model") or model.config["hidden_size"]
+    sources = [rng.normal(size=(n, width)).astype(np.float32) for n in (8, 8)]  # one length: only their values tell them apart
+    start = [int(model.config.get("decoder_start_token_id") or 0)]
+    order = [0, 1, 0, 0, 1]  # the sources' repeats, each with other settings
+    jobs = [(start, i, JOBS[i % len(JOBS)]) for i in range(len(order))]
+
+    def run_sources(prefix_cache_bytes):
+        scheduler = Scheduler(ctx, slots=6, capacity=40, isolate=False, prefix_cache_bytes=prefix_cache_bytes)
+        made = [scheduler.job(p, seed=s, settings=settings, encoder=EncoderOutputs([sources[k]]))
+                for (p, s, settings), k in zip(jobs, order)]
+        for job in made:
+            scheduler.add(job)
+            while scheduler.busy:
+                scheduler.step()
+        out = [(j.tokens, j.logprobs, [(h.tokens, h.score) for h in j.hypotheses or []]) for j in made]
+        return out, scheduler.prefix, [j.cached_tokens for j in made]
+
+    plain, _, _ = run_sources(0)
+    cached, store, reused = run_sources(64 * 2**20)
+    same(plain, cached)
+    assert isinstance(store, FirstStepStore) and store.bytes > 0
+    assert reused == [0, 0, 1, 1, 1] and store.hits == 3
