@@ -194,3 +194,29 @@ def test_an_encoder_decoders_repeated_source_skips_its_first_step(s2s, load_mode
     same(plain, cached)
     assert isinstance(store, FirstStepStore) and store.bytes > 0
     assert reused == [0, 0, 1, 1, 1] and store.hits == 3
+
+
+@pytest.mark.parametrize("folder, mode", MODES, ids=[m[1] for m in MODES])
+def test_assisted_rows_take_cached_prefixes_and_keep_their_tokens(test_models, load_model, folder, mode):
+    """Prompt lookup decoding (a candidate generator verified in the batch) over cached
+    prefixes: the tokens and log-probabilities it gives without the cache."""
+    from generation.assisted.prompt_lookup import PromptLookup
+
+    ctx = generation.context(load_model(test_models[folder]), cache_mode=mode, max_new_tokens=10, token_logprobs=True)
+    repeat = SYSTEM[:24] * 2  # something for the lookup to find
+    jobs = [(repeat + [11, 12], i, dict(prompt_lookup_num_tokens=3)) for i in range(3)]
+
+    def run_lookup(prefix_cache_bytes):
+        scheduler = Scheduler(ctx, slots=3, capacity=160, lookup=PromptLookup(), isolate=False,
+                              prefix_cache_bytes=prefix_cache_bytes)
+        made = [scheduler.job(p, seed=s, settings=settings) for p, s, settings in jobs]
+        for job in made:
+            scheduler.add(job)
+            while scheduler.busy:
+                scheduler.step()
+        return [(j.tokens, j.logprobs, []) for j in made], [j.cached_tokens for j in made]
+
+    plain, _ = run_lookup(0)
+    cached, reused = run_lookup(64 * 2**20)
+    same(plain, cached)
+    assert reused == [0, 3 * BLOCK, 3 * BLOCK]
