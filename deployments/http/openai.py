@@ -691,7 +691,7 @@ def for_request(error: ApiError, request: _Request, prompt_index: int | None = N
 
 def wants_logprobs(request: _Request) -> int | None:
     """None, or how many alternatives each token's log-probability comes with (0: just its own)."""
-    if request.logprobs in (None, False):
+    if request.logprobs is None or request.logprobs is False:  # not `in (None, False)`: completions' 0 == False
         if request.top_logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs set", param="top_logprobs")
         return None

@@ -55,6 +55,7 @@ def test_logprobs_checks():
     assert wants_logprobs(parse(ChatCompletionRequest, dict(model="m", messages=[{"role": "user", "content": "a"}],
                                                             logprobs=True, top_logprobs=3))) == 3
     assert wants_logprobs(parse(CompletionRequest, dict(model="m", prompt="a", logprobs=2))) == 2
+    assert wants_logprobs(parse(CompletionRequest, dict(model="m", prompt="a", logprobs=0))) == 0  # its own only
     assert wants_logprobs(parse(CompletionRequest, dict(model="m", prompt="a"))) is None
     with pytest.raises(ApiError, match="top_logprobs: needs logprobs set"):
         wants_logprobs(parse(CompletionRequest, dict(model="m", prompt="a", top_logprobs=2)))
