@@ -214,7 +214,6 @@ def engine(serve_apps, load_model):
 def serve_apps(test_models):
     """One Ray instance for the whole session (RAY.md: ~9 s to start): three applications."""
     import os
-    import socket
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -232,9 +231,9 @@ def serve_apps(test_models):
     # 2 decoder replicas) more; with too few, serve.run waits forever for room
     ray.init(num_cpus=16, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": root + (os.pathsep + path if path else "")}})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ports import quiet_port
+
+    port = quiet_port()
     apps = ServeApps(port, test_models["llama-genai"])
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build({**ServeApps.REAL, "model": str(apps.real_model)}), name="real", route_prefix="/real")

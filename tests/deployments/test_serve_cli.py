@@ -36,9 +36,9 @@ def environment() -> dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from ports import quiet_port
+
+    return quiet_port()
 
 
 def raymuter(*args, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
