@@ -525,8 +525,6 @@ class Ingress:
     @api.post("/v1/embeddings", openapi_extra=body_of(EmbeddingRequest), responses=answers(EmbeddingList, *ERRORS))
     async def embeddings(self, request: Request):
         async def run(body: EmbeddingRequest, card: dict, rid: str):
-            if body.dimensions is not None and body.dimensions > 2**20:
-                raise ApiError(400, f"dimensions: {body.dimensions} is more than any model has", param="dimensions")
             out = await self._call(self.decoder.embed.remote(EmbedRequest(
                 inputs=body.inputs(), dimensions=body.dimensions, request_id=rid)), rid)
             if out.error is not None:

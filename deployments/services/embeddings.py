@@ -84,12 +84,9 @@ class EmbeddingService:
                          else None)
 
     def detokenize(self, ids: list[int]) -> str:
-        vocab = self.tokenizer.get_vocab_size()
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"tokens.{bad}: {ids[bad]} is not a token id of this model (0 to {vocab - 1})",
-                               f"tokens.{bad}")
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        from .generator import detokenized
+
+        return detokenized(self.tokenizer, self.tokenizer.get_vocab_size(), ids)
 
     def close(self) -> None:
         pass

@@ -53,6 +53,16 @@ def refusal(error: ValueError, request: GenerateRequest) -> RequestError:
     return RequestError(message, field)
 
 
+def detokenized(tokenizer, vocab: int, ids: list[int]) -> str:
+    """/detokenize: the text of token ids (special tokens kept, as vLLM's); an id outside the
+    vocabulary is the request's fault, naming it."""
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"tokens.{bad}: {ids[bad]} is not a token id of this model (0 to {vocab - 1})",
+                           f"tokens.{bad}")
+    return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
 def fingerprint(*configuration) -> str:
     """OpenAI's system_fingerprint: Raymuter's version and what the model runs with, hashed."""
     import hashlib
@@ -405,13 +415,7 @@ class TextGenerator:
         return Tokenized(tokens=ids, token_strs=[self._text(i) for i in ids] if token_strs else None)
 
     def detokenize(self, ids: list[int]) -> str:
-        """/detokenize: the text of token ids (special tokens kept, as vLLM's)."""
-        vocab = self.vocab_size
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"tokens.{bad}: {ids[bad]} is not a token id of this model (0 to {vocab - 1})",
-                               f"tokens.{bad}")
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return detokenized(self.tokenizer, self.vocab_size, ids)
 
     @property
     def vocab_size(self) -> int:

@@ -46,7 +46,7 @@ class BaseCache:
         """Run fresh prompts into free `slots` and return their last logits [n, V]. Here: apart
         from the batch (`apart(prompts)`: a prefill.PromptCache of their caches), each row then
         inserted; a mode that can run prompts straight into its buffer overrides it (in_place)."""
-        return prefill_apart(self, slots, prompts, apart)
+        return insert_prompts(self, slots, prompts, apart(prompts))
 
     def decode_steps(self, lengths: np.ndarray, count: int):
         """Up to `count` decodes, the k-th (from 0) at `lengths + k`, yielding each step's logits;
@@ -56,10 +56,10 @@ class BaseCache:
             yield self.decode(lengths + k)
 
 
-def prefill_apart(cache, slots: list[int], prompts: list[list[int]], apart) -> np.ndarray:
-    """BaseCache.prefill for any mode: the prompts run apart from the batch, then inserted (what a
-    prefix cache needs even of in_place: the rows it reuses come from elsewhere)."""
-    found = apart(prompts)
+def insert_prompts(cache, slots: list[int], prompts: list[list[int]], found) -> np.ndarray:
+    """Insert prompts run apart from the batch (`found`, a prefill.PromptCache) into `slots` of
+    any mode's cache and return their last logits (what a prefix cache needs even of in_place:
+    the rows it reuses come from elsewhere)."""
     for j, slot in enumerate(slots):
         cache.insert(slot, found.rows[j], len(prompts[j]))
     return found.last_logits

@@ -12,6 +12,7 @@ import numpy as np
 from ..runtime.encoders import EncoderOutputs
 from ..runtime.graph import ORT_TYPES, DecoderGraph
 from .base import BaseCache, moves_by_group
+from .prefix import checked_budget
 
 
 def _pad_sources(rows: list[np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -158,9 +159,7 @@ class FirstStepStore:
     prompt tokens looked up and found, as PrefixStore's."""
 
     def __init__(self, max_bytes: int):
-        if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"prefix cache bytes must be an integer >= 0, not {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes = checked_budget(max_bytes)
         self.entries: OrderedDict[bytes, tuple[dict, np.ndarray, int]] = OrderedDict()
         self.bytes = self.queries = self.hits = 0
 

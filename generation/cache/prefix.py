@@ -26,6 +26,13 @@ import numpy as np
 BLOCK = 16
 
 
+def checked_budget(max_bytes) -> int:
+    """A prefix store's byte budget, checked (this store's and cross.FirstStepStore's)."""
+    if not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"prefix cache bytes must be an integer >= 0, not {max_bytes!r}")
+    return max_bytes
+
+
 @dataclass
 class Entry:
     rows: dict[str, np.ndarray]  # cache input name -> [heads, length, head_dim]
@@ -39,9 +46,7 @@ class PrefixStore:
     and `hits` count prompt tokens looked up and found (vLLM's prefix cache counters)."""
 
     def __init__(self, max_bytes: int, block: int = BLOCK):
-        if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"prefix cache bytes must be an integer >= 0, not {max_bytes!r}")
-        self.max_bytes, self.block = max_bytes, block
+        self.max_bytes, self.block = checked_budget(max_bytes), block
         self.entries: OrderedDict[bytes, Entry] = OrderedDict()
         self.index: dict[bytes, tuple[bytes, int]] = {}  # block hash -> (entry key, blocks of the entry it ends)
         self.bytes = self.queries = self.hits = 0

@@ -56,7 +56,8 @@ def embedding_graph(folder: Path, variant: str | None = None) -> Path | None:
     file), or None when the folder has none (a generation export, say)."""
     suffix = "" if variant in (None, "fp32") else f"_{variant}"
     for candidate in (folder / "onnx" / f"model{suffix}.onnx", folder / f"model{suffix}.onnx"):
-        if candidate.exists() and _outputs(candidate) & set(HIDDEN_OUTPUTS) and "logits" not in _outputs(candidate):
+        outputs = _outputs(candidate) if candidate.exists() else set()
+        if outputs & set(HIDDEN_OUTPUTS) and "logits" not in outputs:
             return candidate
     return None
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cache import new_cache
-from ..cache.base import prefill_apart
+from ..cache.base import insert_prompts
 from ..cache.cross import FirstStepStore, run_first_steps
 from ..cache.prefill import PromptCache, run_from, run_prompts
 from ..cache.prefix import PrefixStore
@@ -149,8 +149,8 @@ class DecodeState:
 def new_state(ctx: Context, slots: int | None = None, capacity: int | None = None,
               prefix: PrefixStore | FirstStepStore | None = None) -> DecodeState:
     """An empty state of `slots` rows (default: the compiled batch size), each holding up to
-    `capacity` tokens (default: the model's context). `prefix`: a PrefixStore its prompts reuse
-    and fill (decoder-only text models; ignored for others)."""
+    `capacity` tokens (default: the model's context). `prefix`: the store its prompts reuse and
+    fill (a PrefixStore; an encoder-decoder's, a FirstStepStore; ignored when it is the other)."""
     slots = slots or ctx.batch_size
     if not slots:
         raise ValueError("slots: give the number of slots, or compile(ctx, batch_size) first")
@@ -471,23 +471,16 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
                  ) -> np.ndarray:
     """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
     token is chosen (the caller's search does that). Sets `state.cached` of the slots."""
-    state.cached[slots] = 0
     if isinstance(state.prefix, FirstStepStore) and isinstance(encoder, EncoderOutputs):
-        def first_steps(rows):
-            found = _cached_first_steps(ctx, state.prefix, rows, encoder)
-            state.cached[slots] = found.cached
-            return found
-
-        return prefill_apart(state.cache, slots, prompts, first_steps)
-    if isinstance(state.prefix, PrefixStore) and (encoder is None or isinstance(encoder, PromptImages)):
-        def apart(rows):
-            found = _cached_prompts(ctx, state.prefix, rows, encoder)
-            state.cached[slots] = found.cached
-            return found
-
-        return prefill_apart(state.cache, slots, prompts, apart)
-    return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
-                               lambda rows: _prompt_cache(ctx, rows, encoder))
+        found = _cached_first_steps(ctx, state.prefix, prompts, encoder)
+    elif isinstance(state.prefix, PrefixStore) and (encoder is None or isinstance(encoder, PromptImages)):
+        found = _cached_prompts(ctx, state.prefix, prompts, encoder)
+    else:
+        state.cached[slots] = 0
+        return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
+                                   lambda rows: _prompt_cache(ctx, rows, encoder))
+    state.cached[slots] = found.cached
+    return insert_prompts(state.cache, slots, prompts, found)
 
 
 def _cached_first_steps(ctx: Context, store: FirstStepStore, prompts: list[list[int]],

@@ -63,21 +63,14 @@ def prompt_passes(ctx, prompts: list[list[int]], tops: list[int | None], store=N
     out: list[PromptLogprobs | None] = [None] * len(prompts)
     graph, rows = model.graph, max(1, LOGITS_BYTES // (PIECE * model.vocab_size * 4))
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
-    if graph.has_group_query_attention or not graph.has_position_ids:
-        # GroupQueryAttention reads each row's length off the mask, which a row that ended in an
-        # earlier piece leaves with holes; without position_ids a graph counts positions off the
-        # past: prompts of one piece go together, longer ones alone (as cache.prefill runs them)
-        order = [i for i in order if len(prompts[i]) <= PIECE] + [[i] for i in order if len(prompts[i]) > PIECE]
-    batch: list[int] = []
-    for item in order + [None]:
-        if isinstance(item, int) and len(batch) < rows:
-            batch.append(item)
-            continue
-        if batch:
-            _pass_group(ctx, [prompts[i] for i in batch], [tops[i] for i in batch], store, out, batch)
-        batch = [item] if isinstance(item, int) else []
-        if isinstance(item, list):
-            _pass_group(ctx, [prompts[i] for i in item], [tops[i] for i in item], store, out, item)
+    # GroupQueryAttention reads each row's length off the mask, which a row that ended in an
+    # earlier piece leaves with holes; without position_ids a graph counts positions off the
+    # past: there prompts of one piece go together, longer ones alone (as cache.prefill runs them)
+    split = graph.has_group_query_attention or not graph.has_position_ids
+    alone = [i for i in order if split and len(prompts[i]) > PIECE]
+    together = [i for i in order if not (split and len(prompts[i]) > PIECE)]
+    for group in [together[k:k + rows] for k in range(0, len(together), rows)] + [[i] for i in alone]:
+        _pass_group(ctx, [prompts[i] for i in group], [tops[i] for i in group], store, out, group)
     return out
 
 
@@ -91,11 +84,11 @@ def _empty(n: int, top: int) -> PromptLogprobs:
 def _pass_group(ctx, prompts, tops, store, out, where) -> None:
     model = ctx.model
     longest = max(len(p) for p in prompts)
-    if longest < 2 and store is None:  # nothing to predict, nothing to keep
-        for b, (prompt, top) in enumerate(zip(prompts, tops)):
-            out[where[b]] = None if top is None else _empty(len(prompt), top)
-        return
     got = [None if top is None else _empty(len(prompt), top) for prompt, top in zip(prompts, tops)]
+    for b, found in enumerate(got):
+        out[where[b]] = found
+    if longest < 2 and store is None:  # nothing to predict, nothing to keep
+        return
 
     def read(logits: np.ndarray, offset: int) -> None:
         for b, (prompt, top, found) in enumerate(zip(prompts, tops, got)):
@@ -110,7 +103,6 @@ def _pass_group(ctx, prompts, tops, store, out, where) -> None:
     widths = [min(PIECE, longest - start) for start in range(0, longest, PIECE)]
     _, past = _run_rows(model.session, model.graph, [list(p) for p in prompts], widths, ctx.settings.pad_token_id,
                         ctx.max_position, on_logits=read)
-    for b, prompt in enumerate(prompts):
-        if store is not None:
+    if store is not None:
+        for b, prompt in enumerate(prompts):
             store.store(prompt, {name: array[b, :, :len(prompt)] for name, array in past.items()})
-        out[where[b]] = got[b]
