@@ -306,8 +306,11 @@ def start(args, config: dict, local_only: bool) -> None:
                  runtime_env=runtime_env)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-    except Exception:
-        check_port(args.host, args.port)  # taken since the first check: say so, not Ray's traceback
+    except Exception as e:
+        try:  # taken since the first check: say so, with what Serve said (its own proxy may hold the port)
+            check_port(args.host, args.port)
+        except ValueError as taken:
+            raise ValueError(f"{taken}; Serve did not start: {type(e).__name__}: {str(e)[:500]}") from None
         raise
     serve.run(build(config), name="raymuter", route_prefix="/")
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

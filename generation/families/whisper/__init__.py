@@ -1,5 +1,7 @@
 """Whisper (transformers 4.57), a model family: audio in, text (and timestamps) out.
 
+    prompt.py      the decoder prompt from every source transformers reads (language, task, forced ids)
+    languages.py   Whisper's language codes and names
     speech.py      a request made ready: audio loaded, log-mel features, the first windows
                    through the encoder, the decoder prompts (`prepare`)
     audio.py       the audio front end: files, bytes or arrays to 16 kHz samples, log-mel features

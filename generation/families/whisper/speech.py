@@ -19,48 +19,24 @@ from .. import Prepared
 from ..seq2seq import decoder_start
 from . import audio
 from .longform import ClipWindows, clip_windows, run_encoder, window_frames
+from .prompt import init_tokens
 
 
 def whisper_prompts(ctx: Context, encoder: EncoderOutputs, language=None, task: str | None = None,
-                    timestamps: bool = False) -> list[list[int]]:
-    """Each clip's decoder prompt as transformers 4.57 Whisper builds it: <|startoftranscript|>,
-    then for a multilingual model the language (given, or detected from the first step's logits
-    over the language tokens) and the task (default transcribe), then <|notimestamps|> unless
-    `timestamps`. `encoder`: the outputs of each clip's first window (what detection reads)."""
+                    timestamps: bool = False, is_multilingual: bool | None = None) -> list[list[int]]:
+    """Each clip's decoder prompt as transformers 4.57 Whisper builds it (prompt.init_tokens):
+    the language given, or detected from the first step's logits over the language tokens. `encoder`:
+    the outputs of each clip's first window (what detection reads)."""
     config = ctx.model.generation_config
     start = decoder_start(ctx)
-    prompts = [[start] for _ in range(len(encoder))]
-    lang_to_id, task_to_id = config.get("lang_to_id") or {}, config.get("task_to_id") or {}
-    if lang_to_id:
-        if language is None:
-            logits, _ = run_first_steps(ctx.model, [[start]] * len(encoder), encoder)
-            ids = np.array(sorted(lang_to_id.values()))
-            chosen = ids[logits[:, ids].argmax(axis=1)]
-        else:
-            languages = [language] * len(encoder) if isinstance(language, str) else list(language)
-            if len(languages) != len(encoder):
-                raise SettingError("language", f"language: give one language, or one per clip ({len(encoder)}), "
-                                               f"not {len(languages)}")
-            chosen = []
-            for name in languages:
-                token = name if name in lang_to_id else f"<|{str(name).lower()}|>"
-                if token not in lang_to_id:
-                    raise SettingError("language", f"language {name!r:.40} is not one of this model's: "
-                                                   f"{', '.join(k.strip('<|>') for k in lang_to_id)}")
-                chosen.append(lang_to_id[token])
-        task = task or "transcribe"
-        if task not in task_to_id:
-            raise SettingError("task", f"task must be one of {', '.join(task_to_id)}, not {task!r:.40}")
-        for prompt, lang in zip(prompts, chosen):
-            prompt += [int(lang), int(task_to_id[task])]
-    elif language is not None or task not in (None, "transcribe"):
-        raise SettingError("language", f"{ctx.model.folder.name} is an English-only model: language and task do "
-                                       "not apply")
-    no_timestamps = config.get("no_timestamps_token_id")
-    if no_timestamps is not None and not timestamps:
-        for prompt in prompts:
-            prompt.append(int(no_timestamps))
-    return prompts
+
+    def detect() -> list[int]:
+        logits, _ = run_first_steps(ctx.model, [[start]] * len(encoder), encoder)
+        ids = np.array(sorted(int(i) for i in config["lang_to_id"].values()))
+        return ids[logits[:, ids].argmax(axis=1)].tolist()
+
+    return init_tokens(config, ctx.model.config, start, len(encoder), language, task, timestamps, is_multilingual,
+                       detect)
 
 
 # Whisper generate options that change its output and that this engine does not implement

@@ -91,7 +91,7 @@ def test_bad_audio_says_what_is_wrong(model, tmp_path):
         tasks.speech_to_text(ctx, [str(bad)])
     with pytest.raises(ValueError, match=r"audios\[0\] lasts 3.0 s, longer than this model's 2 s window"):
         tasks.speech_to_text(ctx, [np.zeros(48000, np.float32)])
-    with pytest.raises(ValueError, match="language 'xx' is not one of this model's"):
+    with pytest.raises(ValueError, match="language 'xx' is not a Whisper language"):
         tasks.speech_to_text(ctx, clips()[:1], language="xx")
     with pytest.raises(ValueError, match="task must be one of"):
         tasks.speech_to_text(ctx, clips()[:1], language="en", task="summarise")
