@@ -3,12 +3,17 @@
 
 An image becomes frames of max_image_size x max_image_size pixels (`idefics3_frames`):
 
+    read         a PIL image as np.array(image), unconverted: RGBA and CMYK are 4 channels, 2-D
+                 modes (L, P, I;16, 1) and LA raise, as there; arrays of 1, 3 or 4 channels,
+                 first or last; floats in [0, 1] x255 to uint8 (truncating) by the first resize
     resize       the longest edge to size["longest_edge"] (up or down; the other edge keeps the
-                 aspect ratio, rounded up to even), LANCZOS
+                 aspect ratio, rounded up to even), LANCZOS (one channel last: NEAREST, as
+                 transformers resizes it as a mode-P image)
     split        (do_image_splitting) resize both edges up to multiples of the frame size, cut
                  rows x cols frames row by row, then the whole image resized to one frame
                  (the global image) last; without splitting (or when it fits one frame) the
                  image is resized to one frame and rows = cols = 0
+    RGB          (do_convert_rgb) each frame through RGBA, alpha-composited on white
     normalise    scale to [0, 1], (x - mean) / std
 
 and in the prompt it becomes, for rows = 2, cols = 2 and image_seq_len N (`image_prompt`):
@@ -34,17 +39,17 @@ import numpy as np
 from ..runtime.model import preprocessor_config
 from ..text.tokenizer import model_tokenizer
 from . import has_vision_encoder
-from .images import load_image
+from .images import channel_layout, describe, load_image, pil_uint8, rescale_normalize
 from .vl_prompts import Images, folder_json, prepare_chat, prepare_parts
 
 MAX_IMAGE_SIZE = 4096  # transformers' cap on either edge after the first resize
-LANCZOS = 1
+NEAREST, LANCZOS = 0, 1
 
 
 class Idefics3Pixels:
     """The settings of preprocessor_config.json, read as transformers 4.57
     `Idefics3ImageProcessor.__init__` reads them (defaults: longest edge 4 * 364, frames of 364,
-    splitting on, LANCZOS, mean and std 0.5)."""
+    splitting on, LANCZOS, do_convert_rgb on, mean and std 0.5)."""
 
     def __init__(self, config: dict):
         self.do_resize = config.get("do_resize", True)
@@ -53,6 +58,7 @@ class Idefics3Pixels:
         self.split = config.get("do_image_splitting", True)
         self.resample = config.get("resample", LANCZOS)
         self.do_rescale, self.do_normalize = config.get("do_rescale", True), config.get("do_normalize", True)
+        self.convert_rgb = config.get("do_convert_rgb", True)
         self.rescale_factor = config.get("rescale_factor", 1 / 255)
         self.mean = np.array(config.get("image_mean") or (0.5, 0.5, 0.5), np.float32)
         self.std = np.array(config.get("image_std") or (0.5, 0.5, 0.5), np.float32)
@@ -65,35 +71,37 @@ class Idefics3Pixels:
             raise ValueError(f"preprocessor_config.json: size must be {{'longest_edge': int}} or "
                              f"{{'height': int, 'width': int}}, not {size!r}")
 
-    def frames(self, image: np.ndarray) -> tuple[np.ndarray, int, int]:
-        """(frames [n, 3, F, F] float32, rows, cols) of one RGB uint8 image [H, W, 3]."""
+    def frames(self, image: np.ndarray, channels_first: bool = False,
+               name: str = "image") -> tuple[np.ndarray, int, int]:
+        """(frames [n, 3, F, F] float32, rows, cols) of one uint8 image [H, W, C] as
+        `idefics3_array` gives it (C 1, 3 or 4; channels_first: how it came, which picks the
+        resampling of one channel)."""
         height, width = image.shape[:2]
         if self.do_resize:
             if "longest_edge" in self.size:
                 height, width = _longest_edge(height, width, self.size["longest_edge"])
             else:
                 height, width = self.size["height"], self.size["width"]
-            image = self._resize(image, height, width)
+            image = self._resize(image, height, width, channels_first, name)
         rows = cols = 0
         if self.split:
             height, width = _multiples(height, width, self.frame)
-            image = self._resize(image, height, width)
+            image = self._resize(image, height, width, channels_first, name)
             frames = []
             if height > self.frame or width > self.frame:
                 rows, cols = math.ceil(height / self.frame), math.ceil(width / self.frame)
                 step_h, step_w = math.ceil(height / rows), math.ceil(width / cols)
                 frames = [image[r * step_h:min((r + 1) * step_h, height), c * step_w:min((c + 1) * step_w, width)]
                           for r in range(rows) for c in range(cols)]
-                image = self._resize(image, self.frame, self.frame)
+                image = self._resize(image, self.frame, self.frame, channels_first, name)
             frames.append(image)
         else:
-            frames = [self._resize(image, self.frame, self.frame)]
+            frames = [self._resize(image, self.frame, self.frame, channels_first, name)]
         out = []
         for frame in frames:
-            x = (frame.astype(np.float64) * self.rescale_factor).astype(np.float32) if self.do_rescale else frame
-            x = x.astype(np.float32)
-            if self.do_normalize:
-                x = (x - self.mean) / self.std
+            frame = _on_white(frame) if self.convert_rgb else frame
+            x = rescale_normalize(frame, self.rescale_factor if self.do_rescale else None,
+                                  self.mean if self.do_normalize else None, self.std)
             out.append(x.transpose(2, 0, 1))
         shapes = {f.shape for f in out}
         if len(shapes) != 1:  # (splitting always gives whole frames; do_resize=False with no splitting may not)
@@ -101,12 +109,21 @@ class Idefics3Pixels:
                              "preprocessor_config.json must give frames of one size")
         return np.stack(out), rows, cols
 
-    def _resize(self, image: np.ndarray, height: int, width: int) -> np.ndarray:
+    def _resize(self, image: np.ndarray, height: int, width: int, channels_first: bool, name: str) -> np.ndarray:
+        """As transformers' `Idefics3ImageProcessor.resize`, which makes a mode-P PIL image (so
+        NEAREST) of what has one channel in its last axis: a one-channel image channels last, or
+        one channels first of width 1 (with more channels that fails there: "Invalid mode")."""
+        last_axis_one = image.shape[2] == 1 if not channels_first else image.shape[1] == 1
+        if last_axis_one and image.shape[2] > 1:
+            raise ValueError(f"{name}: Idefics3ImageProcessor cannot resize a channels-first image of width 1 "
+                             f"(shape [{image.shape[2]}, {image.shape[0]}, 1] on the way; it fails on 'Invalid mode')")
         if image.shape[:2] == (height, width):
-            return image  # (PIL's resize to the same size is a copy for LANCZOS too)
+            return image  # (PIL's resize to the same size is a copy, whatever the filter)
         from PIL import Image
 
-        return np.asarray(Image.fromarray(image).resize((width, height), resample=self.resample))
+        pil = Image.fromarray(image[..., 0] if image.shape[2] == 1 else image)  # L, RGB or RGBA
+        resized = pil.resize((width, height), resample=NEAREST if last_axis_one else self.resample)
+        return np.asarray(resized).reshape(height, width, -1)
 
 
 def _longest_edge(height: int, width: int, longest: int) -> tuple[int, int]:
@@ -140,13 +157,46 @@ def _multiples(height: int, width: int, frame: int) -> tuple[int, int]:
     return height, width
 
 
+def _on_white(frame: np.ndarray) -> np.ndarray:
+    """[F, F, 3] uint8 of a [F, F, C] uint8 frame as transformers' Idefics3 `convert_to_rgb`: as
+    RGBA (one channel gray, three opaque), alpha-composited on white."""
+    from PIL import Image
+
+    rgba = Image.fromarray(frame[..., 0] if frame.shape[2] == 1 else frame).convert("RGBA")
+    return np.asarray(Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB"))
+
+
+def idefics3_array(image, name: str, convert_rgb) -> tuple[np.ndarray, bool]:
+    """([H, W, C] uint8 with C 1, 3 or 4, whether it came channels first) of `image` (anything
+    `load_image` takes) as Idefics3ImageProcessor reads it: a PIL image as np.array(image),
+    unconverted (do_convert_rgb acts on the frames, after the resizes); an array channels first
+    or last by `channel_layout(..., (1, 3, 4))`; floats to uint8 as its first resize makes them
+    (`pil_uint8`; they are rescaled once after, unlike Qwen2-VL's). A 2-D image (PIL modes L, P,
+    I;16, 1) or 2 channels (LA) raises, as there ("Unsupported number of image dimensions: 2",
+    "Unable to infer channel dimension format"); without do_convert_rgb, any but 3 channels."""
+    image = load_image(image, name)
+    array = image if isinstance(image, np.ndarray) else np.asarray(image)
+    layout = channel_layout(array.shape, (1, 3, 4)) if array.ndim == 3 else None
+    channels = None if layout is None else array.shape[0 if layout == "first" else -1]
+    if channels is None or (channels != 3 and not convert_rgb):
+        read = "" if image is array else f", read as an array {list(array.shape)},"
+        allowed = "1, 3 or 4 channels, first or last" if convert_rgb else (
+            "3 channels (preprocessor_config.json turns do_convert_rgb off)")
+        raise ValueError(f"{name} is {describe(image)}{read} which Idefics3ImageProcessor refuses: it takes images "
+                         f"of {allowed}; convert it to RGB first")
+    return pil_uint8(array.transpose(1, 2, 0) if layout == "first" else array)[0], layout == "first"
+
+
 def idefics3_pixels(images, config: dict) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """(pixel_values [frames, 3, F, F] float32, each image's (rows, cols)) of `images` (anything
-    `load_image` takes), frames image after image, as Idefics3ImageProcessor's unpadded frames."""
+    `load_image` takes), frames image after image, as Idefics3ImageProcessor's unpadded frames.
+    Each image is read as that processor reads an image alone (it takes the channel layout, and
+    raises, by the first image of a call, then reads the others as it read that one)."""
     pixels = Idefics3Pixels(config)
     out, grids = [], []
     for i, image in enumerate(images):
-        frames, rows, cols = pixels.frames(load_image(image, f"images[{i}]"))
+        name = f"images[{i}]"
+        frames, rows, cols = pixels.frames(*idefics3_array(image, name, pixels.convert_rgb), name)
         out.append(frames)
         grids.append((rows, cols))
     if not out:
@@ -217,7 +267,7 @@ def prepare_conversations(ctx, conversations, encode=None, add_generation_prompt
 encode = encode_frames
 
 
-def preprocess(model, images: list[np.ndarray], videos=()) -> Images:
+def preprocess(model, images: list, videos=()) -> Images:
     """Images as Idefics3ImageProcessor: frames, each image's (rows, cols), and each one's
     expansion, Idefics3Processor's frames text, tokenized."""
     folder = model.folder

@@ -271,7 +271,7 @@ def test_corrupt_image(model):
     Image.fromarray(IMAGES[0]).save(png, "PNG")
     for bad, words in ((png.getvalue()[:40], "prompts[0][1] is not a readable image"),
                        (b"not an image", "prompts[0][1] is not a readable image"),
-                       (np.zeros((4, 4), np.uint8), "prompts[0][1]: an image array must be [height, width, 3] uint8"),
+                       (np.zeros((4, 4), np.uint8), "prompts[0][1]: an image array must be [height, width, channels]"),
                        (3.5, "prompts[0][1] must be a PIL image")):
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
             image_text_to_text(_context(model), [[[1, 2], bad]])
