@@ -69,6 +69,7 @@ from .http.openai import (
     generate_request,
     parse,
     stream_chunk,
+    subtitles,
     usage,
     validation_error,
 )
@@ -211,8 +212,8 @@ class Encoder:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
 class Vision:
-    """A vision-language model's image preprocessing and vision encoder
-    (deployments.services.vision.VisionService), features cached by image content. Its replies go to the
+    """A vision-language model's image and video preprocessing and vision encoder
+    (deployments.services.vision.VisionService), features cached by content. Its replies go to the
     decoder unopened."""
 
     def __init__(self, config: dict):
@@ -224,6 +225,9 @@ class Vision:
 
     def encode_image(self, data: bytes, name: str = "image"):
         return self.service.encode_image(data, name)
+
+    def encode_video(self, data: bytes | list[bytes], name: str = "video"):
+        return self.service.encode_video(data, name)
 
     def metrics(self) -> str:
         return self.service.metrics.text()
@@ -349,14 +353,21 @@ install_error_handlers(api)
 # What /openapi.json lists as request bodies (the routes read their bodies themselves).
 REQUEST_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest]
 ERRORS = (400, 401, 404, 413, 500, 503)
+AUDIO_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")  # OpenAI's
 AUDIO_FORM = {"type": "object", "required": ["file", "model"], "properties": {
     "file": {"type": "string", "format": "binary", "description": "WAV, FLAC, OGG or MP3"},
     "model": {"type": "string"}, "language": {"type": "string", "maxLength": 64},
-    "prompt": {"type": "string", "description": "not supported: must be empty"},
-    "response_format": {"type": "string", "enum": ["json", "text", "verbose_json"]},
+    "prompt": {"type": "string", "maxLength": 4096,
+               "description": "previous text the transcription continues (Whisper's prompt_ids)"},
+    "response_format": {"type": "string", "enum": list(AUDIO_FORMATS)},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
-    "timestamp_granularities[]": {"type": "array", "items": {"type": "string", "enum": ["segment"]}}}}
+    "timestamp_granularities[]": {"type": "array", "items": {"type": "string", "enum": ["segment"]},
+                                  "description": "with response_format verbose_json"},
+    "compression_ratio_threshold": {"type": "number", "minimum": 0, "maximum": 1e6},
+    "logprob_threshold": {"type": "number", "minimum": -1e6, "maximum": 0},
+    "no_speech_threshold": {"type": "number", "minimum": 0, "maximum": 1},
+    "condition_on_prev_tokens": {"type": "boolean"}}}
 
 
 def _form_text(form, name: str, most: int) -> str | None:
@@ -556,19 +567,29 @@ class Ingress:
                 raise ApiError(400, "file: required (the audio file, as a multipart upload)", param="file")
             card = await self._model_card()
             self._check_model(form.get("model"), card)
-            if form.get("prompt"):
-                raise ApiError(400, "prompt: previous-text prompts are not supported", param="prompt")
             response_format = form.get("response_format") or "json"
-            if response_format not in ("json", "text", "verbose_json"):
-                raise ApiError(400, f"response_format: one of json, text, verbose_json, not '{response_format:.40}'",
+            if response_format not in AUDIO_FORMATS:
+                raise ApiError(400, f"response_format: one of {', '.join(AUDIO_FORMATS)}, not '{response_format!s:.40}'",
                                param="response_format")
             granularities = form.getlist("timestamp_granularities[]") or form.getlist("timestamp_granularities")
             if any(g != "segment" for g in granularities):
                 raise ApiError(400, "timestamp_granularities: only 'segment' is supported",
                                param="timestamp_granularities")
+            if granularities and response_format != "verbose_json":
+                raise ApiError(400, "timestamp_granularities: needs response_format verbose_json",
+                               param="timestamp_granularities")
+            condition = form.get("condition_on_prev_tokens")
+            if condition not in (None, "", "true", "false"):
+                raise ApiError(400, "condition_on_prev_tokens: true or false", param="condition_on_prev_tokens")
             fields = TranscriptionRequest(language=_form_text(form, "language", 64) or None, task=task,
-                                          timestamps=response_format == "verbose_json",
+                                          timestamps=response_format in ("verbose_json", "srt", "vtt"),
                                           temperature=_form_number(form, "temperature", float, 0, 2) or 0.0,
+                                          prompt=_form_text(form, "prompt", 4096) or None,
+                                          compression_ratio_threshold=_form_number(
+                                              form, "compression_ratio_threshold", float, 0, 1e6),
+                                          logprob_threshold=_form_number(form, "logprob_threshold", float, -1e6, 0),
+                                          no_speech_threshold=_form_number(form, "no_speech_threshold", float, 0, 1),
+                                          condition_on_prev_tokens=None if not condition else condition == "true",
                                           seed=_form_number(form, "seed", int, 0, 2**63 - 1))
             data = await upload.read()
             if len(data) > self.max_body:
@@ -577,6 +598,8 @@ class Ingress:
             result = await self.transcribe(data, fields, getattr(upload, "filename", None) or "file")
         if response_format == "text":
             return PlainTextResponse(result.text)
+        if response_format in ("srt", "vtt"):
+            return PlainTextResponse(subtitles(result.segments or [], response_format))
         if response_format == "verbose_json":
             return {"task": task, "language": result.language, "duration": result.duration, "text": result.text,
                     "segments": [s.model_dump() for s in result.segments or []]}
@@ -758,8 +781,10 @@ class Ingress:
         return self.encoder.encode_text.remote([request.prompt])
 
     async def _images(self, request: GenerateRequest) -> list:
-        """The Vision deployment's replies for the images of a chat request, in order (the
-        decoder opens them). Data URLs always; http(s) URLs when allow_remote_images."""
+        """The Vision deployment's replies for the images and videos of a chat request, in order
+        (the decoder opens them): image_url parts; video_url parts (a video file) and video parts
+        (a list of frames as image URLs, or a video file's URL). Data URLs always; http(s) URLs
+        when allow_remote_images."""
         if request.messages is None:
             return []
         replies = []
@@ -767,35 +792,43 @@ class Ingress:
             if not isinstance(message.content, list):
                 continue
             for j, part in enumerate(message.content):
-                if part.get("type") != "image_url":
+                kind = part.get("type")
+                if kind not in ("image_url", "video_url", "video"):
                     continue
-                field = f"messages.{i}.content.{j}.image_url"
+                field = f"messages.{i}.content.{j}.{kind}"
+                what = "image" if kind == "image_url" else "video"
                 if self.vision is None:
-                    raise ApiError(400, f"{field}: this model takes no images", param=field)
-                url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) \
-                    else part.get("image_url")
-                data = await self._image_bytes(url, field)
-                replies.append(self.vision.encode_image.remote(data, field))
+                    raise ApiError(400, f"{field}: this model takes no {what}s", param=field)
+                value = part.get(kind)
+                if isinstance(value, list):  # a video's frames
+                    frames = [await self._media_bytes(url, f"{field}.{k}", "image") for k, url in enumerate(value)]
+                    replies.append(self.vision.encode_video.remote(frames, field))
+                    continue
+                data = await self._media_bytes(value.get("url") if isinstance(value, dict) else value, field, what)
+                encode = self.vision.encode_image if what == "image" else self.vision.encode_video
+                replies.append(encode.remote(data, field))
         return replies
 
-    async def _image_bytes(self, url, field: str) -> bytes:
+    async def _media_bytes(self, url, field: str, what: str = "image") -> bytes:
+        """The bytes of an image or video URL (`what`): a base64 data URL's, or a fetched one's."""
         import base64
         import binascii
 
+        example = "data:image/png;base64,..." if what == "image" else "data:video/mp4;base64,..."
         if not isinstance(url, str) or not url:
-            raise ApiError(400, f"{field}: give the image as {{\"url\": \"data:image/png;base64,...\"}}", param=field)
+            raise ApiError(400, f"{field}: give the {what} as {{\"url\": \"{example}\"}}", param=field)
         if url.startswith("data:"):
             head, _, payload = url.partition(",")
             if not head.endswith(";base64"):
-                raise ApiError(400, f"{field}: a data URL must be base64 (data:image/...;base64,...)", param=field)
+                raise ApiError(400, f"{field}: a data URL must be base64 (data:{what}/...;base64,...)", param=field)
             try:
                 return base64.b64decode(payload, validate=True)
             except (binascii.Error, ValueError):
                 raise ApiError(400, f"{field}: the data URL's base64 does not decode", param=field) from None
         if url.startswith(("http://", "https://")):
             if not self.allow_remote_images:
-                raise ApiError(400, f"{field}: remote image URLs are off on this server (allow_remote_images); "
-                                    "send the image as a data URL", param=field)
+                raise ApiError(400, f"{field}: remote {what} URLs are off on this server (allow_remote_images); "
+                                    f"send the {what} as a data URL", param=field)
             import httpx
 
             try:
@@ -803,12 +836,13 @@ class Ingress:
                     response = await client.get(url)
                     response.raise_for_status()
             except httpx.HTTPError as e:
-                raise ApiError(400, f"{field}: could not fetch the image: {e}", param=field) from None
+                raise ApiError(400, f"{field}: could not fetch the {what}: {e}", param=field) from None
             if len(response.content) > self.max_body:
-                raise ApiError(413, f"{field}: the image has {len(response.content)} bytes; at most {self.max_body}",
+                raise ApiError(413, f"{field}: the {what} has {len(response.content)} bytes; at most {self.max_body}",
                                param=field, code="body_too_large")
             return response.content
-        raise ApiError(400, f"{field}: an image URL is a data: URL or http(s)://, not {url[:40]!r}", param=field)
+        raise ApiError(400, f"{field}: {'an image' if what == 'image' else 'a video'} URL is a data: URL or http(s)://, "
+                            f"not {url[:40]!r}", param=field)
 
     async def _chunks(self, request: GenerateRequest, body=None, prompt_index: int | None = None):
         """The decoder's stream, its failures as ApiErrors (naming the OpenAI request's field

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Message(BaseModel):
@@ -151,17 +151,32 @@ class Tokenized(BaseModel):
 
 class TranscriptionRequest(BaseModel):
     """Whisper over an uploaded clip: the language (None: detected), the task, timestamps
-    (segments with start and end seconds), a sampling temperature (0: greedy), generation
-    settings and a seed."""
+    (segments with start and end seconds), a sampling temperature (0: greedy; a list: the
+    temperatures of the fallback, as transformers' generate(temperature=(...))), a previous-text
+    `prompt` (transformers' prompt_ids), Whisper's long-form options (None: the model's
+    generation_config.json), generation settings and a seed."""
 
     model_config = ConfigDict(extra="forbid")
 
-    language: str | None = None
+    language: str | None = Field(default=None, max_length=64)
     task: Literal["transcribe", "translate"] = "transcribe"
     timestamps: bool = False
-    temperature: float = Field(default=0.0, ge=0, le=2)
+    temperature: float | list[float] = Field(default=0.0)
+    prompt: str | None = Field(default=None, max_length=4096)
+    compression_ratio_threshold: float | None = Field(default=None, ge=0, le=1e6)
+    logprob_threshold: float | None = Field(default=None, ge=-1e6, le=0)
+    no_speech_threshold: float | None = Field(default=None, ge=0, le=1)
+    condition_on_prev_tokens: bool | None = None
     settings: dict[str, Any] = Field(default_factory=dict)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperatures(cls, value):
+        values = value if isinstance(value, list) else [value]
+        if not 1 <= len(values) <= 16 or not all(0 <= t <= 2 for t in values):
+            raise ValueError("temperature: a number from 0 to 2, or a list of 1 to 16 of them")
+        return value
 
 
 class Segment(BaseModel):

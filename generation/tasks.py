@@ -7,6 +7,8 @@
     out = image_text_to_text(qwen2vl_ctx, [["Describe", image, "in a word."], ["no image"]])
     out = image_chat(smolvlm_ctx, [[{"role": "user", "content": [{"type": "image", "image": image},
                                                                  {"type": "text", "text": "What is it?"}]}]])
+    out = image_chat(qwen2vl_ctx, [[{"role": "user", "content": [{"type": "video", "path": "clip.mp4"},
+                                                                 {"type": "text", "text": "What happens?"}]}]])
     out = image_to_text(vit_gpt2_ctx, [image, "photo.png"])              # captions
 
 Each task asks the model's family (`generation.families`) to prepare its batch: tokenize or
@@ -20,7 +22,7 @@ Vision-language prompts run the vision encoder once per image (the family's, or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .core.context import Context
 from .core.generate import Generated, generate
@@ -64,7 +66,7 @@ def _result(ctx: Context, row) -> TaskResult:
 
 
 def speech_to_text(ctx: Context, audios, sampling_rate: int = 16000, language=None, task: str | None = None,
-                   seeds=None, return_timestamps: bool | None = None, encode=None) -> list[TaskResult]:
+                   seeds=None, return_timestamps: bool | None = None, encode=None, **options) -> list[TaskResult]:
     """Transcribe (or translate) each clip: float arrays at `sampling_rate`, or audio files.
     Tokens, text and segments are what transformers 4.57 Whisper generate returns.
 
@@ -75,15 +77,22 @@ def speech_to_text(ctx: Context, audios, sampling_rate: int = 16000, language=No
     the batch, unless generation_config.json sets return_timestamps false, which is an error
     then, as return_timestamps=False is (as in transformers).
     encode: [n, n_mels, frames] log-mel windows -> EncoderOutputs (default: this model's encoder).
+    options: is_multilingual, and Whisper's long-form options as transformers' generate takes
+    them (`generation.families.whisper.options`): temperature (one, or a tuple to fall back
+    through), compression_ratio_threshold, logprob_threshold, no_speech_threshold,
+    condition_on_prev_tokens, prompt_ids (`whisper.prompt.prompt_ids` of a text),
+    prompt_condition_type; each, when not given, generation_config.json's.
     """
     speech = _family(ctx, "speech_to_text", ("whisper",), "a Whisper model").prepare(
         ctx, audios, sampling_rate=sampling_rate, language=language, task=task, seeds=seeds,
-        return_timestamps=return_timestamps, encode=encode)
-    if not speech.timestamps:
+        return_timestamps=return_timestamps, encode=encode, **options)
+    if not speech.windowed:
         rows = generate(ctx, speech.prompts, seeds=speech.seeds, encoder=speech.encoder)
         return [_result(ctx, row) for row in rows]
     segments = decode_windows(ctx, speech.features.features, speech.features.num_frames, speech.prompts,
-                              speech.encode, speech.seeds, speech.encoder)
+                              speech.encode, speech.seeds, speech.encoder, speech.options, speech.timestamps)
+    if not speech.timestamps:
+        return [replace(timestamped(ctx, row), segments=None) for row in segments]
     return [timestamped(ctx, row) for row in segments]
 
 
@@ -117,7 +126,9 @@ def image_chat(ctx: Context, conversations, seeds=None, encode=None,
                add_generation_prompt: bool = True) -> list[TaskResult]:
     """Answer each chat conversation of a Qwen2-VL or Idefics3 model: messages
     [{"role": ..., "content": text or [{"type": "text", "text": ...}, {"type": "image", "image":
-    <image as image_text_to_text takes it>} or {"type": "image", "path": <file>}, ...]}].
+    <image as image_text_to_text takes it>} or {"type": "image", "path": <file>}, and for
+    Qwen2-VL {"type": "video", "video": <a [frames, H, W, 3] uint8 array, a list of frames, a video
+    file's bytes>} or {"type": "video", "path": <video file, decoded with PyAV>}, ...]}].
     The prompt's ids are what transformers 4.57 `processor.apply_chat_template(conversation,
     add_generation_prompt=..., tokenize=True)` gives with the model folder's chat template;
     tokens as image_text_to_text. encode: as image_text_to_text's."""

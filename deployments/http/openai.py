@@ -352,15 +352,27 @@ class ImageURL(BaseModel):
     detail: Literal["auto", "low", "high"] | None = None
 
 
+class VideoURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    url: str
+
+
+VIDEO_FRAMES = Annotated[list[str], Field(min_length=1, max_length=limits.MAX_VIDEO_FRAMES)]
+
+
 class ContentPart(BaseModel):
-    """A part of a message's content: text, or an image as a data URL (http(s) where the server
-    allows remote images)."""
+    """A part of a message's content: text, an image as a data URL (http(s) where the server
+    allows remote images), or a video: vLLM's video_url (a video file's data URL), or transformers'
+    {"type": "video", "video": [frame data URLs, ...]} (or one video file's URL)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text", "image_url"]
+    type: Literal["text", "image_url", "video_url", "video"]
     text: str | None = None
     image_url: ImageURL | str | None = None
+    video_url: VideoURL | str | None = None
+    video: VIDEO_FRAMES | str | None = None
 
     @model_validator(mode="after")
     def _has_its_content(self):
@@ -368,6 +380,11 @@ class ContentPart(BaseModel):
             raise ValueError("a text part needs its text")
         if self.type == "image_url" and self.image_url is None:
             raise ValueError("an image_url part needs its image_url ({\"url\": \"data:image/png;base64,...\"})")
+        if self.type == "video_url" and self.video_url is None:
+            raise ValueError("a video_url part needs its video_url ({\"url\": \"data:video/mp4;base64,...\"})")
+        if self.type == "video" and self.video is None:
+            raise ValueError("a video part needs its video: its frames as image data URLs "
+                             "([\"data:image/png;base64,...\", ...]) or a video file's URL")
         return self
 
 
@@ -548,6 +565,22 @@ class VersionResponse(BaseModel):
 
 class Transcription(BaseModel):
     text: str
+
+
+def _clock(seconds: float, mark: str) -> str:
+    """hh:mm:ss<mark>mmm, as subtitle files write a time."""
+    millis = max(0, round(seconds * 1000))
+    hours, rest = divmod(millis, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    return f"{hours:02d}:{minutes:02d}:{rest // 1000:02d}{mark}{rest % 1000:03d}"
+
+
+def subtitles(segments, kind: str) -> str:
+    """Segments (start, end, text) as an SRT or WebVTT file, as OpenAI's response_format srt / vtt."""
+    cues = [(s.start, s.end, s.text.strip()) for s in segments]
+    if kind == "srt":
+        return "".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{t}\n\n" for i, (a, b, t) in enumerate(cues, 1))
+    return "WEBVTT\n\n" + "".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{t}\n\n" for a, b, t in cues)
 
 
 # -- validation --------------------------------------------------------------------------------------

@@ -237,17 +237,19 @@ class ContinuousBatcher:
 
     # -- public -----------------------------------------------------------------------------
     def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
-               prompt_logprobs: int | None = None, timestamps: bool = False) -> Request:
+               prompt_logprobs: int | None = None, timestamps: bool = False, untempered: bool = False) -> Request:
         """Queue a prompt (token ids) with its generation settings (any generation_config
         field: validated here, so a bad one raises ValueError naming it). An encoder-decoder
         model's request brings its source through the encoder: `encoder`, an EncoderOutputs of
         one row (the prompt is then the decoder's: decoder_start_token_id, ...). `timestamps`: a
-        Whisper window, decoded with the timestamp rules."""
+        Whisper window, decoded with the timestamp rules; `untempered`: its log-probabilities
+        before the temperature (the window's temperature fallback rates it by them)."""
         if self._stop.is_set():
             raise RuntimeError("the batcher is closed")
         if self._waiting.qsize() + len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
-        job = self.scheduler.job(prompt, seed, settings, encoder, prompt_logprobs, timestamps=timestamps)
+        job = self.scheduler.job(prompt, seed, settings, encoder, prompt_logprobs, timestamps=timestamps,
+                                 untempered=untempered)
         request = Request(next(self._ids), job.prompt, job.seed, job.settings, job.max_new, job=job,
                           beams=job.beams, encoder=encoder, prompt_top=prompt_logprobs)
         job.key = request

@@ -397,9 +397,9 @@ class TextGenerator:
         route renders them); add_special_tokens defaults to true for a prompt, false for messages."""
         if messages is not None:
             if self.takes_images and any(isinstance(m.get("content"), list) and any(
-                    p.get("type") == "image_url" for p in m["content"]) for m in messages):
-                raise RequestError("messages: /tokenize takes text messages only (an image's tokens depend on "
-                                   "its size)", "messages")
+                    p.get("type") in ("image_url", "video_url", "video") for p in m["content"]) for m in messages):
+                raise RequestError("messages: /tokenize takes text messages only (an image's or video's tokens "
+                                   "depend on its size)", "messages")
             from generation.text.chat import ChatTemplateError, render_chat
 
             plain = [_plain(m, i) for i, m in enumerate(messages)]
@@ -431,14 +431,18 @@ class TextGenerator:
         window through the encoder, the prompt) and decoded in the continuous batch: one row, or
         with timestamps (or a clip longer than a window) a row per window."""
         import generation
+        from generation.core.settings import SettingError
         from generation.families.whisper.audio import HOP_LENGTH, SAMPLING_RATE
+        from generation.families.whisper.languages import LANGUAGES
         from generation.families.whisper.longform import window_frames
+        from generation.families.whisper.prompt import detected_language, prompt_ids
         from generation.families.whisper.speech import prepare_speech
 
         if self.family != "whisper":
             raise RequestError(f"model: '{self.name}' does not take audio (a {self.family} model)", "model")
         settings = {**self.defaults, **request.settings}
-        if request.temperature:
+        fallback = isinstance(request.temperature, list)
+        if request.temperature and not fallback:
             settings.update(do_sample=True, temperature=request.temperature)
         try:
             ctx = generation.context(self.batcher.ctx.model, **settings)
@@ -446,12 +450,21 @@ class TextGenerator:
             raise RequestError(str(e), _transcription_field(e)) from None
         long_form = len(samples) > window_frames(ctx) * HOP_LENGTH  # needs timestamps, whatever the format
         timestamps = request.timestamps or long_form or bool(ctx.model.generation_config.get("return_timestamps"))
+        options = dict(compression_ratio_threshold=request.compression_ratio_threshold,
+                       logprob_threshold=request.logprob_threshold, no_speech_threshold=request.no_speech_threshold,
+                       condition_on_prev_tokens=request.condition_on_prev_tokens,
+                       temperature=tuple(request.temperature) if fallback else None)
         started = time.perf_counter()
         try:
+            if request.prompt is not None:
+                options["prompt_ids"] = prompt_ids(ctx.model, request.prompt)
             speech = await asyncio.to_thread(prepare_speech, ctx, [samples], language=request.language,
                                              task=request.task, seeds=[request.seed or 0],
-                                             return_timestamps=bool(timestamps), encode=encode)
-            if speech.timestamps:
+                                             return_timestamps=bool(timestamps), encode=encode, **options)
+            if speech.options.logprob_threshold is not None and not self.batcher.ctx.token_logprobs:
+                raise SettingError("logprob_threshold", "logprob_threshold: this server runs without log-probabilities "
+                                                        "(max_logprobs -1), which the fallback rates windows by")
+            if speech.windowed:
                 result = await self._windowed_transcription(ctx, speech, settings)
             else:
                 result = await self._batched_transcription(ctx, speech, settings)
@@ -462,21 +475,33 @@ class TextGenerator:
         self.metrics.success.labels(model_name=self.name, finished_reason="stop").inc()
         segments = None if result.segments is None else [
             Segment(id=i, start=s.start, end=s.end, text=s.text, tokens=s.tokens) for i, s in enumerate(result.segments)]
+        code = detected_language(ctx.model.generation_config, speech.prompts[0])
         return Transcription(text=result.text, tokens=result.tokens, segments=segments,
-                             duration=len(samples) / SAMPLING_RATE, language=request.language)
+                             duration=len(samples) / SAMPLING_RATE,
+                             language=LANGUAGES.get(code, code) if code else request.language)
 
     async def _windowed_transcription(self, ctx, speech, settings):
         """Timestamps, or a clip longer than a window: each window is a row of the batch beside
         every other request; the clip's next window goes in once its row ended (the seek rule
         between, as `generation.families.whisper.longform.decode_windows`)."""
+        from dataclasses import replace
+
+        from generation.families.whisper.longform import check_window_length
         from generation.tasks import timestamped
 
         clip = speech.windows(ctx)[0]
+        rated = speech.options.logprob_threshold is not None
         while not clip.done:
             encoder = await asyncio.to_thread(clip.next_encoder, speech.encode, speech.encoder)
-            completion = await self._decoded(clip.prompt, clip.window_seed, settings, encoder, timestamps=True)
-            clip.take(completion.tokens)
-        return timestamped(ctx, clip.segments)
+            await asyncio.to_thread(clip.rate_silence, ctx.model, encoder)
+            settled = False
+            while not settled:  # a window that needs the temperature fallback is decoded again
+                prompt, attempt = clip.decoder_prompt(), {**settings, **clip.setting_changes()}
+                check_window_length(ctx, prompt, ctx.with_settings(**attempt))
+                handle = await self._submitted(prompt, clip.window_seed, attempt, encoder, speech.timestamps, rated)
+                settled = clip.take_job(handle.job, ctx.model.vocab_size)
+        result = timestamped(ctx, clip.segments)
+        return result if speech.timestamps else replace(result, segments=None)
 
     async def _batched_transcription(self, ctx, speech, settings):
         """One window without timestamps: a row of the batch."""
@@ -487,8 +512,14 @@ class TextGenerator:
 
     async def _decoded(self, prompt, seed, settings, encoder, timestamps: bool = False):
         """A row's Completion through the batcher (cancelled when the client leaves)."""
+        return (await self._submitted(prompt, seed, settings, encoder, timestamps)).result(timeout=5)
+
+    async def _submitted(self, prompt, seed, settings, encoder, timestamps: bool = False, untempered: bool = False):
+        """A row through the batcher, once it ended (its Request: the Completion and the
+        scheduler's Job); cancelled when the client leaves."""
         try:
-            handle = self.batcher.submit(prompt, seed=seed, settings=settings, encoder=encoder, timestamps=timestamps)
+            handle = self.batcher.submit(prompt, seed=seed, settings=settings, encoder=encoder, timestamps=timestamps,
+                                         untempered=untempered)
         except QueueFull as e:
             raise Overloaded(str(e)) from None
         try:
@@ -501,7 +532,7 @@ class TextGenerator:
         self.metrics.queue.observe(completion.queued_seconds)
         if completion.finish_reason == "error":
             raise RuntimeError(f"generation failed: {completion.error}")
-        return completion
+        return handle
 
     def _logprob(self, token, top: int) -> TokenLogprob:
         alternatives = None
@@ -516,8 +547,9 @@ class TextGenerator:
 def _plain(message: dict, index: int, takes_images: bool = False) -> dict:
     """A message for the template. A text-only model's list content joins its text parts (an
     image part is refused by name); a vision-language model's keeps its parts, each image_url
-    part as {"type": "image"} (its features come from the Vision deployment), as transformers'
-    processors hand them to the template."""
+    part as {"type": "image"} and each video_url or video part as {"type": "video"} (their
+    features come from the Vision deployment), as transformers' processors hand them to the
+    template."""
     content = message.get("content")
     if isinstance(content, list):
         parts = []
@@ -527,8 +559,10 @@ def _plain(message: dict, index: int, takes_images: bool = False) -> dict:
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image_url" and takes_images:
                 parts.append({"type": "image"})
+            elif kind in ("video_url", "video") and takes_images:
+                parts.append({"type": "video"})
             else:
-                allowed = "text and image_url" if takes_images else "text"
+                allowed = "text, image_url, video_url and video" if takes_images else "text"
                 raise RequestError(f"messages[{index}].content[{j}]: this model takes {allowed} parts only, "
                                    f"not {kind!r}", f"messages.{index}.content.{j}")
         message = {**message, "content": parts if takes_images else "".join(p["text"] for p in parts)}
@@ -539,7 +573,8 @@ def _transcription_field(error: ValueError) -> str:
     """The transcription request's field an engine error is about: its language, task or
     temperature, another setting, else the file."""
     setting = getattr(error, "setting", None)
-    if setting in ("language", "task"):
+    if setting in ("language", "task", "prompt", "compression_ratio_threshold", "logprob_threshold",
+                   "no_speech_threshold", "condition_on_prev_tokens"):
         return setting
     if setting in ("temperature", "do_sample"):
         return "temperature"

@@ -1,12 +1,15 @@
-"""The vision replica's work, free of Ray: an image file in, its features out, cached by content.
+"""The vision replica's work, free of Ray: an image or video file in, its features out, cached by
+content.
 
-A vision-language model's image preprocessing and vision encoder run in their own deployment,
-scaled apart from the decoder. The ingress hands it each image of a chat request (the bytes of
-a data URL or a fetched file) and passes the reply, unopened, to the decoder, which places the
-features in the prompt (`prompt_images`). The same image twice is encoded once. The features and
-their layout are the engine's (`generation.families.vl_prompts.ImageFeatures`); this module only moves them.
+A vision-language model's image and video preprocessing and vision encoder run in their own
+deployment, scaled apart from the decoder. The ingress hands it each image and video of a chat
+request (the bytes of a data URL or a fetched file; a video also as its frames' image files) and
+passes the reply, unopened, to the decoder, which places the features in the prompt
+(`prompt_images`). The same image or video twice is encoded once. The features and their layout
+are the engine's (`generation.families.vl_prompts.ImageFeatures`); this module only moves them.
 
     encode_image(bytes) -> ImageFeatures(the image's layout in a prompt, features [tokens, hidden])
+    encode_video(bytes or [frame bytes, ...]) -> ImageFeatures(the video's layout, its features)
 """
 
 from __future__ import annotations
@@ -57,13 +60,49 @@ class VisionService:
         self.metrics.latency.observe(time.perf_counter() - started)
         return out
 
+    def encode_video(self, data: bytes | list[bytes], name: str = "video"):
+        """A video's features: a video file (decoded with PyAV: every frame) or its frames' image
+        files, preprocessed as the model's transformers processor does (Qwen2-VL); the same bytes
+        again come from the cache. A video of more tokens than the model's context is refused
+        before the encoder runs."""
+        from generation.families.videos import takes_videos, video_frames
+        from generation.families.vl_prompts import encode_video, preprocess
+
+        started = time.perf_counter()
+        self.metrics.items.inc()
+        if not takes_videos(self.model):
+            raise RequestError(f"{name}: this model ('{self.name}', {self.model.family}) takes images, not videos",
+                               name)
+        frames = isinstance(data, (list, tuple))
+        key = self.cache.key("video-frames", *map(bytes, data)) if frames else self.cache.key("video", bytes(data))
+        cached = self.cache.get(key)
+        if cached is not None:
+            self.metrics.cache_hits.inc()
+            self.metrics.latency.observe(time.perf_counter() - started)
+            return cached
+        try:
+            videos = preprocess(self.model, [], [video_frames([bytes(d) for d in data] if frames else bytes(data),
+                                                              name)])
+        except ValueError as e:
+            raise RequestError(str(e) if str(e).startswith(name) else f"{name}: {e}", name) from None
+        context = self.model.max_context
+        if context and videos.video_features > context:
+            raise RequestError(f"{name}: the video makes {videos.video_features} video tokens; the model's context "
+                               f"holds {context}", name)
+        out = encode_video(self.model, videos)
+        self.cache.put(key, out, out.nbytes)
+        self.metrics.cache_misses.inc()
+        self.metrics.latency.observe(time.perf_counter() - started)
+        return out
+
 
 def prompt_images(model, messages: list[dict], images: list, add_generation_prompt: bool = True,
                   variables: dict | None = None):
     """A chat prompt's token ids and its PromptImages (None without images; `images`: the
-    vl_prompts.ImageFeatures of its image parts, in order): the model's chat template rendered
-    with `{"type": "image"}` parts (and `variables`), each placeholder replaced by its image's
-    expansion, as transformers' processor.apply_chat_template does (`generation.families.vl_prompts`)."""
+    vl_prompts.ImageFeatures of its image and video parts, in order): the model's chat template
+    rendered with `{"type": "image"}` and `{"type": "video"}` parts (and `variables`), each
+    placeholder replaced by its image's or video's expansion, as transformers'
+    processor.apply_chat_template does (`generation.families.vl_prompts`)."""
     from generation.families.vl_prompts import chat_ids, join_images, placed_images
 
     joined = join_images(images) if images else None

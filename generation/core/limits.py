@@ -27,3 +27,4 @@ MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's li
 MAX_MESSAGES = 2048  # chat messages in one request
 MAX_GRAMMAR_LENGTH = 65536  # characters of a structured_outputs schema, regex or grammar
 MAX_CONSTRAINT_CHOICES = 256  # strings of a structured_outputs choice
+MAX_VIDEO_FRAMES = 768  # frames of one video (Qwen2VLVideoProcessor's max_frames)

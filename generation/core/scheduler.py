@@ -47,6 +47,7 @@ from .state import (
     advance,
     new_state,
     release,
+    row_eos_logprob,
     row_logprobs,
     row_tokens,
     step,
@@ -79,6 +80,7 @@ class Job:
     admitting: bool = False  # the error came while admitting the job
     prompt_logprobs: object = None  # a prompt_logprobs.PromptLogprobs, before the first token
     started: float | None = None  # perf_counter() when it was admitted (or ended waiting)
+    eos_logprob: float | None = None  # the log-probability of the eos token it ended at (token_logprobs)
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache (OpenAI's usage.prompt_tokens_details)
 
     @property
@@ -136,10 +138,11 @@ class Scheduler:
 
     # -- jobs -----------------------------------------------------------------------------
     def job(self, prompt, seed: int = 0, settings: dict | None = None, encoder=None,
-            prompt_logprobs: int | None = None, key=None, timestamps: bool = False) -> Job:
+            prompt_logprobs: int | None = None, key=None, timestamps: bool = False, untempered: bool = False) -> Job:
         """A checked Job: `settings` are generation_config fields by name over the context's;
-        `timestamps`: a Whisper window decoded with the timestamp rules. Anything wrong raises
-        SettingError naming the field. Thread-safe (reads the context only)."""
+        `timestamps`: a Whisper window decoded with the timestamp rules; `untempered`: its
+        log-probabilities before the temperature (Whisper's fallback rates a window by them).
+        Anything wrong raises SettingError naming the field. Thread-safe (reads the context only)."""
         ctx = self.ctx
         if ctx.model.is_seq2seq and (encoder is None or len(encoder) != 1):
             raise ValueError("an encoder-decoder job needs its encoder outputs (one row): encoder=")
@@ -150,6 +153,8 @@ class Scheduler:
         resolved = ctx.with_settings(**(settings or {}))
         if timestamps:
             resolved = replace(resolved, timestamp_rules=timestamp_rule_ids(ctx.model))
+        if untempered:
+            resolved = replace(resolved, untempered_logprobs=True)
         if not prompt:
             raise SettingError("prompt", "prompt is empty")
         vision = getattr(ctx.model, "vision_session", None) is not None
@@ -402,6 +407,7 @@ class Scheduler:
             job.tokens = row_tokens(self.state, slot)
             if self.ctx.token_logprobs:
                 job.logprobs, job.top = row_logprobs(self.state, slot)
+                job.eos_logprob = row_eos_logprob(self.state, slot)
         self.state = release(self.ctx, self.state, slot)
         self._close(job, reason or self._reason(job), error)
 

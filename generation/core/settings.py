@@ -90,6 +90,9 @@ class Settings:
     # Whisper's timestamp rules for this row (no_timestamps_token_id, eos, max_initial_timestamp_index
     # or -1): set by the engine for a timestamped window (longform.timestamp_settings), never by a request
     timestamp_rules: tuple[int, int, int] | None = None
+    # a sampled row's log-probabilities of its scores before the temperature (scores x temperature),
+    # as Whisper's temperature fallback rates a window (`_retrieve_avg_logprobs`): set by the engine
+    untempered_logprobs: bool = False
 
     def token_ids(self) -> dict[str, tuple[int, ...]]:
         """Every token id a setting names, by setting (for the check against the vocabulary)."""
@@ -112,7 +115,7 @@ class Settings:
         return max(0, self.max_length - prompt_length)
 
 
-_FIELDS = {f.name for f in fields(Settings)} - {"timestamp_rules"}  # what config and requests may set
+_FIELDS = {f.name for f in fields(Settings)} - {"timestamp_rules", "untempered_logprobs"}  # what config and requests may set
 ANY_TOKEN_ID = 2**31 - 1  # the bounds when no model is given (make_settings without vocab, context)
 ANY_LENGTH = 2**30  # as Context.max_position for a model whose config gives no context
 

@@ -708,6 +708,14 @@ def row_logprobs(state: DecodeState, slot: int):
     return logprob, [list(zip(i, t)) for i, t in zip(ids, top)]
 
 
+def row_eos_logprob(state: DecodeState, slot: int) -> float | None:
+    """The log-probability of the eos token the row in `slot` ended at (None: it ended otherwise)."""
+    end = int(state.lengths[slot])
+    if end < int(state.prompt_length[slot]) or int(state.tokens[slot, end]) not in state.eos[slot]:
+        return None
+    return float(state.logprob[slot, end])
+
+
 def row_tokens(state: DecodeState, slot: int) -> list[int]:
     """The new tokens of the row in `slot`, without a final eos token."""
     start, end = int(state.prompt_length[slot]), int(state.lengths[slot]) + 1

@@ -1,7 +1,7 @@
 """Qwen2-VL, a model family: a vision encoder beside the decoder, images and videos as patches
-(Qwen2VLImageProcessor, `images.py`), their features in the prompt's embeddings and M-RoPE
-positions (`vision.py`). Prompts from parts or chats are vl_prompts.py's, shared with Idefics3;
-this module gives what is Qwen2-VL's own."""
+(Qwen2VLImageProcessor, `images.py`; videos with the video processor's settings, `videos.py`),
+their features in the prompt's embeddings and M-RoPE positions (`vision.py`). Prompts from parts
+or chats are vl_prompts.py's, shared with Idefics3; this module gives what is Qwen2-VL's own."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from ..runtime.model import preprocessor_config
 from ..text.tokenizer import model_tokenizer
 from . import has_vision_encoder
 from .images import qwen2vl_pixels, qwen2vl_video_pixels
+from .videos import video_processor_config
 from .vision import VisionTokens, encode_images, rope_positions
 from .vl_prompts import Images, prepare_chat, prepare_parts
 
 KIND = "vision"
+VIDEOS = True  # takes videos (videos.takes_videos)
 
 
 def detect(config: dict, files: list[str]) -> bool:
@@ -38,8 +40,10 @@ def encode(model, pixel_values: np.ndarray, grid_thw: np.ndarray) -> np.ndarray:
 
 
 def preprocess(model, images: list[np.ndarray], videos=()) -> Images:
-    """Images (and [frames, H, W, 3] videos) as Qwen2VLImageProcessor: patches, grids, and each
-    one's expansion, vision_start + one image (video) token per feature + vision_end."""
+    """Images (and [frames, H, W, 3] videos) as Qwen2VLImageProcessor (videos with the settings of
+    Qwen2VLVideoProcessor: `videos.video_processor_config`): patches, grids, and each one's
+    expansion, vision_start + one image (video) token per feature + vision_end (as text: the
+    image (video) pad token per feature, what Qwen2VLProcessor makes of the chat's placeholder)."""
     tokens = VisionTokens.of(model.config)
     config = preprocessor_config(model)
     pixel_values, grids = qwen2vl_pixels(images, config)
@@ -48,9 +52,11 @@ def preprocess(model, images: list[np.ndarray], videos=()) -> Images:
     ids = [[tokens.vision_start] + [tokens.image] * n + [tokens.vision_end] for n in counts]
     out = Images("qwen2_vl", pixel_values, grids, ids, [pad * n for n in counts], tokens.image, sum(counts))
     if len(videos):
-        out.video_pixels, out.video_grids = qwen2vl_video_pixels(videos, config)
+        out.video_pixels, out.video_grids = qwen2vl_video_pixels(videos, video_processor_config(model.folder))
         counts = (out.video_grids.prod(axis=1) // tokens.merge ** 2).tolist()
         out.video_ids = [[tokens.vision_start] + [tokens.video] * n + [tokens.vision_end] for n in counts]
+        pad = model_tokenizer(model).id_to_token(tokens.video) if model.tokenizer_path else ""
+        out.video_texts = [pad * n for n in counts]
         out.video_token, out.video_features = tokens.video, sum(counts)
     return out
 

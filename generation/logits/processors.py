@@ -310,6 +310,7 @@ class RowSettings:
         self.epsilon, self.eta = np.zeros(n, f32), np.zeros(n, f32)
         self.min_keep = np.ones(n, i64)
         self.renormalize = np.zeros(n, bool)
+        self.untempered = np.zeros(n, bool)  # Settings.untempered_logprobs
         self.repetition_penalty = np.ones(n, f32)
         self.encoder_repetition_penalty = np.ones(n, np.float64)  # transformers rounds 1 / penalty from the double
         self.no_repeat_ngram, self.encoder_no_repeat_ngram = np.zeros(n, i64), np.zeros(n, i64)
@@ -386,6 +387,7 @@ class RowSettings:
         first = prompt_length + (1 if prompt_length == 1 and s.forced_bos_token_id is not None else 0)
         self.begin_index[i] = first if s.begin_suppress_tokens else -1
         self.timestamp_rules[i] = s.timestamp_rules or (-1, -1, -1)
+        self.untempered[i] = s.untempered_logprobs
         self.constraints[i] = None
         if s.structured_outputs is not None:
             if self.grammars is None:

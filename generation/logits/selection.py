@@ -34,11 +34,13 @@ class SamplingRows:
     eta: np.ndarray | None = None  # float32, 0 = off
     min_keep: np.ndarray | None = None  # int64, >= 1
     renormalize: np.ndarray | None = None  # bool
+    untempered: np.ndarray | None = None  # bool: log-probabilities of the scores x temperature
 
     def __post_init__(self):
         n = len(self.do_sample)
         for name, value, dtype in (("min_p", 0, np.float32), ("typical_p", 1, np.float32), ("epsilon", 0, np.float32),
-                                   ("eta", 0, np.float32), ("min_keep", 1, np.int64), ("renormalize", False, bool)):
+                                   ("eta", 0, np.float32), ("min_keep", 1, np.int64), ("renormalize", False, bool),
+                                   ("untempered", False, bool)):
             if getattr(self, name) is None:
                 setattr(self, name, np.full(n, value, dtype))
 
@@ -49,7 +51,8 @@ class SamplingRows:
     def of(cls, settings) -> "SamplingRows":
         """From a RowSettings (processors.py), whose fields have the same names."""
         return cls(settings.do_sample, settings.temperature, settings.top_k, settings.top_p, settings.min_p,
-                   settings.typical_p, settings.epsilon, settings.eta, settings.min_keep, settings.renormalize)
+                   settings.typical_p, settings.epsilon, settings.eta, settings.min_keep, settings.renormalize,
+                   getattr(settings, "untempered", None))
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
@@ -340,11 +343,12 @@ def pick(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.nd
     if out is not None and top:
         out.top_ids, out.top = np.full((n, top), -1, np.int64), np.full((n, top), NEG_INF, np.float32)
 
-    def finish(where, ids, final, chosen):
-        """Rows `where` chose column `chosen` of `final` (their ids: `ids`, or None for 0..V-1)."""
+    def finish(where, ids, final, chosen, rated=None):
+        """Rows `where` chose column `chosen` of `final` (their ids: `ids`, or None for 0..V-1);
+        their log-probabilities are those of `rated` (default: `final`)."""
         tokens[where] = chosen if ids is None else np.take_along_axis(ids, chosen[:, None], axis=1)[:, 0]
         if out is not None:
-            lp = logprobs(final, chosen, top)
+            lp = logprobs(final if rated is None else rated, chosen, top)
             out.token[where] = lp.token
             if top:
                 width = lp.top.shape[1]
@@ -368,7 +372,10 @@ def pick(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.nd
             ids, block = top_k_candidates(block, np.minimum(k, vocab))
         final = warp(block, settings)
         chosen = sample(final, uniforms(seeds[where], draws[where]))
-        finish(where, ids, final, chosen)
+        rated = None
+        if out is not None and settings.untempered.any():
+            rated = final * np.where(settings.untempered, settings.temperature, np.float32(1))[:, None]
+        finish(where, ids, final, chosen, rated)
     return tokens, out
 
 

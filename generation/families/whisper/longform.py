@@ -27,6 +27,7 @@ import numpy as np
 from ...core.context import Context
 from ...core.rng import derived_seed
 from ...runtime.encoders import EncoderOutputs
+from .options import WhisperOptions, needs_fallback
 from .timestamps import TIME_PRECISION, split_segments, timestamp_rule_ids
 
 INPUT_STRIDE = 2  # log-mel frames per encoder position (Whisper's second convolution has stride 2)
@@ -60,20 +61,37 @@ def timestamp_settings(ctx: Context, settings=None):
 
 @dataclass
 class ClipWindows:
-    """One clip decoded window after window (the module docstring's loop, for one clip): the
-    next window's input frames, and `take`, which applies the seek rule to a decoded window.
-    features [n_mels, T]; max_frames: where this clip's decoding ends."""
+    """One clip decoded window after window (the module docstring's loop, for one clip, with
+    the options of `options.WhisperOptions`): the next window's input frames, decoder prompt,
+    settings and seed, and `take`, which rates a decoded window (temperature fallback, silence)
+    and applies the seek rule. features [n_mels, T]; max_frames: where this clip's decoding ends."""
 
     features: np.ndarray
     max_frames: int
     window: int
     begin: int  # the first timestamp token
-    prompt: list[int]
+    prompt: list[int]  # the window's own prompt (init tokens): decoder_start, language, task, ...
     seed: int
     index: int = 0  # the clip's row in its batch (of the first windows' encoder outputs)
+    options: WhisperOptions = field(default_factory=WhisperOptions)
+    timestamps: bool = True
+    previous_start: int | None = None  # <|startofprev|>
+    cut_off: int = 223  # previous tokens kept: max_target_positions // 2 - 1
     seek: int = 0
     count: int = 0  # windows decoded
+    tries: int = 0  # decodes of all windows (a fallback decodes a window again)
+    attempt: int = 0  # the next decode's place in the temperatures
+    condition: bool = False  # the next window starts with the previous tokens
     segments: list[Segment] = field(default_factory=list)
+    no_speech: float | None = None  # the window's <|nospeech|> probability (no_speech_threshold)
+
+    def __post_init__(self):
+        self.condition = self.options.condition_on_prev_tokens
+        self._window_prompt: list[int] | None = None
+        self.context: list[list[int]] = []  # the segments' tokens the next prompts condition on
+        ids = self.options.prompt_ids
+        if ids is not None and self.options.prompt_condition_type == "first-segment":
+            self.context.append(list(ids[1:] if ids[0] == self.previous_start else ids))
 
     @property
     def done(self) -> bool:
@@ -86,8 +104,60 @@ class ClipWindows:
 
     @property
     def window_seed(self) -> int:
-        """The next window's seed: the clip's k-th window samples from derived_seed(seed, k)."""
-        return derived_seed(self.seed, self.count)
+        """The next decode's seed: the clip's k-th decode samples from derived_seed(seed, k)."""
+        return derived_seed(self.seed, self.tries)
+
+    @property
+    def temperature(self) -> float | None:
+        """The next decode's temperature (None: the context's settings)."""
+        temperatures = self.options.temperatures
+        return None if temperatures is None else temperatures[self.attempt]
+
+    def decoder_prompt(self) -> list[int]:
+        """The next window's decoder input, as transformers' `_prepare_decoder_input_ids` for
+        this clip: the previous tokens (conditioning) or prompt_ids, then the window's prompt.
+        A fallback decodes the window again from the same input."""
+        if self.attempt == 0 or self._window_prompt is None:
+            self._window_prompt = self._decoder_prompt()
+        return list(self._window_prompt)
+
+    def _decoder_prompt(self) -> list[int]:
+        ids = self.options.prompt_ids
+        if self.condition and self.context:
+            kept = [t[:-1] if len(t) > 2 and t[-2] >= self.begin else t for t in self.context]
+            previous = [t for tokens in kept for t in tokens][-self.cut_off:]
+            if ids is not None and self.options.prompt_condition_type == "all-segments":
+                head = list(ids)
+            else:
+                head = [] if self.previous_start is None else [self.previous_start]
+            return head + previous + self.prompt
+        if ids is not None:
+            return list(ids) + self.prompt
+        return list(self.prompt)
+
+    def settings(self, settings):
+        """`settings` (timestamp_settings' where the window has timestamps) for the next decode: the temperature of this attempt
+        (0: greedy; > 0: sampling with one beam) as transformers' `generate_with_fallback` sets
+        it; log-probabilities before the temperature where the window is rated by them."""
+        changes = self.setting_changes()
+        if self.options.logprob_threshold is not None:
+            changes["untempered_logprobs"] = True
+        return replace(settings, **changes)
+
+    def setting_changes(self) -> dict:
+        """The generation settings the next decode's temperature sets (none without temperatures)."""
+        t = self.temperature
+        if t is None:
+            return {}
+        return dict(do_sample=True, temperature=t, num_beams=1) if t > 0 else dict(do_sample=False, temperature=1.0)
+
+    def take_job(self, job, vocab_size: int) -> bool:
+        """`take` of a scheduler Job that decoded the window (its eos, eos log-probability and,
+        for a beam search, its score)."""
+        eos = job.settings.eos_token_id or ()
+        ended = job.reason == "stop" and job.hypotheses is None and bool(eos)
+        score = job.hypotheses[0].score if job.hypotheses else None
+        return self.take(job.tokens, job.logprobs, min(eos) if ended else None, job.eos_logprob, score, vocab_size)
 
     def inputs(self) -> np.ndarray:
         """[n_mels, window] the next window's features, zeros past the clip's end."""
@@ -104,75 +174,158 @@ class ClipWindows:
             return first.take([self.index])
         return run_encoder(encode, self.inputs()[None])
 
-    def take(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
-        """The decoded window's segments; seek moves past them."""
+    def rate_silence(self, model, encoder: EncoderOutputs) -> None:
+        """The window's <|nospeech|> probability, as WhisperNoSpeechDetection: the softmax of
+        the raw logits after <|startoftranscript|> (with the previous tokens before it)."""
+        if self.options.no_speech_threshold is None:
+            return
+        from ...cache.cross import run_first_steps
+        from ...logits.selection import softmax
+
+        prompt = self.decoder_prompt()
+        start = len(prompt) - len(self.prompt)
+        logits, _ = run_first_steps(model, [prompt[:start + 1]], encoder)
+        self.no_speech = float(softmax(logits.astype(np.float32))[0, self.begin - 2])
+
+    def take(self, tokens: list[int], logprobs: list[float] | None = None, eos: int | None = None,
+             eos_logprob: float | None = None, score: float | None = None, vocab_size: int = 0) -> bool:
+        """A decoded window: True when it is settled (its segments kept, or skipped as silence,
+        and seek moved on), False when it needs a fallback at the next temperature. eos: the eos
+        token where the window ended at it (with its log-probability); score: a beam search's
+        sequence score."""
+        self.tries += 1
+        options = self.options
+        skip = False
+        if options.fallback:
+            rated = tokens + ([eos] if eos is not None else [])
+            mean = score
+            if score is None and options.logprob_threshold is not None:
+                values = np.asarray(list(logprobs) + ([eos_logprob] if eos is not None else []), np.float32)
+                total = np.float32(0)
+                for value in values:  # one after another in float32, as transformers' sum of tensors
+                    total = np.float32(total + value)
+                mean = float(total / np.float32(max(len(values), 1)))
+            fallback, skip = needs_fallback(options, rated, mean, self.no_speech, vocab_size)
+            t = self.temperature
+            self.condition = options.condition_on_prev_tokens and (t is None or t < 0.5)
+            if fallback and self.attempt + 1 < len(options.temperatures or (None,)):
+                self.attempt += 1
+                return False
+        else:
+            t = self.temperature
+            self.condition = options.condition_on_prev_tokens and (t is None or t < 0.5)
+        self.attempt = 0
+        self.count += 1
+        if skip:
+            self.seek += self.frames
+            return True
         offset = float(self.seek) * TIME_PRECISION / INPUT_STRIDE  # in float64, in transformers' order
         pieces, advance = split_segments(tokens, self.begin, offset, self.frames, INPUT_STRIDE)
         for p in pieces:
             self.segments.append(Segment(p.start, p.end, tokens[p.lo:p.hi],
                                          None if logprobs is None else logprobs[p.lo:p.hi]))
+            self.context.append(tokens[p.lo:p.hi])
         self.seek += advance
-        self.count += 1
+        return True
 
 
 def clip_windows(ctx: Context, features: np.ndarray, num_frames, prompts: list[list[int]],
-                 seeds: list[int]) -> list[ClipWindows]:
+                 seeds: list[int], options: WhisperOptions | None = None, timestamps: bool = True
+                 ) -> list[ClipWindows]:
     """The ClipWindows of a batch of clips (arguments as `decode_windows`)."""
     window, total = window_frames(ctx), features.shape[-1]
-    begin = ctx.model.generation_config["no_timestamps_token_id"] + 1
+    config = ctx.model.generation_config
+    begin = config["no_timestamps_token_id"] + 1
+    previous_start = config.get("prev_sot_token_id")
+    if previous_start is None and len(config.get("suppress_tokens") or ()) >= 2:
+        previous_start = config["suppress_tokens"][-2]
+    cut_off = ctx.model.config.get("max_target_positions", 448) // 2 - 1
     count = len(prompts)
     # transformers: batched long-form reads each clip's length from the attention mask; one clip,
     # or a batch within one window, runs to the end of the features
     long_batch = count > 1 and total > window
     max_frames = np.asarray(num_frames, np.int64) if long_batch else np.full(count, total, np.int64)
-    return [ClipWindows(features[b], int(max_frames[b]), window, begin, list(prompts[b]), int(seeds[b]), b)
+    return [ClipWindows(features[b], int(max_frames[b]), window, begin, list(prompts[b]), int(seeds[b]), b,
+                        options or WhisperOptions(), timestamps, previous_start, cut_off)
             for b in range(count)]
 
 
 def decode_windows(ctx: Context, features: np.ndarray, num_frames, prompts: list[list[int]],
                    encode: Callable[[np.ndarray], EncoderOutputs], seeds: list[int],
-                   first: EncoderOutputs | None = None) -> list[list[Segment]]:
+                   first: EncoderOutputs | None = None, options: WhisperOptions | None = None,
+                   timestamps: bool = True) -> list[list[Segment]]:
     """Each clip's segments, decoded window after window (see the module docstring). A window
     is a row of one Scheduler: a clip's next window is admitted when its row ends, the seek
-    rule applied in between, so the clips' windows interleave.
+    rule applied in between, so the clips' windows interleave; a window that needs a fallback
+    (options) is admitted again at the next temperature.
 
     features: [B, n_mels, T] log-mel features (T >= one window: `audio.whisper_features`, long
     form when a clip is longer than the window); num_frames: [B] frames of each clip (its
-    `attention_mask.sum(-1)`); prompts: each clip's decoder prompt without <|notimestamps|>;
-    encode: [n, n_mels, window] features -> EncoderOutputs; seeds: one per clip (a clip's k-th
-    window samples from `derived_seed(seed, k)`). first: the encoder's outputs for
+    `attention_mask.sum(-1)`); prompts: each clip's decoder prompt (init tokens); encode: [n,
+    n_mels, window] features -> EncoderOutputs; seeds: one per clip (a clip's k-th decode
+    samples from `derived_seed(seed, k)`). first: the encoder's outputs for
     features[..., :window], when already computed (language detection): a clip whose first
-    window is those frames reuses them.
+    window is those frames reuses them. timestamps False: windows without the timestamp rules
+    (a short clip with options that need the loop).
     """
+    from dataclasses import replace as replaced
+
     from ...core.scheduler import Job, Scheduler
 
-    clips = clip_windows(ctx, features, num_frames, prompts, seeds)
-    settings = timestamp_settings(ctx)
-    budget = max(settings.new_tokens_for(len(c.prompt)) for c in clips)
-    capacity = max(len(c.prompt) for c in clips) + budget
+    clips = clip_windows(ctx, features, num_frames, prompts, seeds, options, timestamps)
+    rated = (options or WhisperOptions()).logprob_threshold is not None
+    run_ctx = replaced(ctx, token_logprobs=True, logprobs_of="processed") if rated and not (
+        ctx.token_logprobs and ctx.logprobs_of == "processed") else ctx
+    base = timestamp_settings(ctx) if timestamps else ctx.settings
+    budget = max(base.new_tokens_for(len(c.decoder_prompt())) for c in clips)
+    capacity = max(len(c.decoder_prompt()) for c in clips) + budget
+    if clips[0].condition:  # the previous tokens grow the prompt up to cut_off
+        capacity += clips[0].cut_off + 1
     if ctx.model.max_context:
         capacity = min(capacity, ctx.model.max_context)
-    slots = min(ctx.batch_size or len(clips), len(clips)) * settings.num_beams
-    scheduler = Scheduler(ctx, slots, capacity, stream=False)
+    slots = min(ctx.batch_size or len(clips), len(clips)) * base.num_beams
+    scheduler = Scheduler(run_ctx, slots, capacity, stream=False)
+    encoders: dict[int, EncoderOutputs] = {}
     ready = [b for b, c in enumerate(clips) if not c.done]
-    while ready or scheduler.busy:
+    retry: list[int] = []
+    while ready or retry or scheduler.busy:
         if ready:  # the next windows of the clips whose last one just ended, encoded together
             inputs = np.stack([clips[b].inputs() for b in ready])
             whole = np.array([clips[b].frames == clips[b].window for b in ready])
             reuse = first if first is not None and all(clips[b].count == 0 for b in ready) else None
             encoder = _encode(encode, inputs, np.array(ready), whole, reuse)
             for j, b in enumerate(ready):
-                clip = clips[b]
-                scheduler.add(Job(clip.prompt, clip.window_seed, settings, settings.new_tokens_for(len(clip.prompt)),
-                                  encoder.take([j]), key=b))
-            ready = []
+                encoders[b] = encoder.take([j])
+                clips[b].rate_silence(ctx.model, encoders[b])
+            retry, ready = retry + ready, []
+        for b in retry:
+            clip = clips[b]
+            prompt, settings = clip.decoder_prompt(), clip.settings(base)
+            check_window_length(ctx, prompt, settings)
+            scheduler.add(Job(prompt, clip.window_seed, settings, settings.new_tokens_for(len(prompt)), encoders[b],
+                              key=b))
+        retry = []
         for job in scheduler.step()[1]:
             if job.error is not None:
                 raise job.error
-            clips[job.key].take(job.tokens, job.logprobs)
-            if not clips[job.key].done:
+            clip = clips[job.key]
+            if not clip.take_job(job, ctx.model.vocab_size):
+                retry.append(job.key)
+            elif not clip.done:
                 ready.append(job.key)
     return [c.segments for c in clips]
+
+
+def check_window_length(ctx: Context, prompt: list[int], settings) -> None:
+    """As transformers' `_set_max_new_tokens_and_length`: a window's prompt (previous tokens
+    included) and max_new_tokens within the decoder's positions."""
+    from ...core.settings import SettingError
+
+    limit, new = ctx.model.config.get("max_target_positions"), settings.max_new_tokens
+    if isinstance(limit, int) and new is not None and new + len(prompt) > limit:
+        raise SettingError("max_new_tokens", f"max_new_tokens={new} and the {len(prompt)}-token decoder prompt "
+                                             f"(previous tokens included) exceed the decoder's {limit} positions: "
+                                             f"max_new_tokens can be at most {limit - len(prompt)}")
 
 
 def run_encoder(encode: Callable[[np.ndarray], EncoderOutputs], windows: np.ndarray) -> EncoderOutputs:

@@ -147,3 +147,25 @@ def detected_language(config: dict, prompt: list[int]) -> str | None:
     """The language code a decoder prompt holds (its position 1), None where it holds none."""
     names = {int(v): k.strip("<|>") for k, v in (config.get("lang_to_id") or {}).items()}
     return names.get(prompt[1]) if len(prompt) > 1 else None
+
+
+def prompt_ids(model, text: str) -> list[int]:
+    """A previous-text prompt's ids, as transformers' `WhisperTokenizer.get_prompt_ids`:
+    <|startofprev|>, then " " + the stripped text without special tokens; a text holding a
+    special token (<|en|>, a timestamp, ...) is refused."""
+    from ...text.tokenizer import model_tokenizer
+
+    if not isinstance(text, str):
+        raise SettingError("prompt", f"prompt must be a string, not {type(text).__name__}")
+    tokenizer = model_tokenizer(model)
+    start = tokenizer.token_to_id("<|startofprev|>")
+    first_special = tokenizer.token_to_id("<|endoftext|>")
+    if start is None or first_special is None:
+        raise SettingError("prompt", f"{model.folder.name}: the tokenizer has no <|startofprev|> or <|endoftext|>; "
+                                     "a previous-text prompt needs both")
+    ids = tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids
+    special = next((t for t in ids if t >= first_special), None)
+    if special is not None:
+        raise SettingError("prompt", f"prompt: the text holds the special token {tokenizer.id_to_token(special)}, "
+                                     "which a previous-text prompt may not")
+    return [start] + ids

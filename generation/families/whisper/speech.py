@@ -19,7 +19,11 @@ from .. import Prepared
 from ..seq2seq import decoder_start
 from . import audio
 from .longform import ClipWindows, clip_windows, run_encoder, window_frames
+from .options import WhisperOptions, whisper_options
 from .prompt import init_tokens
+
+OPTION_NAMES = ("temperature", "compression_ratio_threshold", "logprob_threshold", "no_speech_threshold",
+                "condition_on_prev_tokens", "prompt_ids", "prompt_condition_type")
 
 
 def whisper_prompts(ctx: Context, encoder: EncoderOutputs, language=None, task: str | None = None,
@@ -39,13 +43,6 @@ def whisper_prompts(ctx: Context, encoder: EncoderOutputs, language=None, task: 
                        detect)
 
 
-# Whisper generate options that change its output and that this engine does not implement
-# (name: its off value): a model whose generation_config.json turns one on is refused rather
-# than decoded differently. compression_ratio_threshold and logprob_threshold alone only choose
-# a temperature fallback, which needs a list of temperatures: with one, the output is the same.
-WHISPER_NOT_IMPLEMENTED = {"no_speech_threshold": None, "condition_on_prev_tokens": False}
-
-
 @dataclass
 class Speech(Prepared):
     """Clips ready to decode (the first half of `speech_to_text`): their decoder prompts
@@ -57,17 +54,28 @@ class Speech(Prepared):
     seeds: list[int]
     timestamps: bool
     encode: Callable
+    options: WhisperOptions = WhisperOptions()
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the clips decode window after window (timestamps, or options that need it)."""
+        return self.timestamps or self.options.windowed
 
     def windows(self, ctx: Context) -> list[ClipWindows]:
-        """Each clip's windows, to decode one after another (timestamps)."""
-        return clip_windows(ctx, self.features.features, self.features.num_frames, self.prompts, self.seeds)
+        """Each clip's windows, to decode one after another (`windowed`)."""
+        return clip_windows(ctx, self.features.features, self.features.num_frames, self.prompts, self.seeds,
+                            self.options, self.timestamps)
 
 
 def prepare_speech(ctx: Context, audios, sampling_rate: int = 16000, language=None, task: str | None = None,
-                   seeds=None, return_timestamps: bool | None = None, encode=None) -> Speech:
+                   seeds=None, return_timestamps: bool | None = None, encode=None, is_multilingual=None,
+                   **options) -> Speech:
     """Everything `speech_to_text` does before decoding (its arguments, checked): the features,
     the first windows through the encoder, the prompts. A server decodes the result in its
-    batch (a row per clip, or with timestamps a row per window)."""
+    batch (a row per clip, or with timestamps a row per window). options: Whisper's long-form
+    options (`options.whisper_options`: temperature, compression_ratio_threshold,
+    logprob_threshold, no_speech_threshold, condition_on_prev_tokens, prompt_ids,
+    prompt_condition_type)."""
     if not isinstance(audios, (list, tuple)) or not audios:
         raise ValueError("audios must be a non-empty list of arrays or audio files")
     if return_timestamps not in (None, True, False):
@@ -77,6 +85,13 @@ def prepare_speech(ctx: Context, audios, sampling_rate: int = 16000, language=No
                          "transcription per clip (set it to 1)")
     if encode is not None and not callable(encode):
         raise ValueError(f"encode must be a function of log-mel features, not {encode!r}")
+    unknown = set(options) - set(OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"prepare_speech got unknown options {sorted(unknown)} (Whisper's: {', '.join(OPTION_NAMES)})")
+    chosen = whisper_options(ctx.model.generation_config, ctx.model.vocab_size, **options)
+    if chosen.logprob_threshold is not None and ctx.settings.num_beams > 1:
+        raise SettingError("logprob_threshold", "logprob_threshold with num_beams > 1 is not implemented "
+                                                "(transformers rates a beam search's window by its scores)")
     clips = [audio.load_audio(a) if isinstance(a, (str, bytes)) or hasattr(a, "__fspath__")
              else audio.load_audio(a, sampling_rate) for a in audios]
     seeds = check_seeds(seeds, len(clips))
@@ -91,9 +106,9 @@ def prepare_speech(ctx: Context, audios, sampling_rate: int = 16000, language=No
     n_mels = ctx.model.config.get("num_mel_bins", 80)
     features = audio.whisper_features(clips, n_mels=n_mels, long_form=long_form, chunk_seconds=window)
     first = run_encoder(encode, features.features[..., :frames])
-    prompts = whisper_prompts(ctx, first, language, task, timestamps=timestamps)
-    check_decoder_length(ctx, max(len(p) for p in prompts))
-    return Speech(prompts, first, features, seeds, timestamps, encode)
+    prompts = whisper_prompts(ctx, first, language, task, timestamps=timestamps, is_multilingual=is_multilingual)
+    check_decoder_length(ctx, max(len(p) for p in prompts) + len(chosen.prompt_ids or ()))
+    return Speech(prompts, first, features, seeds, timestamps, encode, chosen)
 
 
 def _timestamps_on(ctx: Context, clips, window: float, asked: bool | None) -> bool:
@@ -108,12 +123,7 @@ def _timestamps_on(ctx: Context, clips, window: float, asked: bool | None) -> bo
         raise ValueError(f"audios[{longest}] lasts {len(clips[longest]) / 16000:.1f} s, longer than this model's "
                          f"{window} s window: long-form decoding needs timestamps, and {source} "
                          "(pass return_timestamps=True)")
-    timestamps = bool(timestamps) or long_form
-    for key, off in WHISPER_NOT_IMPLEMENTED.items():
-        if config.get(key, off) not in (off, None) and (timestamps or key != "condition_on_prev_tokens"):
-            raise ValueError(f"generation_config.json sets {key}={config[key]!r}; Whisper's {key} is not "
-                             f"implemented here (set it to {off!r})")
-    return timestamps
+    return bool(timestamps) or long_form
 
 
 def check_decoder_length(ctx: Context, prompt: int) -> None:
