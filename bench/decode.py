@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
-from decode_systems import LOADERS, SLOW, SYSTEMS, model_dirs  # noqa: E402  (bench/decode_systems.py)
+from decode_systems import DEFAULT, LOADERS, REFERENCE, SLOW, SYSTEMS, model_dirs  # noqa: E402  (bench/decode_systems.py)
 
 
 def bench_batch(name, runs, batch, args, log):
@@ -54,9 +54,9 @@ def bench_batch(name, runs, batch, args, log):
         except Exception as e:  # noqa: BLE001 - reported under the table
             res[key]["error"] = f"{type(e).__name__}: {e}"
             ready.pop(key, None)
-    ref = first.get("genai") if "genai" in ready else None
-
-    def compare(key, tokens):  # every run's tokens against genai's, row by row
+    def compare(key, tokens):  # every run's tokens against its reference's (genai's), row by row
+        other = REFERENCE.get(key, "genai")
+        ref = first.get(other) if other in ready else None
         if ref is not None:
             rows = [i for i in range(batch) if not np.array_equal(tokens[i], ref[i])]
             res[key]["same"] = res[key]["same"] is not False and not rows
@@ -105,7 +105,7 @@ def best(r):
     return max(r["tps"]) if r and r["tps"] and not r["error"] else None
 
 
-def report(all_res, systems, args):
+def report(all_res, systems, args, targets: bool = True):
     cols = [(m, b) for m in all_res for b in all_res[m]]
     print(f"\n## Decode tokens/s (best of {args.repeats}) and ratio to onnxruntime-genai\n"
           f"threads {args.threads}, prompt {args.prompt}, {args.new} new tokens, greedy, fp32, CPU\n")
@@ -142,6 +142,8 @@ def report(all_res, systems, args):
                 out.append((f"{m} B={b}", x, r["same"] is False or s["same"] is False))
         return out
 
+    if not targets:
+        return
     print("\n## Targets")
     for label, num, den, bound, only in (
             ("in_place (whole) / genai", "in_place", "genai", 0.95, None),
@@ -160,7 +162,8 @@ def report(all_res, systems, args):
             print(f"- {num}: " + ", ".join(f"{c} {'n/a' if x is None else f'{x:.2f}'}" for c, x, _ in got))
 
 
-def main(argv=None):
+def parse(argv=None):
+    """The command line's arguments (args.systems: the systems to run, in table order)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--batch", default="1,8")
@@ -175,16 +178,22 @@ def main(argv=None):
     ap.add_argument("--settle", type=float, default=0.3,
                     help="seconds of pause before each sample, so worker threads of the system before "
                          "(onnxruntime and torch spin after a run) do not eat into it")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {','.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=",".join(DEFAULT), help=f"any of {','.join(SYSTEMS)}")
     ap.add_argument("--quick", action="store_true", help="tiny model only, repeats 3, new 32")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # explicit flags still win
         ap.set_defaults(models="tiny", repeats=3, new=32)
     args = ap.parse_args(argv)
-    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
     if unknown := set(args.systems.split(",")) - set(SYSTEMS):
         ap.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
+    args.systems = [s for s in SYSTEMS if s in args.systems.split(",")]
     args.slow_repeats = min(args.slow_repeats, args.repeats)
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    systems = args.systems
     t_start = time.perf_counter()
 
     def log(msg):

@@ -26,11 +26,24 @@ SYSTEMS = {
     "genai": "onnxruntime-genai og.Generator",
     "numpy": "plain numpy loop, Optimum export",
     "transformers": "transformers generate (torch eager, sdpa)",
+    # the real model's (bench/real_models.py): 4-bit builds and llama.cpp
+    "in_place_int4": "raymuter in_place, genai int4 build",
+    "genai_int4": "onnxruntime-genai og.Generator, int4 build",
+    "llamacpp": "llama.cpp (llama-cpp-python), F32 GGUF",
+    "llamacpp_q4": "llama.cpp (llama-cpp-python), Q4_0 GGUF",
+    "llamacpp_fa": "llama.cpp, F32 GGUF, flash attention",
+    "llamacpp_q4_fa": "llama.cpp, Q4_0 GGUF, flash attention",
 }
+DEFAULT = ["in_place", "in_place_pieces", "in_place_grow", "append", "append_pieces", "append_grow", "genai", "numpy",
+           "transformers"]
+# the system whose tokens a system's are checked against (default genai)
+REFERENCE = {"in_place_int4": "genai_int4", "genai_int4": "genai_int4", "llamacpp_q4": "llamacpp_q4",
+             "llamacpp_q4_fa": "llamacpp_q4"}
 RAYMUTER = {  # key -> (layout, cache_mode, prompt_steps)
     "in_place": ("genai", None, "whole"), "in_place_pieces": ("genai", None, "pieces"),
     "in_place_grow": ("genai", "grow", "whole"), "append": ("optimum", None, "whole"),
     "append_pieces": ("optimum", None, "pieces"), "append_grow": ("optimum", "grow", "whole"),
+    "in_place_int4": ("genai_int4", None, "whole"),
 }
 SLOW = {"small": {"transformers"}}  # systems that run --slow-repeats times on that model
 
@@ -40,16 +53,22 @@ def model_dirs(name: str) -> dict[str, Path]:
     if name == "tiny":
         paths = bench_models._model_builders().ensure_test_models()
         return {"hf": paths["hf/llama"], "optimum": paths["llama-optimum"], "genai": paths["llama-genai"]}
+    root = Path(os.environ.get("RAYMUTER_BENCH_MODELS") or Path.home() / ".cache" / "raymuter" / "bench-models")
     if name == "small":
-        root = os.environ.get("RAYMUTER_BENCH_MODELS") or Path.home() / ".cache" / "raymuter" / "bench-models"
-        return bench_models.build_small(Path(root).expanduser())
-    raise SystemExit(f"unknown model {name!r} (tiny or small)")
+        return bench_models.build_small(root.expanduser())
+    if name == "real":
+        import real_models  # bench/real_models.py
+
+        return real_models.build_real(root.expanduser())
+    raise SystemExit(f"unknown model {name!r} (tiny, small or real)")
 
 
 def load_raymuter(key):
     layout, mode, steps = RAYMUTER[key]
 
     def loader(dirs, threads, new, tmp, shared):
+        if layout not in dirs:
+            raise RuntimeError(f"this model has no {layout} build")
         if layout not in shared:  # one session per layout, shared by its modes
             shared[layout] = generation.load(dirs[layout], threads=threads, provider="cpu")
         model = shared[layout]
@@ -64,15 +83,17 @@ def load_raymuter(key):
     return loader
 
 
-def load_genai(dirs, threads, new, tmp, shared):
+def load_genai(dirs, threads, new, tmp, shared, kind: str = "genai"):
     import onnxruntime_genai as og
 
-    folder = Path(tmp) / "genai"  # a copy of the folder (links) whose config sets the threads
+    if kind not in dirs:
+        raise RuntimeError(f"this model has no {kind} build")
+    folder = Path(tmp) / kind  # a copy of the folder (links) whose config sets the threads
     folder.mkdir()
-    for f in dirs["genai"].iterdir():
+    for f in dirs[kind].iterdir():
         if f.name != "genai_config.json":
             (folder / f.name).symlink_to(f.resolve())
-    config = json.loads((dirs["genai"] / "genai_config.json").read_text())
+    config = json.loads((dirs[kind] / "genai_config.json").read_text())
     options = config["model"]["decoder"].setdefault("session_options", {})
     options.update(intra_op_num_threads=threads, inter_op_num_threads=1)
     (folder / "genai_config.json").write_text(json.dumps(config, indent=1))
@@ -149,5 +170,39 @@ def load_transformers(dirs, threads, new, tmp, shared):
     return prepare
 
 
+def load_llamacpp(quantized: bool, flash: bool = False):
+    """llama.cpp through llama-cpp-python (built from source: pip install llama-cpp-python==0.3.36,
+    about 10 minutes here) on the model's F32 GGUF (converted from the hf folder with the
+    convert_hf_to_gguf.py its sdist vendors) or its Q4_0 quantization of it; batch 1 only."""
+    def loader(dirs, threads, new, tmp, shared):
+        import llama_cpp
+
+        import real_models  # bench/real_models.py
+
+        path = real_models.llamacpp_gguf(dirs, "q4_0" if quantized else "f32")
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, n_threads=threads,
+                              n_threads_batch=threads, flash_attn=flash, verbose=False)
+
+        def prepare(prompts):
+            if len(prompts) != 1:
+                raise RuntimeError("llama.cpp runs batch 1 here (its batched API is not wired in)")
+            row = prompts[0].tolist()
+
+            def run():
+                llm.reset()
+                tokens = []
+                for token in llm.generate(row, top_k=1, temp=0.0, reset=True):
+                    tokens.append(token)
+                    if len(tokens) == new:
+                        break
+                return np.array([tokens])
+            return run
+        return prepare
+    return loader
+
+
 LOADERS = {**{k: load_raymuter(k) for k in RAYMUTER}, "genai": load_genai, "numpy": load_numpy,
-           "transformers": load_transformers}
+           "transformers": load_transformers,
+           "genai_int4": lambda *a: load_genai(*a, kind="genai_int4"),
+           "llamacpp": load_llamacpp(False), "llamacpp_q4": load_llamacpp(True),
+           "llamacpp_fa": load_llamacpp(False, True), "llamacpp_q4_fa": load_llamacpp(True, True)}

