@@ -170,10 +170,61 @@ def load_transformers(dirs, threads, new, tmp, shared):
     return prepare
 
 
+class BatchedLlama:
+    """llama.cpp's batched greedy decode through its llama_batch API (one sequence per row, a
+    unified KV cache), on the model of a high-level `llama_cpp.Llama`."""
+
+    def __init__(self, llm, threads, rows, length, flash=False):
+        import llama_cpp as lc
+
+        self.lc, self.llm = lc, llm
+        params = lc.llama_context_default_params()
+        params.n_ctx = rows * length + 64
+        params.n_batch = max(512, rows * length)
+        params.n_ubatch = params.n_batch
+        params.n_seq_max = rows
+        params.n_threads = params.n_threads_batch = threads
+        params.kv_unified = True
+        params.flash_attn_type = 1 if flash else 0  # enabled / disabled (the default is auto)
+        self.ctx = lc.llama_init_from_model(self.llm._model.model, params)
+        self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.llm._model.model))
+        self.batch = lc.llama_batch_init(params.n_batch, 0, rows)
+        self.rows = rows
+
+    def _fill(self, entries):
+        lc, b = self.lc, self.batch
+        b.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+        if lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def generate(self, prompts, new):
+        lc = self.lc
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        rows, length = prompts.shape
+        entries = [(int(prompts[r, p]), p, r, p == length - 1) for r in range(rows) for p in range(length)]
+        self._fill(entries)
+        last = [r * length + length - 1 for r in range(rows)]  # batch index of each row's logits
+        out = np.empty((rows, new), np.int64)
+        for t in range(new):
+            for r in range(rows):
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, last[r]), shape=(self.vocab,))
+                out[r, t] = int(logits.argmax())
+            if t + 1 == new:
+                break
+            self._fill([(int(out[r, t]), length + t, r, True) for r in range(rows)])
+            last = list(range(rows))
+        return out
+
+
 def load_llamacpp(quantized: bool, flash: bool = False):
     """llama.cpp through llama-cpp-python (built from source: pip install llama-cpp-python==0.3.36,
     about 10 minutes here) on the model's F32 GGUF (converted from the hf folder with the
-    convert_hf_to_gguf.py its sdist vendors) or its Q4_0 quantization of it; batch 1 only."""
+    convert_hf_to_gguf.py its sdist vendors) or its Q4_0 quantization of it: batch 1 through
+    `Llama.generate`, larger batches through its batched API (BatchedLlama)."""
     def loader(dirs, threads, new, tmp, shared):
         import llama_cpp
 
@@ -184,8 +235,9 @@ def load_llamacpp(quantized: bool, flash: bool = False):
                               n_threads_batch=threads, flash_attn=flash, verbose=False)
 
         def prepare(prompts):
-            if len(prompts) != 1:
-                raise RuntimeError("llama.cpp runs batch 1 here (its batched API is not wired in)")
+            if len(prompts) > 1:
+                batched = BatchedLlama(llm, threads, len(prompts), prompts.shape[1] + new, flash)
+                return lambda: batched.generate(prompts, new)
             row = prompts[0].tolist()
 
             def run():
