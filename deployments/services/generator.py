@@ -486,7 +486,7 @@ class TextGenerator:
         between, as `generation.families.whisper.longform.decode_windows`)."""
         from dataclasses import replace
 
-        from generation.families.whisper.longform import check_window_length
+        from generation.families.whisper.longform import check_decoder_length
         from generation.tasks import timestamped
 
         clip = speech.windows(ctx)[0]
@@ -497,7 +497,7 @@ class TextGenerator:
             settled = False
             while not settled:  # a window that needs the temperature fallback is decoded again
                 prompt, attempt = clip.decoder_prompt(), {**settings, **clip.setting_changes()}
-                check_window_length(ctx, prompt, ctx.with_settings(**attempt))
+                check_decoder_length(ctx, len(prompt), ctx.with_settings(**attempt))
                 handle = await self._submitted(prompt, clip.window_seed, attempt, encoder, speech.timestamps, rated)
                 settled = clip.take_job(handle.job, ctx.model.vocab_size)
         result = timestamped(ctx, clip.segments)

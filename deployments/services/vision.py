@@ -44,21 +44,14 @@ class VisionService:
 
         started = time.perf_counter()
         self.metrics.items.inc()
-        key = self.cache.key("image", bytes(data))
-        cached = self.cache.get(key)
-        if cached is not None:
-            self.metrics.cache_hits.inc()
-            self.metrics.latency.observe(time.perf_counter() - started)
-            return cached
-        try:
-            images = preprocess(self.model, [load_image(bytes(data), name)])
-        except ValueError as e:
-            raise RequestError(f"{name}: not an image this server reads: {e}", name) from None
-        out = encode_image(self.model, images)
-        self.cache.put(key, out, out.nbytes)
-        self.metrics.cache_misses.inc()
-        self.metrics.latency.observe(time.perf_counter() - started)
-        return out
+
+        def encoded():
+            try:
+                images = preprocess(self.model, [load_image(bytes(data), name)])
+            except ValueError as e:
+                raise RequestError(f"{name}: not an image this server reads: {e}", name) from None
+            return encode_image(self.model, images)
+        return self._cached(self.cache.key("image", bytes(data)), started, encoded)
 
     def encode_video(self, data: bytes | list[bytes], name: str = "video"):
         """A video's features: a video file (decoded with PyAV: every frame) or its frames' image
@@ -75,23 +68,30 @@ class VisionService:
                                name)
         frames = isinstance(data, (list, tuple))
         key = self.cache.key("video-frames", *map(bytes, data)) if frames else self.cache.key("video", bytes(data))
-        cached = self.cache.get(key)
-        if cached is not None:
+
+        def encoded():
+            try:
+                videos = preprocess(self.model, [], [video_frames([bytes(d) for d in data] if frames else bytes(data),
+                                                                  name)])
+            except ValueError as e:
+                raise RequestError(str(e) if str(e).startswith(name) else f"{name}: {e}", name) from None
+            context = self.model.max_context
+            if context and videos.video_features > context:
+                raise RequestError(f"{name}: the video makes {videos.video_features} video tokens; the model's "
+                                   f"context holds {context}", name)
+            return encode_video(self.model, videos)
+        return self._cached(key, started, encoded)
+
+    def _cached(self, key, started: float, encoded):
+        """The features under `key`: from the cache (a hit), else `encoded()` stored there (a
+        miss); the latency since `started` observed either way."""
+        out = self.cache.get(key)
+        if out is not None:
             self.metrics.cache_hits.inc()
-            self.metrics.latency.observe(time.perf_counter() - started)
-            return cached
-        try:
-            videos = preprocess(self.model, [], [video_frames([bytes(d) for d in data] if frames else bytes(data),
-                                                              name)])
-        except ValueError as e:
-            raise RequestError(str(e) if str(e).startswith(name) else f"{name}: {e}", name) from None
-        context = self.model.max_context
-        if context and videos.video_features > context:
-            raise RequestError(f"{name}: the video makes {videos.video_features} video tokens; the model's context "
-                               f"holds {context}", name)
-        out = encode_video(self.model, videos)
-        self.cache.put(key, out, out.nbytes)
-        self.metrics.cache_misses.inc()
+        else:
+            out = encoded()
+            self.cache.put(key, out, out.nbytes)
+            self.metrics.cache_misses.inc()
         self.metrics.latency.observe(time.perf_counter() - started)
         return out
 

@@ -52,7 +52,7 @@ class SamplingRows:
         """From a RowSettings (processors.py), whose fields have the same names."""
         return cls(settings.do_sample, settings.temperature, settings.top_k, settings.top_p, settings.min_p,
                    settings.typical_p, settings.epsilon, settings.eta, settings.min_keep, settings.renormalize,
-                   getattr(settings, "untempered", None))
+                   settings.untempered)
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:

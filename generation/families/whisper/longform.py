@@ -195,6 +195,8 @@ class ClipWindows:
         sequence score."""
         self.tries += 1
         options = self.options
+        t = self.temperature  # a window that ends at 0.5 or more stops the next one's conditioning
+        self.condition = options.condition_on_prev_tokens and (t is None or t < 0.5)
         skip = False
         if options.fallback:
             rated = tokens + ([eos] if eos is not None else [])
@@ -206,14 +208,9 @@ class ClipWindows:
                     total = np.float32(total + value)
                 mean = float(total / np.float32(max(len(values), 1)))
             fallback, skip = needs_fallback(options, rated, mean, self.no_speech, vocab_size)
-            t = self.temperature
-            self.condition = options.condition_on_prev_tokens and (t is None or t < 0.5)
             if fallback and self.attempt + 1 < len(options.temperatures or (None,)):
                 self.attempt += 1
                 return False
-        else:
-            t = self.temperature
-            self.condition = options.condition_on_prev_tokens and (t is None or t < 0.5)
         self.attempt = 0
         self.count += 1
         if skip:
@@ -268,13 +265,11 @@ def decode_windows(ctx: Context, features: np.ndarray, num_frames, prompts: list
     window is those frames reuses them. timestamps False: windows without the timestamp rules
     (a short clip with options that need the loop).
     """
-    from dataclasses import replace as replaced
-
     from ...core.scheduler import Job, Scheduler
 
     clips = clip_windows(ctx, features, num_frames, prompts, seeds, options, timestamps)
     rated = (options or WhisperOptions()).logprob_threshold is not None
-    run_ctx = replaced(ctx, token_logprobs=True, logprobs_of="processed") if rated and not (
+    run_ctx = replace(ctx, token_logprobs=True, logprobs_of="processed") if rated and not (
         ctx.token_logprobs and ctx.logprobs_of == "processed") else ctx
     base = timestamp_settings(ctx) if timestamps else ctx.settings
     budget = max(base.new_tokens_for(len(c.decoder_prompt())) for c in clips)
@@ -301,7 +296,7 @@ def decode_windows(ctx: Context, features: np.ndarray, num_frames, prompts: list
         for b in retry:
             clip = clips[b]
             prompt, settings = clip.decoder_prompt(), clip.settings(base)
-            check_window_length(ctx, prompt, settings)
+            check_decoder_length(ctx, len(prompt), settings)
             scheduler.add(Job(prompt, clip.window_seed, settings, settings.new_tokens_for(len(prompt)), encoders[b],
                               key=b))
         retry = []
@@ -316,16 +311,17 @@ def decode_windows(ctx: Context, features: np.ndarray, num_frames, prompts: list
     return [c.segments for c in clips]
 
 
-def check_window_length(ctx: Context, prompt: list[int], settings) -> None:
-    """As transformers' `_set_max_new_tokens_and_length`: a window's prompt (previous tokens
-    included) and max_new_tokens within the decoder's positions."""
+def check_decoder_length(ctx: Context, prompt: int, settings=None) -> None:
+    """As transformers' Whisper generate (`_set_max_new_tokens_and_length`, each window): a
+    decoder prompt of `prompt` tokens (previous tokens included) and max_new_tokens (of
+    `settings`, default the context's) within the decoder's positions."""
     from ...core.settings import SettingError
 
-    limit, new = ctx.model.config.get("max_target_positions"), settings.max_new_tokens
-    if isinstance(limit, int) and new is not None and new + len(prompt) > limit:
-        raise SettingError("max_new_tokens", f"max_new_tokens={new} and the {len(prompt)}-token decoder prompt "
-                                             f"(previous tokens included) exceed the decoder's {limit} positions: "
-                                             f"max_new_tokens can be at most {limit - len(prompt)}")
+    limit, new = ctx.model.config.get("max_target_positions"), (settings or ctx.settings).max_new_tokens
+    if isinstance(limit, int) and new is not None and new + prompt > limit:
+        raise SettingError("max_new_tokens", f"max_new_tokens={new} and the {prompt}-token decoder prompt exceed "
+                                             f"the decoder's {limit} positions: max_new_tokens can be at most "
+                                             f"{limit - prompt}")
 
 
 def run_encoder(encode: Callable[[np.ndarray], EncoderOutputs], windows: np.ndarray) -> EncoderOutputs:

@@ -18,7 +18,7 @@ from ...runtime.model import preprocessor_config
 from .. import Prepared
 from ..seq2seq import decoder_start
 from . import audio
-from .longform import ClipWindows, clip_windows, run_encoder, window_frames
+from .longform import ClipWindows, check_decoder_length, clip_windows, run_encoder, window_frames
 from .options import WhisperOptions, whisper_options
 from .prompt import init_tokens
 
@@ -124,12 +124,3 @@ def _timestamps_on(ctx: Context, clips, window: float, asked: bool | None) -> bo
                          f"{window} s window: long-form decoding needs timestamps, and {source} "
                          "(pass return_timestamps=True)")
     return bool(timestamps) or long_form
-
-
-def check_decoder_length(ctx: Context, prompt: int) -> None:
-    """As transformers' Whisper generate: the prompt and max_new_tokens within the decoder's positions."""
-    limit, new = ctx.model.config.get("max_target_positions"), ctx.settings.max_new_tokens
-    if isinstance(limit, int) and new is not None and new + prompt > limit:
-        raise SettingError("max_new_tokens", f"max_new_tokens={new} and the {prompt}-token decoder prompt exceed "
-                                             f"the decoder's {limit} positions: max_new_tokens can be at most "
-                                             f"{limit - prompt}")
