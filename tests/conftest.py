@@ -156,6 +156,17 @@ def _hf_vision(path, model_class: str, processor_class: str):
 
 
 @pytest.fixture(scope="session")
+def whisper_hf(s2s):
+    """(transformers Whisper model, its feature extractor) of the tiny fixture, once per session."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    return (transformers.WhisperForConditionalGeneration.from_pretrained(s2s["hf/whisper"]).eval(),
+            transformers.WhisperFeatureExtractor.from_pretrained(s2s["hf/whisper"]))
+
+
+@pytest.fixture(scope="session")
 def qwen2vl_hf(vision_paths):
     """(transformers Qwen2-VL model, its image processor) of the tiny fixture, once per session."""
     return _hf_vision(vision_paths["hf/qwen2vl"], "Qwen2VLForConditionalGeneration", "Qwen2VLImageProcessor")

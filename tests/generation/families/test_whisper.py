@@ -24,13 +24,10 @@ def model(s2s, load_model):
 
 
 @pytest.fixture(scope="module")
-def reference(s2s):
+def reference(whisper_hf):
     import torch
-    import transformers
 
-    torch.set_num_threads(1)
-    hf = transformers.WhisperForConditionalGeneration.from_pretrained(s2s["hf/whisper"]).eval()
-    extractor = transformers.WhisperFeatureExtractor.from_pretrained(s2s["hf/whisper"])
+    hf, extractor = whisper_hf
 
     def generate(clip, **settings):
         features = extractor(clip, sampling_rate=16000, return_tensors="pt").input_features

@@ -28,13 +28,8 @@ def model(s2s, load_model):
 
 
 @pytest.fixture(scope="module")
-def hf(s2s):
-    import torch
-    import transformers
-
-    torch.set_num_threads(1)
-    return (transformers.WhisperForConditionalGeneration.from_pretrained(s2s["hf/whisper"]).eval(),
-            transformers.WhisperFeatureExtractor.from_pretrained(s2s["hf/whisper"]))
+def hf(whisper_hf):
+    return whisper_hf
 
 
 def reference(hf, clips, **settings):
@@ -44,16 +39,28 @@ def reference(hf, clips, **settings):
     import torch
 
     model, extractor = hf
+    features = hf_features(extractor, clips, settings)
+    with torch.no_grad():
+        out = model.generate(features, return_timestamps=True, return_segments=True, **settings)
+    return hf_rows(out, len(clips))
+
+
+def hf_features(extractor, clips, settings: dict):
+    """The clips' input features for transformers' generate: one window each, or the whole clips
+    when the longest is longer than a window, their attention mask then put in `settings`."""
     if max(len(c) for c in clips) > extractor.n_samples:
         inputs = extractor(clips, sampling_rate=16000, return_tensors="pt", truncation=False, padding="longest",
                            return_attention_mask=True)
         settings["attention_mask"] = inputs.attention_mask
     else:
         inputs = extractor(clips, sampling_rate=16000, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(inputs.input_features, return_timestamps=True, return_segments=True, **settings)
+    return inputs.input_features
+
+
+def hf_rows(out, count: int) -> list:
+    """generate(return_segments=True)'s output per clip: (tokens, [(start, end, tokens)])."""
     rows = []
-    for b in range(len(clips)):
+    for b in range(count):
         tokens = out["sequences"][b].tolist()
         while tokens and tokens[-1] == EOT:  # right padding (pad = eos); segments never hold eos
             tokens.pop()

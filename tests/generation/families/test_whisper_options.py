@@ -19,6 +19,7 @@ import pytest
 import generation
 from generation import tasks
 from generation.core.rng import derived_seed, uniforms
+from test_whisper_longform import hf_features, hf_rows
 
 EOT = 883
 PREV = 896  # <|startofprev|>
@@ -27,17 +28,6 @@ PREV = 896  # <|startofprev|>
 @pytest.fixture(scope="module")
 def model(s2s, load_model):
     return load_model(s2s["whisper-optimum"])
-
-
-@pytest.fixture(scope="module")
-def hf(s2s):
-    import torch
-    import transformers
-
-    torch.set_num_threads(1)
-    return (transformers.WhisperForConditionalGeneration.from_pretrained(s2s["hf/whisper"]).eval(),
-            transformers.WhisperFeatureExtractor.from_pretrained(s2s["hf/whisper"]),
-            transformers.WhisperProcessor.from_pretrained(s2s["hf/whisper"]))
 
 
 @contextlib.contextmanager
@@ -70,25 +60,22 @@ def engine_sampling(seed: int):
         GenerationMixin.generate, torch.multinomial = generate, multinomial
 
 
+@pytest.fixture(scope="module")
+def hf(whisper_hf):
+    return whisper_hf
+
+
 def reference(hf, clip, seed: int = 0, **settings):
     """transformers generate(return_segments=True) of one clip: (tokens, [(start, end, tokens)])."""
     import torch
 
-    model, extractor, _ = hf
-    if len(clip) > extractor.n_samples:
-        inputs = extractor([clip], sampling_rate=16000, return_tensors="pt", truncation=False, padding="longest",
-                           return_attention_mask=True)
-        settings["attention_mask"] = inputs.attention_mask
-    else:
-        inputs = extractor([clip], sampling_rate=16000, return_tensors="pt")
+    model, extractor = hf
+    features = hf_features(extractor, [clip], settings)
     if "prompt_ids" in settings:
         settings["prompt_ids"] = torch.tensor(settings["prompt_ids"])
     with torch.no_grad(), engine_sampling(seed):
-        out = model.generate(inputs.input_features, return_segments=True, **settings)
-    tokens = out["sequences"][0].tolist()
-    while tokens and tokens[-1] == EOT:
-        tokens.pop()
-    return tokens, [(float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in out["segments"][0]]
+        out = model.generate(features, return_segments=True, **settings)
+    return hf_rows(out, 1)[0]
 
 
 def ours(model, clip, seed: int = 0, max_new_tokens: int = 8, **options):
@@ -118,10 +105,12 @@ def same(model, hf, clip, expect_change: dict | None = None, seed: int = 0, max_
     return expected
 
 
-def test_prompt_ids_are_transformers_get_prompt_ids(hf, model):
+def test_prompt_ids_are_transformers_get_prompt_ids(s2s, model):
+    from transformers import WhisperProcessor
+
     from generation.families.whisper.prompt import prompt_ids
 
-    processor = hf[2]
+    processor = WhisperProcessor.from_pretrained(s2s["hf/whisper"])
     for text in ("hello there", "  Quilter  ", "a, b; c?"):
         assert prompt_ids(model, text) == processor.get_prompt_ids(text).tolist()
     with pytest.raises(ValueError, match="prompt: .*<|en|>"):

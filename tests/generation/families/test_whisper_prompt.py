@@ -19,6 +19,7 @@ import pytest
 import generation
 from generation import tasks
 from generation.families.whisper import speech
+from test_whisper_longform import hf_features, hf_rows
 
 EN, ZH, DE = 885, 886, 887
 TRANSLATE, TRANSCRIBE, NO_TIMESTAMPS = 893, 894, 898
@@ -64,6 +65,11 @@ REFUSED = [
 ]
 
 
+@pytest.fixture(scope="module")
+def hf(whisper_hf):
+    return whisper_hf
+
+
 def changed(config: dict, changes: dict) -> dict:
     out = copy.deepcopy(config)
     for key, value in changes.items():
@@ -97,16 +103,6 @@ def folders(base, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def hf(s2s):
-    import torch
-    import transformers
-
-    torch.set_num_threads(1)
-    return (transformers.WhisperForConditionalGeneration.from_pretrained(s2s["hf/whisper"]).eval(),
-            transformers.WhisperFeatureExtractor.from_pretrained(s2s["hf/whisper"]))
-
-
 def hf_generate(hf, folder, clips, **arguments):
     """transformers generate with the folder's configs: (its prompts, tokens, segments or None)."""
     import torch
@@ -126,28 +122,16 @@ def hf_generate(hf, folder, clips, **arguments):
         return out
 
     settings = dict(arguments)
-    if max(len(c) for c in clips) > extractor.n_samples:
-        inputs = extractor(clips, sampling_rate=16000, return_tensors="pt", truncation=False, padding="longest",
-                           return_attention_mask=True)
-        settings["attention_mask"] = inputs.attention_mask
-    else:
-        inputs = extractor(clips, sampling_rate=16000, return_tensors="pt")
+    features = hf_features(extractor, clips, settings)
     model.generation_config, model.config.forced_decoder_ids = generation_config, forced
     model._retrieve_init_tokens = recorded
     try:
         with torch.no_grad():
-            out = model.generate(inputs.input_features, return_segments=True, **settings)
+            out = model.generate(features, return_segments=True, **settings)
     finally:
         model.generation_config, model.config.forced_decoder_ids = kept
         del model._retrieve_init_tokens
-    rows = []
-    for b in range(len(clips)):
-        tokens = out["sequences"][b].tolist()
-        while tokens and tokens[-1] == EOT:  # right padding (pad = eos)
-            tokens.pop()
-        segments = [(float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in out["segments"][b]]
-        rows.append((tokens, segments))
-    return prompts, rows
+    return prompts, hf_rows(out, len(clips))
 
 
 def clips(count: int = 3, seconds: float = 1.0):
