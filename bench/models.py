@@ -63,6 +63,22 @@ def _complete(kind: str, d: Path) -> bool:
     return all((d / f).is_file() for f in need[kind])
 
 
+def build_part(final: Path, label: str, fn, *, force: bool, complete, progress) -> None:
+    """``fn(tmp)`` builds one part into an empty temporary sibling of ``final``, renamed into
+    place when it returns; skipped when ``complete(final)`` (unless ``force``)."""
+    if not force and complete(final):
+        return
+    t0 = time.time()
+    tmp = final.parent / f".{final.name}.building"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fn(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    progress(f"[bench-models] {label:<16} {time.time() - t0:6.1f}s")
+
+
 def build_small(root, *, force: bool = False, progress=None) -> dict[str, Path]:
     """Build ``ROOT/small/{hf,optimum,genai}`` (each part skipped when already complete,
     unless ``force``).  Each part is built into a temporary sibling and renamed into place."""
@@ -73,17 +89,8 @@ def build_small(root, *, force: bool = False, progress=None) -> dict[str, Path]:
     paths = {k: base / k for k in ("hf", "optimum", "genai")}
 
     def build(kind, fn):
-        final = paths[kind]
-        if not force and _complete(kind, final):
-            return
-        t0 = time.time()
-        tmp = base / f".{kind}.building"
-        shutil.rmtree(tmp, ignore_errors=True)
-        fn(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        progress(f"[bench-models] small/{kind:<8} {time.time() - t0:6.1f}s")
+        build_part(paths[kind], f"small/{kind}", fn, force=force, complete=lambda d: _complete(kind, d),
+                   progress=progress)
 
     def hf(out):
         cls, cfg = small_config()

