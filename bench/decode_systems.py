@@ -23,6 +23,9 @@ SYSTEMS = {
     "append": "raymuter append, Optimum export (whole prompt)",
     "append_pieces": "raymuter append, Optimum export (pieces)",
     "append_grow": "raymuter grow, Optimum export",
+    "fused": "raymuter in_place, Optimum export rewritten at load (fusion)",
+    "fused_q4": "raymuter in_place, Optimum export 4-bit (q4, MatMulNBits) rewritten at load",
+    "append_q4": "raymuter append, Optimum export 4-bit (q4, MatMulNBits) as exported",
     "genai": "onnxruntime-genai og.Generator",
     "numpy": "plain numpy loop, Optimum export",
     "transformers": "transformers generate (torch eager, sdpa)",
@@ -34,16 +37,17 @@ SYSTEMS = {
     "llamacpp_fa": "llama.cpp, F32 GGUF, flash attention",
     "llamacpp_q4_fa": "llama.cpp, Q4_0 GGUF, flash attention",
 }
-DEFAULT = ["in_place", "in_place_pieces", "in_place_grow", "append", "append_pieces", "append_grow", "genai", "numpy",
+DEFAULT = ["in_place", "in_place_pieces", "in_place_grow", "fused", "append", "append_pieces", "append_grow", "genai", "numpy",
            "transformers"]
 # the system whose tokens a system's are checked against (default genai)
-REFERENCE = {"in_place_int4": "genai_int4", "genai_int4": "genai_int4", "llamacpp_q4": "llamacpp_q4",
+REFERENCE = {"in_place_int4": "genai_int4", "genai_int4": "genai_int4", "fused_q4": "append_q4", "append_q4": "append_q4", "llamacpp_q4": "llamacpp_q4",
              "llamacpp_q4_fa": "llamacpp_q4"}
-RAYMUTER = {  # key -> (layout, cache_mode, prompt_steps)
-    "in_place": ("genai", None, "whole"), "in_place_pieces": ("genai", None, "pieces"),
-    "in_place_grow": ("genai", "grow", "whole"), "append": ("optimum", None, "whole"),
-    "append_pieces": ("optimum", None, "pieces"), "append_grow": ("optimum", "grow", "whole"),
-    "in_place_int4": ("genai_int4", None, "whole"),
+RAYMUTER = {  # key -> (layout, cache_mode, prompt_steps, fuse, variant); Optimum exports run as exported unless fused
+    "in_place": ("genai", None, "whole", False, None), "in_place_pieces": ("genai", None, "pieces", False, None),
+    "in_place_grow": ("genai", "grow", "whole", False, None), "append": ("optimum", None, "whole", False, None),
+    "append_pieces": ("optimum", None, "pieces", False, None), "append_grow": ("optimum", "grow", "whole", False, None),
+    "fused": ("optimum", None, "whole", True, None), "in_place_int4": ("genai_int4", None, "whole", False, None),
+    "fused_q4": ("optimum_q4", None, "whole", True, "q4"), "append_q4": ("optimum_q4", None, "whole", False, "q4"),
 }
 SLOW = {"small": {"transformers"}}  # systems that run --slow-repeats times on that model
 
@@ -64,14 +68,17 @@ def model_dirs(name: str) -> dict[str, Path]:
 
 
 def load_raymuter(key):
-    layout, mode, steps = RAYMUTER[key]
+    layout, mode, steps, fuse, variant = RAYMUTER[key]
 
     def loader(dirs, threads, new, tmp, shared):
         if layout not in dirs:
             raise RuntimeError(f"this model has no {layout} build")
-        if layout not in shared:  # one session per layout, shared by its modes
-            shared[layout] = generation.load(dirs[layout], threads=threads, provider="cpu")
-        model = shared[layout]
+        if (layout, fuse) not in shared:  # one session per layout, shared by its modes
+            shared[layout, fuse] = generation.load(dirs[layout], threads=threads, provider="cpu", fuse=fuse,
+                                                   variant=variant)
+            if fuse and shared[layout, fuse].fused_from is None:
+                raise RuntimeError(f"the {layout} build was not rewritten (see the log)")
+        model = shared[layout, fuse]
 
         def prepare(prompts):
             ctx = generation.context(model, cache_mode=mode, prompt_steps=steps, max_new_tokens=new,

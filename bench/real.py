@@ -34,8 +34,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 import decode  # noqa: E402  (bench/decode.py)
 from decode_systems import model_dirs  # noqa: E402
 
-SYSTEMS = ["in_place", "in_place_grow", "append", "append_grow", "genai", "transformers", "llamacpp", "llamacpp_fa",
-           "in_place_int4", "genai_int4", "llamacpp_q4", "llamacpp_q4_fa"]
+SYSTEMS = ["in_place", "in_place_grow", "fused", "append", "append_grow", "genai", "transformers", "llamacpp", "llamacpp_fa",
+           "in_place_int4", "genai_int4", "fused_q4", "append_q4", "llamacpp_q4", "llamacpp_q4_fa"]
 
 
 def bandwidth(threads: int, megabytes: int = 512) -> float:
@@ -129,12 +129,13 @@ def targets(res: dict, systems, dirs, speed, length):
 
     lines = []
     for b in res:
-        for layout in ("append", "append_grow", "in_place_grow"):
+        for layout in ("fused", "append", "append_grow", "in_place_grow"):
             lines.append((f"{layout} / in_place, B={b}", ratio(b, layout, "in_place"), 0.95))
         lines.append((f"in_place / genai, B={b}", ratio(b, "in_place", "genai"), 1.05))
         best_llama = max(decode.best(res[b].get(k)) or 0 for k in ("llamacpp_q4", "llamacpp_q4_fa"))
-        four = decode.best(res[b].get("in_place_int4"))
-        lines.append((f"int4 in_place / llama.cpp Q4_0 (its best: flash attention or not), B={b}", four / best_llama if four and best_llama else None,
+        four = max(decode.best(res[b].get(k)) or 0 for k in ("in_place_int4", "fused_q4"))
+        lines.append((f"raymuter 4-bit (its best: genai int4 build or fused q4 export) / llama.cpp Q4_0 (its best: "
+                      f"flash attention or not), B={b}", four / best_llama if four and best_llama else None,
                       1.2 if b == 1 else 1.0))
         if b == 1 and decode.best(res[b].get("in_place")):
             step = 1 / decode.best(res[b]["in_place"])

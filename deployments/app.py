@@ -110,6 +110,7 @@ class AppConfig(BaseModel):
     threads: int | None = Field(default=None, ge=1)  # onnxruntime intra-op threads per decoder replica
     provider: str | None = None  # cuda, cpu; default: CUDA where the replica has a GPU
     variant: str | None = None
+    fuse: bool = True  # run an Optimum / transformers.js Llama-family decoder as its fused rewrite (generation.load)
     # a draft model (folder or hub id) with the model's tokenizer: every step verifies its
     # proposals (num_assistant_tokens, num_assistant_tokens_schedule in settings); text models
     draft: str | None = None
@@ -272,7 +273,7 @@ class Decoder:
                 model, name=cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else None), slots=cfg.slots, capacity=cfg.capacity, max_waiting=cfg.max_waiting,
                 prefix_cache_bytes=cfg.prefix_cache_bytes,
                 max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
-                stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft, **cfg.settings)
+                fuse=cfg.fuse, stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft, **cfg.settings)
 
     async def generate(self, request: GenerateRequest, encoded=None, *images) -> GenerateResponse:
         try:

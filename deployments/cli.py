@@ -37,6 +37,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
     parser.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
     parser.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
+    parser.add_argument("--no-fuse", dest="fuse", action="store_false",
+                        help="run an Optimum / transformers.js decoder as exported, not as its fused rewrite "
+                             "(generation.runtime.fusion; built once, cached under $RAYMUTER_CACHE)")
     parser.add_argument("--draft", help="a draft model (folder or hub id, the model's tokenizer) whose proposals "
                         "every step verifies: speculative decoding (--set num_assistant_tokens=N; default: none)")
     parser.add_argument("--api-key", help="bearer token every route but /health requires (default: "
@@ -143,7 +146,7 @@ def app_config(args) -> dict:
     return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
                 prefix_cache_bytes=args.prefix_cache_bytes,
                 max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
-                draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
+                fuse=args.fuse, draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
                 settings=settings, engine=args.engine)
 
 

@@ -184,10 +184,12 @@ def load_model():
 
     loaded = {}
 
-    def get(path):
-        key = str(path)
+    def get(path, fuse: bool = False):
+        """The fixture as exported (fuse=False: each layout's own cache mode is what a test
+        exercises; tests/generation/runtime/test_fusion.py loads the fused rewrites)."""
+        key = (str(path), fuse)
         if key not in loaded:
-            loaded[key] = generation.load(path, threads=1)
+            loaded[key] = generation.load(path, threads=1, fuse=fuse)
         return loaded[key]
     return get
 

@@ -745,6 +745,19 @@ def quantize_int8(src, dst):
     cap_ir_version(dst)
 
 
+def quantize_q4(src, dst, block_size=32):
+    """4-bit weights (MatMulNBits, symmetric, blocks of 32), If subgraphs included, as
+    transformers.js makes its ``*_q4.onnx`` exports (onnxruntime's MatMulNBitsQuantizer)."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=block_size, is_symmetric=True)
+    quantizer.process()
+    model = quantizer.model.model
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    onnx.save(model, str(dst), save_as_external_data=Path(src).stat().st_size > 2**30)
+
+
 def convert_fp16(src, dst):
     """float16 weights AND float16 graph inputs/outputs (past, present, logits), as in
     transformers.js ``*_fp16.onnx`` exports; integer / bool inputs are unchanged."""

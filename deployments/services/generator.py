@@ -110,12 +110,12 @@ class TextGenerator:
                    max_waiting: int = 256, max_logprobs: int = 5, threads: int | None = None,
                    provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
                    stream_interval: float = 0.0, draft: str | Path | None = None, prefix_cache_bytes: int = 0,
-                   **settings) -> "TextGenerator":
+                   fuse: bool = True, **settings) -> "TextGenerator":
         """Load `source` (folder or hub id) and start its batcher. `settings`: defaults over the
         model's generation_config.json for every request (max_new_tokens, ...). `draft`: a small
         model with the same tokenizer (folder or hub id) whose proposals every step verifies
         (num_assistant_tokens and its schedule from `settings`). `prefix_cache_bytes`: prompt
-        prefixes kept for reuse (0: none)."""
+        prefixes kept for reuse (0: none). `fuse`: generation.load's (False: the decoder file as exported)."""
         import generation
         from generation import families
         from generation.runtime.model import config_texts
@@ -123,9 +123,10 @@ class TextGenerator:
         from generation.text.tokenizer import model_tokenizer
 
         spin_wait = draft is None  # the draft's runs come between the model's (generation.load)
-        model = generation.load(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait)
+        model = generation.load(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait,
+                                fuse=fuse)
         if draft is not None:
-            draft = generation.load(draft, provider=provider, threads=threads, spin_wait=False)
+            draft = generation.load(draft, provider=provider, threads=threads, spin_wait=False, fuse=fuse)
         ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
                                  top_logprobs=max(0, max_logprobs), draft=draft, **settings)
         ctx = generation.compile(ctx, batch_size=slots)

@@ -62,8 +62,10 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
     if cache_mode not in CACHE_MODES + ("seq2seq",):
         raise SettingError("cache_mode", f"cache_mode must be one of {', '.join(CACHE_MODES)}, not {shown(cache_mode)}")
     if cache_mode not in model.graph.modes:
+        fused = (f", the fused rewrite of {model.fused_from.name}: load it with fuse=False for the export's own modes"
+                 if model.fused_from is not None else "")
         raise SettingError("cache_mode", f"cache_mode '{cache_mode}' does not fit this graph "
-                                         f"({model.decoder_path.name} runs as {' or '.join(model.graph.modes)})")
+                                         f"({model.decoder_path.name} runs as {' or '.join(model.graph.modes)}{fused})")
     if prompt_steps not in PROMPT_STEPS:
         raise SettingError("prompt_steps", f"prompt_steps must be one of {', '.join(PROMPT_STEPS)}, "
                                            f"not {shown(prompt_steps)}")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .fusion import fused_decoder
 from .graph import DecoderGraph, GraphError, read_graph
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Model:
     embed_session: object = None  # vision-language models: embed_tokens.onnx, run at every step
     vision_session: object = None  # and vision_encoder.onnx, run once per image
     family: str = "text"  # generation.families: what the folder is, decided at load
+    fused_from: Path | None = None  # the decoder file whose fused rewrite this is (generation.runtime.fusion)
 
     @property
     def is_seq2seq(self) -> bool:
@@ -210,6 +212,17 @@ def find_decoder(folder: Path, variant: str | None) -> Path:
                      + (f" (pass variant= one of {have})" if have else ""))
 
 
+def _provider(provider: str | None) -> str:
+    """The provider a session will use: CUDA where asked, or by default where usable."""
+    if provider is not None:
+        return provider
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return "cpu"
+    return "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
+
+
 def _session(path: Path, provider: str | None, threads: int, spin_wait: bool = True):
     try:
         import onnxruntime as ort
@@ -250,7 +263,7 @@ def default_threads() -> int:
 
 
 def load(source: str | os.PathLike, *, variant: str | None = None, provider: str | None = None,
-         threads: int | None = None, spin_wait: bool = True) -> Model:
+         threads: int | None = None, spin_wait: bool = True, fuse: bool = True) -> Model:
     """Load the decoder of `source` (a folder or a hub id).
 
     variant: dtype variant of a transformers.js export (fp16, q4, quantized, ...), None for fp32.
@@ -259,15 +272,21 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
     spin_wait: onnxruntime's idle threads spin between runs (the fastest for a session alone);
     False where another session of the process runs between its runs, as a draft model's does
     (load both so: measured 20% faster with a draft on 2 cores, 5-10% slower alone).
+    fuse: run an Optimum / transformers.js Llama, Qwen2 or Mistral decoder as its fused rewrite
+    (generation.runtime.fusion: built once, cached under $RAYMUTER_CACHE, checked against the
+    source); False runs the file as exported.
     """
+    if not isinstance(fuse, bool):
+        raise ModelError(f"fuse must be true or false, not {fuse!r}")
     from ..families import detect, folder_files
 
-    model = _load(source, variant, provider, threads, spin_wait)
+    model = _load(source, variant, provider, threads, spin_wait, fuse)
     model.family = detect(model.config, folder_files(model.folder))
     return model
 
 
-def _load(source, variant: str | None, provider: str | None, threads: int | None, spin_wait: bool) -> Model:
+def _load(source, variant: str | None, provider: str | None, threads: int | None, spin_wait: bool,
+          fuse: bool = False) -> Model:
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ModelError(f"threads must be a positive integer, not {threads!r}")
     folder = resolve_folder(source, variant)
@@ -290,10 +309,21 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     tokenizer_path = tokenizer if tokenizer.exists() else None
     if config.get("is_encoder_decoder"):
         return _load_seq2seq(folder, variant, provider, threads, config, generation_config, tokenizer_path)
-    session, used = _session(decoder_path, provider, threads, spin_wait)
-    graph = read_graph(decoder_path, session, _config_dims(config), present_names)
-    model = Model(folder=folder, decoder_path=decoder_path, session=session, graph=graph, config=config,
-                  generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path)
+    fused = None
+    if fuse and not genai_path.exists():
+        source = {}
+
+        def load_source():
+            source["session"], source["used"] = _session(decoder_path, provider, threads, spin_wait)
+            return source["session"], read_graph(decoder_path, source["session"], _config_dims(config))
+        fused = fused_decoder(decoder_path, config, _provider(provider), load_source)
+        source.clear()  # the source's weights are not kept beside the fused graph's
+    path = fused or decoder_path
+    session, used = _session(path, provider, threads, spin_wait)
+    graph = read_graph(path, session, _config_dims(config), present_names)
+    model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,
+                  generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path,
+                  fused_from=decoder_path if fused else None)
     if graph.has_inputs_embeds:
         _load_vision_parts(model, variant, provider, threads)
     return model

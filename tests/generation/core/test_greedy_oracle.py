@@ -1,7 +1,8 @@
 """Greedy decoding equals transformers 4.57 `generate` on the same weights, exactly.
 
 Invariant: every row of a batch of prompts of lengths 0 to 37 gets the tokens transformers
-gives that prompt alone, in every cache mode each graph supports, with the prompt in one step
+gives that prompt alone, in every cache mode each graph supports (the exports as exported and
+as rewritten at load), with the prompt in one step
 or in power-of-two pieces, with all rows in one batch or admitted a few at a time.
 """
 
@@ -24,6 +25,10 @@ GRAPHS = [
     ("llama-merged", "llama", ("append", "grow")),
     ("llama-genai", "llama", ("in_place", "grow")),
     ("qwen2-genai", "qwen2", ("in_place", "grow")),
+    # the exports' fused rewrites (generation.runtime.fusion), as generation.load gives them by default
+    ("llama-optimum+fused", "llama", ("in_place", "grow")),
+    ("qwen2-optimum+fused", "qwen2", ("in_place", "grow")),
+    ("llama-merged+fused", "llama", ("in_place", "grow")),
 ]
 
 
@@ -45,7 +50,8 @@ def expected(oracle, prompts):
 
 @pytest.fixture(scope="module")
 def models(test_models, load_model):
-    return {folder: load_model(test_models[folder]) for folder, _, _ in GRAPHS}
+    return {folder: load_model(test_models[folder.removesuffix("+fused")], fuse=folder.endswith("+fused"))
+            for folder, _, _ in GRAPHS}
 
 
 def test_the_oracle_is_not_trivial(expected):

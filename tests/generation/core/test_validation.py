@@ -256,7 +256,7 @@ def test_every_cache_mode_prefills_through_the_contract(test_models, monkeypatch
 
     calls = []
     for mode, folder in (("append", "llama-optimum"), ("grow", "gpt2-optimum"), ("in_place", "llama-genai")):
-        ctx = generation.context(generation.load(test_models[folder]), cache_mode=mode, max_new_tokens=3)
+        ctx = generation.context(generation.load(test_models[folder], fuse=False), cache_mode=mode, max_new_tokens=3)
         original = cache.CACHES[mode].prefill
 
         def counted(self, slots, *args, original=original, mode=mode):

@@ -45,13 +45,13 @@ def greedy(model, prompts, max_new_tokens, **settings):
 
 @pytest.fixture(scope="module")
 def merged_fp32(test_models):
-    return generation.load(test_models["llama-merged"], threads=1)
+    return generation.load(test_models["llama-merged"], threads=1, fuse=False)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_each_layout_loads_with_its_native_cache_mode(test_models, name):
     decoder, native, modes = LAYOUTS[name]
-    model = generation.load(test_models[name], threads=1)
+    model = generation.load(test_models[name], threads=1, fuse=False)  # (rewritten by default: test_fusion.py)
     assert model.decoder_path == test_models[name] / decoder
     assert model.graph.native_mode == native
     assert model.graph.modes == modes
@@ -67,7 +67,7 @@ def test_each_layout_loads_with_its_native_cache_mode(test_models, name):
     ("quantized", "decoder_model_merged_quantized.onnx", np.float32),
 ])
 def test_variant_picks_its_decoder_file(test_models, variant, filename, cache_dtype):
-    model = generation.load(test_models["llama-merged"], variant=variant, threads=1)
+    model = generation.load(test_models["llama-merged"], variant=variant, threads=1, fuse=False)
     assert model.decoder_path == test_models["llama-merged"] / "onnx" / filename
     assert model.graph.cache_dtype is cache_dtype
     assert model.graph.native_mode == "append"

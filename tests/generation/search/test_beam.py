@@ -18,12 +18,14 @@ import pytest
 import generation
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21], [30, 31, 32, 30, 31, 32, 30, 31, 3], [40]]
-MODES = [("llama-optimum", "llama", "append"), ("llama-genai", "llama", "in_place"), ("gpt2-grow", "gpt2", "grow")]
+MODES = [("llama-optimum", "llama", "append"), ("llama-genai", "llama", "in_place"), ("gpt2-grow", "gpt2", "grow"),
+         # the Optimum exports' fused rewrites (generation.runtime.fusion), generation.load's default for them
+         ("llama-optimum+fused", "llama", "in_place"), ("qwen2-optimum+fused", "qwen2", "in_place")]
 
 
 @pytest.fixture(scope="module")
 def models(test_models, load_model):
-    return lambda folder: load_model(test_models[folder])
+    return lambda folder: load_model(test_models[folder.removesuffix("+fused")], fuse=folder.endswith("+fused"))
 
 
 def transformers_beams(oracle, name, prompt, max_new, **settings):
@@ -75,7 +77,7 @@ def test_beam_search_equals_transformers(models, oracle, beams, length_penalty, 
         assert_same(hypotheses, transformers_beams(oracle, "llama", prompt, max_new, **settings), (prompt, settings))
 
 
-@pytest.mark.parametrize("folder, name, mode", MODES, ids=[m[2] for m in MODES])
+@pytest.mark.parametrize("folder, name, mode", MODES, ids=[m[2] + "-fused" * m[0].endswith("+fused") for m in MODES])
 @pytest.mark.parametrize("settings", [
     dict(num_beams=3, no_repeat_ngram_size=2, repetition_penalty=1.3, min_new_tokens=5),
     dict(num_beams=4, early_stopping=True, length_penalty=0.5, num_return_sequences=4, bad_words_ids=[[7, 8]]),

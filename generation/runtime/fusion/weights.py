@@ -1,0 +1,258 @@
+"""Read a Llama-family decoder's weights out of any ONNX export of it, by the graph's structure.
+
+Exporters name weights differently (Optimum: `onnx::MatMul_733`; torch dynamo: `val_72`; merged
+decoders: each branch its own copy), but every one of them emits the modules in the order the
+model calls them. So the weights are the constants the graph reads, in node order:
+
+    Gather(embed_tokens)
+    per layer:  Mul(input_layernorm)  MatMul q [+Add bias]  MatMul k [+Add]  MatMul v [+Add]
+                MatMul o  Mul(post_attention_layernorm)  MatMul gate  MatMul up  MatMul down
+    Mul(norm)  MatMul lm_head (a copy of the table where tied: exporters write it out)
+
+A weight reaches its MatMul as an initializer, a Constant, or through Transpose / Identity / Gemm
+(transB); a quantized one is a MatMulNBits (4-bit: onnx-community `_q4`) or the int8 dynamic
+quantization chain (`_quantized`, `_int8`), kept as the source computes it. Counts and shapes are checked against config.json here; the order is checked by the
+caller, which runs the rewritten graph against the source and keeps it only when their logits agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class FusionError(ValueError):
+    """This graph cannot be rewritten: the reason names what was found."""
+
+
+@dataclass
+class Linear:
+    """A projection: a float weight [in, out], or a quantized one as the source computes it:
+    the source's nodes from `source_input` to `source_output` (MatMulNBits; int8 dynamic
+    quantization's DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul by the scales), copied
+    into the fused graph as they are, with the constants they read."""
+
+    weight: np.ndarray | None  # [in, out], as MatMul reads it; None: quantized
+    bias: np.ndarray | None = None  # [out]
+    shape: tuple[int, int] = (0, 0)
+    nodes: list = field(default_factory=list)
+    constants: dict = field(default_factory=dict)  # name -> TensorProto
+    source_input: str = ""
+    source_output: str = ""
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight is None
+
+
+@dataclass
+class Layer:
+    input_norm: np.ndarray
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    post_norm: np.ndarray
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+@dataclass
+class DecoderWeights:
+    embed: np.ndarray  # [vocab, hidden]
+    layers: list[Layer] = field(default_factory=list)
+    norm: np.ndarray | None = None
+    lm_head: Linear | None = None  # [hidden, vocab]
+
+
+def _attr(node, name, default=None):
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _graph_with_past(graph):
+    """The graph whose nodes run a decode step: a merged decoder's use_cache_branch=True branch."""
+    for node in graph.node:
+        if node.op_type == "If" and list(node.input) == ["use_cache_branch"]:
+            branch = _attr(node, "then_branch")
+            if branch is not None:
+                return branch
+    return graph
+
+
+def _constants(graphs) -> dict[str, object]:
+    """Names of the constant tensors the graphs hold (initializers, Constant nodes), as protos:
+    converted to arrays only when a weight reads them."""
+    out = {}
+    for graph in graphs:
+        for t in graph.initializer:
+            out[t.name] = t
+        for node in graph.node:
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                out[node.output[0]] = node.attribute[0].t
+    return out
+
+
+def read_weights(model_proto, config: dict) -> DecoderWeights:
+    """The weights of `model_proto` (loaded with its external data) laid out as the model's modules."""
+    from onnx import numpy_helper
+
+    graph = _graph_with_past(model_proto.graph)
+    protos = _constants([model_proto.graph, graph] if graph is not model_proto.graph else [graph])
+    arrays: dict[str, np.ndarray] = {}
+
+    def const(name: str) -> np.ndarray | None:
+        if name not in arrays and name in protos:
+            arrays[name] = numpy_helper.to_array(protos[name])
+        return arrays.get(name)
+
+    producer = {out: n for n in graph.node for out in n.output}
+
+    def const_through(name: str) -> np.ndarray | None:
+        """A constant, or one seen through Identity / Transpose([1, 0])."""
+        value = const(name)
+        if value is not None:
+            return value
+        node = producer.get(name)
+        if node is None:
+            return None
+        if node.op_type == "Identity":
+            return const_through(node.input[0])
+        if node.op_type == "Transpose" and list(_attr(node, "perm", [1, 0])) == [1, 0]:
+            inner = const_through(node.input[0])
+            return None if inner is None else inner.T
+        return None
+
+    consumers: dict[str, list] = {}
+    for n in graph.node:
+        for name in n.input:
+            consumers.setdefault(name, []).append(n)
+
+    def cone(output: str, source: str) -> list:
+        """The nodes computing `output` from `source` and constants, in graph order."""
+        seen, todo = {}, [output]
+        while todo:
+            name = todo.pop()
+            if name == source or name in protos or name == "":
+                continue
+            node = producer.get(name)
+            if node is None:
+                raise FusionError(f"the quantized projection {output} reads {name}, not only its input")
+            if id(node) not in seen:
+                seen[id(node)] = node
+                todo.extend(node.input)
+        order = {id(n): i for i, n in enumerate(graph.node)}
+        return sorted(seen.values(), key=lambda n: order[id(n)])
+
+    def quantized(node) -> Linear:
+        if node.op_type == "MatMulNBits":
+            source, output = node.input[0], node.output[0]
+            shape = (int(_attr(node, "K")), int(_attr(node, "N")))
+        else:  # MatMulInteger(DynamicQuantizeLinear(x), W) -> Cast -> Mul(x_scale * w_scale)
+            quantize = producer.get(node.input[0])
+            weight = const(node.input[1])
+            casts = consumers.get(node.output[0], [])
+            scaled = consumers.get(casts[0].output[0], []) if len(casts) == 1 else []
+            if quantize is None or quantize.op_type != "DynamicQuantizeLinear" or weight is None or \
+                    casts[0].op_type != "Cast" or len(scaled) != 1 or scaled[0].op_type != "Mul":
+                raise FusionError("a MatMulInteger outside the int8 dynamic quantization pattern is not rewritten")
+            source, output, shape = quantize.input[0], scaled[0].output[0], weight.shape
+        nodes = cone(output, source)
+        names = {name for n in nodes for name in n.input if name in protos}
+        return Linear(None, shape=tuple(shape), nodes=nodes, constants={k: protos[k] for k in names},
+                      source_input=source, source_output=output)
+
+    hidden = int(config["hidden_size"])
+    embed, norms, linears = None, [], []
+    by_output: dict[str, Linear] = {}
+    taken: set[int] = set()  # nodes inside a quantized projection
+    for node in graph.node:
+        op = node.op_type
+        if id(node) in taken:
+            continue
+        if op in ("MatMulNBits", "MatMulInteger"):
+            linear = quantized(node)
+            taken.update(id(n) for n in linear.nodes)
+            linears.append(linear)
+            by_output[linear.source_output] = linear
+        elif op in ("QLinearMatMul", "GatherBlockQuantized"):
+            raise FusionError(f"quantized weights ({op}) are not rewritten")
+        elif op == "Gather" and embed is None:
+            table = const_through(node.input[0])
+            if table is not None and table.ndim == 2 and table.shape[1] == hidden:
+                embed = _dequantized(table, consumers.get(node.output[0], []), const)
+        elif op == "Mul":
+            for name in node.input:
+                value = const(name)
+                if value is not None and value.ndim == 1 and value.shape[0] == hidden:
+                    norms.append(value)
+        elif op in ("MatMul", "Gemm"):
+            weight = const_through(node.input[1])
+            if weight is None or weight.ndim != 2:
+                continue  # attention's own products (q @ k^T, scores @ v)
+            if op == "Gemm":
+                if _attr(node, "transA", 0) or _attr(node, "alpha", 1.0) != 1.0 or _attr(node, "beta", 1.0) != 1.0:
+                    raise FusionError("a Gemm with transA, alpha or beta is not rewritten")
+                weight = weight.T if _attr(node, "transB", 0) else weight
+            linear = Linear(weight, const(node.input[2]) if op == "Gemm" and len(node.input) > 2 else None,
+                            shape=weight.shape)
+            linears.append(linear)
+            by_output[node.output[0]] = linear
+        elif op == "Add":
+            source = [by_output[name] for name in node.input if name in by_output]
+            bias = [const(name) for name in node.input if name not in by_output]
+            if source and bias and bias[0] is not None and bias[0].ndim == 1 and source[0].bias is None:
+                source[0].bias = bias[0]
+    for array in (embed, *norms, *(x.weight for x in linears if not x.quantized)):
+        if array is not None and array.dtype != np.float32:
+            raise FusionError(f"weights of type {array.dtype} are not rewritten (float32 only)")
+    return _as_layers(embed, norms, linears, config)
+
+
+def _dequantized(table: np.ndarray, consumers: list, const) -> np.ndarray:
+    """An embedding table as float32: an int8 one (quantize_dynamic quantizes Gather too) through
+    the DequantizeLinear after it, (q - zero_point) * scale, as onnxruntime computes it."""
+    if table.dtype == np.float32 or len(consumers) != 1 or consumers[0].op_type != "DequantizeLinear":
+        return table
+    scale = const(consumers[0].input[1])
+    zero = const(consumers[0].input[2]) if len(consumers[0].input) > 2 and consumers[0].input[2] else 0
+    if scale is None or np.ndim(scale) != 0 or np.ndim(zero) != 0:
+        raise FusionError("an embedding table quantized per axis is not rewritten")
+    return ((table.astype(np.int32) - np.int32(zero)).astype(np.float32) * np.float32(scale)).astype(np.float32)
+
+
+def _as_layers(embed, norms, linears, config) -> DecoderWeights:
+    layers = int(config["num_hidden_layers"])
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    inner = int(config["intermediate_size"])
+    vocab = int(config["vocab_size"])
+    if embed is None:
+        raise FusionError("no embedding table (a Gather over a [vocab, hidden] constant) was found")
+    if len(norms) != 2 * layers + 1:
+        raise FusionError(f"found {len(norms)} RMSNorm weights, expected {2 * layers + 1} for {layers} layers")
+    if len(linears) != 7 * layers + 1:
+        raise FusionError(f"found {len(linears)} MatMul weights, expected {7 * layers + 1} for {layers} layers")
+    shapes = {"q": (hidden, heads * head_dim), "k": (hidden, kv_heads * head_dim), "v": (hidden, kv_heads * head_dim),
+              "o": (heads * head_dim, hidden), "gate": (hidden, inner), "up": (hidden, inner), "down": (inner, hidden)}
+    out = DecoderWeights(embed=embed, norm=norms[-1])
+    for i in range(layers):
+        parts = dict(zip(shapes, linears[7 * i:7 * i + 7]))
+        for name, linear in parts.items():
+            if linear.shape != shapes[name]:
+                raise FusionError(f"layer {i} {name}_proj has shape {linear.shape}, expected {shapes[name]}")
+            if linear.bias is not None and name not in ("q", "k", "v"):
+                raise FusionError(f"layer {i} {name}_proj has a bias: not rewritten")
+        out.layers.append(Layer(input_norm=norms[2 * i], post_norm=norms[2 * i + 1], **parts))
+    out.lm_head = linears[-1]
+    if out.lm_head.shape != (hidden, vocab) or out.lm_head.bias is not None:
+        raise FusionError(f"lm_head has shape {out.lm_head.shape}, expected {(hidden, vocab)} and no bias")
+    return out
