@@ -19,7 +19,7 @@ import os
 import secrets
 import time
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -31,6 +31,7 @@ from ray.serve.handle import DeploymentHandle
 
 from generation.cli import version
 
+from .autoscaling import RUNNING, SLOTS, WAITING, Autoscaling
 from .errors import Overloaded, RequestError
 from .http.edge import (
     RETRY_AFTER_SECONDS,
@@ -126,6 +127,10 @@ class AppConfig(BaseModel):
     # Which deployments the application has (PARTS); auto: from the model folder. A Serve config
     # that names deployments (the Helm chart's) sets it, and a model of another kind is refused.
     kind: str = Field(default="auto", pattern="^(auto|text|encoder-decoder|vision)$")
+    # Each deployment's autoscaling (deployments/autoscaling.py), by part: ingress, decoder,
+    # encoder, vision; a part not named keeps one replica (or what a Serve config gives it).
+    # The decoder scales on its rows and waiting requests against its slots (policy occupancy).
+    autoscaling: dict[Literal["ingress", "decoder", "encoder", "vision"], Autoscaling] = Field(default_factory=dict)
 
 
 # The deployments of each kind of model, the ingress first.
@@ -333,6 +338,13 @@ class Decoder:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What the decoder's autoscaling policy reads (deployments.autoscaling.DecoderPolicy)."""
+        batcher = getattr(self.generator, "batcher", None)
+        if batcher is None:  # an embedding model: Ray's own rule (ongoing requests)
+            return {}
+        return {RUNNING: float(batcher.running), WAITING: float(batcher.waiting), SLOTS: float(batcher.slots)}
 
     def check_health(self) -> None:
         thread = getattr(self.generator.batcher, "_thread", None)
@@ -914,12 +926,16 @@ def application(cfg: AppConfig, kind: str):
     decoder = Decoder
     if cfg.gpu == "yes" or (cfg.gpu == "auto" and _cluster_has_gpu()):
         decoder = Decoder.options(ray_actor_options={"num_cpus": 0.5, "num_gpus": 1})
+    parts = {"ingress": Ingress, "decoder": decoder, "encoder": Encoder, "vision": Vision}
+    for part, settings in cfg.autoscaling.items():
+        parts[part] = parts[part].options(autoscaling_config=settings.serve_config(part))
+    ingress, decoder = parts["ingress"], parts["decoder"]
     if kind == "encoder-decoder":
-        encoder = Encoder.bind(config)
-        return Ingress.bind(decoder.bind(config, encoder), config, encoder)
+        encoder = parts["encoder"].bind(config)
+        return ingress.bind(decoder.bind(config, encoder), config, encoder)
     if kind == "vision":
-        return Ingress.bind(decoder.bind(config), config, None, Vision.bind(config))
-    return Ingress.bind(decoder.bind(config), config)
+        return ingress.bind(decoder.bind(config), config, None, parts["vision"].bind(config))
+    return ingress.bind(decoder.bind(config), config)
 
 
 def _cluster_has_gpu() -> bool:

@@ -37,6 +37,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
     parser.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
     parser.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
+    parser.add_argument("--autoscale", action="append", default=[], metavar="PART=MIN:MAX",
+                        help="autoscale a deployment between MIN and MAX replicas (PART: ingress, decoder, encoder, "
+                             "vision; the decoder on its rows and waiting requests against its slots), e.g. "
+                             "--autoscale decoder=1:4; default: one replica each")
     parser.add_argument("--no-fuse", dest="fuse", action="store_false",
                         help="run an Optimum / transformers.js decoder as exported, not as its fused rewrite "
                              "(generation.runtime.fusion; built once, cached under $RAYMUTER_CACHE)")
@@ -146,8 +150,19 @@ def app_config(args) -> dict:
     return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
                 prefix_cache_bytes=args.prefix_cache_bytes,
                 max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
-                fuse=args.fuse, draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
+                fuse=args.fuse, autoscaling=autoscaling_of(args.autoscale), draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
                 settings=settings, engine=args.engine)
+
+
+def autoscaling_of(items: list[str]) -> dict:
+    """--autoscale PART=MIN:MAX, repeated -> AppConfig.autoscaling."""
+    from .autoscaling import parse_autoscale
+
+    out = {}
+    for item in items:
+        part, settings = parse_autoscale(item)
+        out[part] = settings.model_dump()
+    return out
 
 
 def check_models(args) -> None:

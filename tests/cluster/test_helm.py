@@ -183,3 +183,30 @@ def test_the_image_and_the_chart_run_the_ray_the_project_pins():
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert values["ray"]["version"] == version == chart["annotations"]["raymuter.io/ray-version"]
     assert chart["appVersion"] == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+@pytest.mark.parametrize("policy", ["occupancy", "ongoing"])
+def test_the_decoder_autoscales_on_its_occupancy_by_default(helm, tmp_path, policy):
+    """The chart's decoder autoscaling names deployments.autoscaling.DecoderPolicy (unless
+    policy: ongoing), in the form Serve takes; the other parts keep Ray's default policy."""
+    from ray.serve.config import AutoscalingConfig
+
+    from deployments.autoscaling import POLICY
+
+    scaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetOngoingRequests": 8, "policy": policy,
+               "targetOccupancy": 0.6, "upscaleDelayS": 5, "downscaleDelayS": 60}
+    values = {"deployments": {"decoder": {"autoscaling": scaling},
+                              "ingress": {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2,
+                                                          "targetOngoingRequests": 64}}}}
+    (app,) = serve_config(render(helm, tmp_path, values))["applications"]
+    entries = {d["name"]: d for d in app["deployments"]}
+    decoder = entries["Decoder"]["autoscaling_config"]
+    if policy == "occupancy":
+        assert decoder["policy"] == {"policy_function": POLICY, "policy_kwargs": {"target_occupancy": 0.6}}
+        from ray.serve._private.autoscaling_state import _resolve_policy_callable
+
+        assert _resolve_policy_callable(AutoscalingConfig(**decoder).policy).target_occupancy == 0.6  # as Serve builds it
+    else:
+        assert "policy" not in decoder
+    assert (decoder["min_replicas"], decoder["max_replicas"], decoder["downscale_delay_s"]) == (1, 3, 60)
+    assert "policy" not in entries["Ingress"]["autoscaling_config"]

@@ -73,6 +73,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $cfg := dict "min_replicas" $a.minReplicas "max_replicas" $a.maxReplicas "target_ongoing_requests" $a.targetOngoingRequests -}}
 {{- if hasKey $a "upscaleDelayS" }}{{ $_ := set $cfg "upscale_delay_s" $a.upscaleDelayS }}{{ end -}}
 {{- if hasKey $a "downscaleDelayS" }}{{ $_ := set $cfg "downscale_delay_s" $a.downscaleDelayS }}{{ end -}}
+{{- if and (eq (lower $d.name) "decoder") (ne (default "occupancy" $a.policy) "ongoing") -}}
+{{- $_ := set $cfg "policy" (dict "policy_function" "deployments.autoscaling:DecoderPolicy" "policy_kwargs" (dict "target_occupancy" (default 0.75 $a.targetOccupancy))) -}}
+{{- end -}}
 {{- $_ := set $d "autoscaling_config" $cfg -}}
 {{- else -}}
 {{- $_ := set $d "num_replicas" (default 1 $v.replicas) -}}
