@@ -133,6 +133,10 @@ class AppConfig(BaseModel):
     autoscaling: dict[Literal["ingress", "decoder", "encoder", "vision"], Autoscaling] = Field(default_factory=dict)
 
 
+# Seconds a stopping replica (scaled down, redeployed, its node drained) may take to finish the
+# requests it holds before Serve stops it anyway (Serve's default: 20).
+DRAIN_SECONDS = 300
+
 # The deployments of each kind of model, the ingress first.
 PARTS = {"text": ("Ingress", "Decoder"), "encoder-decoder": ("Ingress", "Decoder", "Encoder"),
          "vision": ("Ingress", "Decoder", "Vision")}
@@ -242,8 +246,11 @@ class Vision:
 
 # The ingress sends a request to the decoder replica that most likely holds its prompt's prefix
 # (deployments/services/routing.py); a Serve config's request_router_config replaces it (ROUTERS).
+# A replica that is scaled down or replaced by a redeploy takes no new request and finishes the
+# rows it holds, up to DRAIN_SECONDS (a long generation at a slow model's pace), so no stream is cut.
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024, health_check_period_s=2,
-                  health_check_timeout_s=10, request_router_config=RequestRouterConfig(request_router_class=ROUTERS["prefix"]))
+                  health_check_timeout_s=10, request_router_config=RequestRouterConfig(request_router_class=ROUTERS["prefix"]),
+                  graceful_shutdown_timeout_s=DRAIN_SECONDS, graceful_shutdown_wait_loop_s=1)
 class Decoder:
     """Owns the model and its continuous batching loop (deployments.services.generator.TextGenerator). An
     encoder-decoder model's decoder gets its sources' encoder outputs from the Encoder
@@ -405,7 +412,8 @@ def _form_number(form, name: str, kind, low, high):
     return number
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024,
+                  graceful_shutdown_timeout_s=DRAIN_SECONDS, graceful_shutdown_wait_loop_s=1)
 @serve.ingress(api)
 class Ingress:
     """HTTP routes and the Python handle API over the decoder."""

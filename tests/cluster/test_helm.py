@@ -210,3 +210,21 @@ def test_the_decoder_autoscales_on_its_occupancy_by_default(helm, tmp_path, poli
         assert "policy" not in decoder
     assert (decoder["min_replicas"], decoder["max_replicas"], decoder["downscale_delay_s"]) == (1, 3, 60)
     assert "policy" not in entries["Ingress"]["autoscaling_config"]
+
+
+def test_pods_drain_longer_than_their_replicas_and_leave_one_at_a_time(helm, tmp_path):
+    from deployments.app import DRAIN_SECONDS
+
+    docs = render(helm, tmp_path)
+    (pdb,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchExpressions"] == [{"key": "raymuter.io/group", "operator": "In",
+                                                             "values": ["cpu", "gpu"]}]
+    (service,) = [d for d in docs if d["kind"] == "RayService"]
+    cluster = service["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    assert all(p["spec"]["terminationGracePeriodSeconds"] > DRAIN_SECONDS for p in pods)
+    assert all(p["metadata"]["labels"]["raymuter.io/group"] in ("cpu", "gpu")
+               for p in pods[1:])  # what the budget selects
+    off = render(helm, tmp_path, {"drain": {"podDisruptionBudget": {"enabled": False}}})
+    assert not [d for d in off if d["kind"] == "PodDisruptionBudget"]

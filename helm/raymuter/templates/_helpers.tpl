@@ -159,6 +159,8 @@ spec:
   {{- end }}
   securityContext:
     {{- toYaml $v.podSecurityContext | nindent 4 }}
+  # time for the Serve replicas of a deleted or evicted pod to finish their requests
+  terminationGracePeriodSeconds: {{ $v.drain.terminationGracePeriodSeconds }}
   {{- if and (eq $v.model.source "hub") $v.model.hub.prefetch }}
   initContainers:
     - name: fetch-model
