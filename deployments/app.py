@@ -203,9 +203,11 @@ class Encoder:
     def __init__(self, config: dict):
         from .services.encoder import EncoderService
 
+        started = time.perf_counter()
         cfg = AppConfig(**config)
         self.service = EncoderService(cfg.model, cfg.name, threads=cfg.threads, provider=cfg.provider,
                                       variant=cfg.variant)
+        self.service.metrics.started(time.perf_counter() - started)
 
     def decode_audio(self, data: bytes, filename: str = "file"):
         return self.service.decode_audio(data, filename)
@@ -229,9 +231,11 @@ class Vision:
     def __init__(self, config: dict):
         from .services.vision import VisionService
 
+        started = time.perf_counter()
         cfg = AppConfig(**config)
         self.service = VisionService(cfg.model, cfg.name, threads=cfg.threads, provider=cfg.provider,
                                      variant=cfg.variant)
+        self.service.metrics.started(time.perf_counter() - started)
 
     def encode_image(self, data: bytes, name: str = "image"):
         return self.service.encode_image(data, name)
@@ -257,8 +261,13 @@ class Decoder:
     deployment (through the ingress's calls, or `encoder` for Whisper's later windows)."""
 
     def __init__(self, config: dict, encoder: DeploymentHandle | None = None):
+        started = time.perf_counter()
         cfg = AppConfig(**config)
         self.encoder = encoder
+        self._load(cfg)
+        self.generator.metrics.started(time.perf_counter() - started)
+
+    def _load(self, cfg: AppConfig) -> None:
         if cfg.engine == "fake":
             from .fake import fake_generator
 

@@ -66,6 +66,9 @@ class DecoderMetrics:
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
+    def started(self, seconds: float) -> None:
+        _startup_gauge(self.registry, self.model_name).set(seconds)
+
     def finished(self, handle, completion, prompt_tokens: int, seconds: float) -> None:
         self.e2e.observe(seconds)
         self.queue.observe(completion.queued_seconds)
@@ -102,10 +105,17 @@ class _PrefixCache:
         yield family
 
 
+def _startup_gauge(registry, model_name: str):
+    return Gauge("raymuter:replica_startup_seconds", "Seconds this replica took to start: the model found or "
+                 "downloaded, rewritten (fusion, once per node), loaded and warmed up.", ["model_name"],
+                 registry=registry).labels(model_name=model_name)
+
+
 class EncoderMetrics:
     """An encoder or vision replica: latency per call and the feature cache's hits."""
 
     def __init__(self, model_name: str, kind: str):
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.latency = Histogram(f"raymuter:{kind}_latency_seconds", f"Time per {kind} call.", labels,
@@ -116,6 +126,9 @@ class EncoderMetrics:
                                   registry=self.registry).labels(model_name=model_name)
         self.cache_misses = Counter(f"raymuter:{kind}_cache_misses", f"{kind} inputs computed.", labels,
                                     registry=self.registry).labels(model_name=model_name)
+
+    def started(self, seconds: float) -> None:
+        _startup_gauge(self.registry, self.model_name).set(seconds)
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

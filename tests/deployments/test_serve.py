@@ -379,6 +379,19 @@ def test_metrics_count_the_requests_sent(serve_apps):
         or 'raymuter:http_requests_total{route="/v1/completions",status="200"}' in after
 
 
+def test_each_replica_reports_its_startup_time(serve_apps):
+    """raymuter:replica_startup_seconds: the real model's decoder (its load and warm-up), the
+    fake one's, and an encoder-decoder app's encoder, each a positive time."""
+    real = httpx.get(serve_apps.real + "/metrics", timeout=30).text
+    fake = httpx.get(serve_apps.fake + "/metrics", timeout=30).text
+    speech = httpx.get(serve_apps.speech + "/metrics", timeout=30).text
+    assert 0 < metric(real, 'raymuter:replica_startup_seconds{model_name="tiny"}') < 300
+    assert 0 < metric(fake, 'raymuter:replica_startup_seconds{model_name="fake"}')
+    assert len(re.findall(r"^raymuter:replica_startup_seconds\{", speech, re.M)) == 2  # decoder and encoder
+    assert metric(real, 'raymuter:replica_startup_seconds{model_name="tiny"}') > \
+        metric(fake, 'raymuter:replica_startup_seconds{model_name="fake"}')  # a model to load, not a fake
+
+
 # -- faults (last: the fake app's decoder restarts) --------------------------------------------
 def test_killing_the_decoder_fails_held_requests_fast_and_a_new_replica_serves(serve_apps):
     from ray import serve

@@ -11,6 +11,8 @@ the same key, so it is not retried at every load).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -98,6 +100,25 @@ def fused_decoder(path: Path, config: dict, provider: str, load_source) -> Path 
     if refused.exists():
         log.warning("%s runs unfused: %s", path.name, json.loads(refused.read_text())["reason"])
         return None
+    with _exclusive(folder):  # replicas starting together on one node: one builds, the others wait and load it
+        if fused.exists() or refused.exists():
+            return fused if fused.exists() else None
+        return _rewrite(path, config, folder, load_source)
+
+
+@contextlib.contextmanager
+def _exclusive(folder: Path):
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _rewrite(path: Path, config: dict, folder: Path, load_source) -> Path | None:
+    fused, refused = folder / "model.onnx", folder / "refused.json"
     session, graph = load_source()
     try:
         reason = unsupported_graph(graph)

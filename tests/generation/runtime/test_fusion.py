@@ -236,3 +236,21 @@ def test_the_server_passes_fuse_through(test_models):
     finally:
         for generator in (exported, fused):
             generator.close()
+
+
+def test_processes_starting_together_build_it_once(test_models, tmp_path):
+    """Replicas of one node load the same export at once: one rewrites it, the others wait for
+    it (a lock beside the cache entry) and load the same file."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging, sys, generation; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
+            f"print(generation.load({str(test_models['qwen2-optimum'])!r}, threads=1).decoder_path)")
+    env = {**os.environ, "RAYMUTER_CACHE": str(tmp_path / "cache")}
+    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env) for _ in range(3)]
+    outs = [run.communicate(timeout=120) for run in runs]
+    assert all(run.returncode == 0 for run in runs), [err[-2000:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1 and outs[0][0].strip().endswith("model.onnx")
+    assert sum(err.count("rewriting") for _, err in outs) == 1, [err for _, err in outs]
