@@ -122,7 +122,8 @@ class AppConfig(BaseModel):
     stream_interval_ms: float = Field(default=10.0, ge=0, le=1000)  # a stream's chunks at most this often
     # (the first at once; the tokens made meanwhile travel together: fewer messages through Ray
     # when a fast model streams to many clients; 0: a chunk per token)
-    step_seconds: float = Field(default=0.005, gt=0)  # fake engine only
+    step_seconds: float = Field(default=0.005, gt=0)  # fake engine only: a step's cost, plus
+    step_seconds_per_row: float = Field(default=0.0, ge=0)  # this for each row in it (bench/fleet.py)
     gpu: str = Field(default="auto", pattern="^(auto|yes|no)$")  # the decoder asks for num_gpus=1
     # Which deployments the application has (PARTS); auto: from the model folder. A Serve config
     # that names deployments (the Helm chart's) sets it, and a model of another kind is refused.
@@ -272,7 +273,8 @@ class Decoder:
             from .fake import fake_generator
 
             self.generator = fake_generator(cfg.slots, cfg.step_seconds, cfg.max_waiting,
-                                            cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else "fake"))
+                                            cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else "fake"),
+                                            step_seconds_per_row=cfg.step_seconds_per_row)
             self.generator.stream_interval = cfg.stream_interval_ms / 1000
         else:
             from generation.core.embed import is_embedding_folder

@@ -85,10 +85,13 @@ class _Settings:
 
 class FakeBatcher:
     """ContinuousBatcher's interface over `fake_tokens`: `slots` requests step together, one
-    token each per `step_seconds`; later ones wait for a free slot."""
+    token each per step; later ones wait for a free slot. A step sleeps `step_seconds` plus
+    `step_seconds_per_row` for each row in it (a real engine's step cost, measured: bench/fleet.py)."""
 
-    def __init__(self, slots: int = 4, max_waiting: int = 64, step_seconds: float = 0.005, capacity: int = 4096):
+    def __init__(self, slots: int = 4, max_waiting: int = 64, step_seconds: float = 0.005, capacity: int = 4096,
+                 step_seconds_per_row: float = 0.0):
         self.slots, self.max_waiting, self.step_seconds, self.capacity = slots, max_waiting, step_seconds, capacity
+        self.step_seconds_per_row = step_seconds_per_row
         self.running = self.waiting = self.occupied = 0
         self.steps = 0
         self._waiting: queue.Queue[Request] = queue.Queue()
@@ -139,7 +142,7 @@ class FakeBatcher:
             if not live:
                 time.sleep(self.step_seconds / 2)
                 continue
-            time.sleep(self.step_seconds)
+            time.sleep(self.step_seconds + self.step_seconds_per_row * len(live))
             self.steps += 1
             for request in list(live):
                 if request._cancelled:
@@ -162,12 +165,13 @@ class FakeBatcher:
             request._finish(request._tokens, "cancelled", "the batcher closed")
 
 
-def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int = 64, name: str = "fake"):
+def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int = 64, name: str = "fake",
+                   step_seconds_per_row: float = 0.0):
     """A TextGenerator over the fake engine (with a chat template: 'role: content' lines, then
     the template variable `prefix` where a request gives it in chat_template_kwargs)."""
     from .services.generator import TextGenerator
 
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}{{ prefix | default('') }}")
-    return TextGenerator(name, FakeBatcher(slots, max_waiting, step_seconds), CharTokenizer(), 4096, template,
+    return TextGenerator(name, FakeBatcher(slots, max_waiting, step_seconds, step_seconds_per_row=step_seconds_per_row), CharTokenizer(), 4096, template,
                          max_logprobs=5)
