@@ -180,7 +180,8 @@ def main() -> int:
 
     from deployments.app import build
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=8, include_dashboard=False,  # its own Ray, whatever else runs here
+             log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,6 +35,8 @@ from .autoscaling import RUNNING, SLOTS, WAITING, Autoscaling
 from .errors import Overloaded, RequestError
 from .http.edge import (
     RETRY_AFTER_SECONDS,
+    EventStream,
+    LastPiece,
     answers,
     body_limit,
     body_of,
@@ -88,6 +90,7 @@ from .schema import (
 )
 from .services.routing import ROUTERS
 
+ROUTER_ON_LOOP = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 DEFAULT_MODEL_NAME = "raymuter-default"  # the model id of the default model (no `model` given)
 
 
@@ -423,8 +426,12 @@ def _form_number(form, name: str, kind, low, high):
     return number
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024,
-                  graceful_shutdown_timeout_s=DRAIN_SECONDS, graceful_shutdown_wait_loop_s=1)
+# The ingress's handles route on its own event loop (Serve's default: a router thread, which every
+# streamed chunk hopped through); only here, as a handle built outside a running loop (a driver's
+# sync `.remote().result()`) needs the router thread. See deployments.cli.SAME_LOOP.
+@serve.deployment(ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": ROUTER_ON_LOOP}},
+                  max_ongoing_requests=1024, graceful_shutdown_timeout_s=DRAIN_SECONDS,
+                  graceful_shutdown_wait_loop_s=1)
 @serve.ingress(api)
 class Ingress:
     """HTTP routes and the Python handle API over the decoder."""
@@ -766,41 +773,51 @@ class Ingress:
             return f"data: {json.dumps(data)}\n\n"
 
         async def events():
-            prompt_tokens, completion_tokens, cached_tokens, started = 0, 0, 0, set()
+            prompt_tokens, completion_tokens, cached_tokens, started, ended = 0, 0, 0, set(), 0
             offsets = [0] * len(jobs)  # each choice's characters so far: its logprobs' text_offset runs on
             merged = merged_streams([f.result() for f in firsts], streams)
+            tail = ""  # the last choice's last event: it goes with the usage, [DONE] and the body's end
             try:
                 async for i, item in merged:
                     if isinstance(item, ApiError):
                         yield event(item.body())
                         return
-                    tokens = [t.model_dump() for t in item.prompt_logprobs or []] + \
-                        [t.model_dump() for t in item.logprobs or []]
-                    text = (item.prompt_text or "") + item.text
-                    wants = item.logprobs is not None or item.prompt_logprobs is not None
-                    logprobs = completion_logprobs(tokens, chat, offsets[i]) if wants else None
+                    if item.logprobs is None and item.prompt_logprobs is None and not item.prompt_text:
+                        tokens, text, logprobs = (), item.text, None  # the common chunk: its text only
+                    else:
+                        tokens = [t.model_dump() for t in item.prompt_logprobs or []] + \
+                            [t.model_dump() for t in item.logprobs or []]
+                        text = (item.prompt_text or "") + item.text
+                        wants = item.logprobs is not None or item.prompt_logprobs is not None
+                        logprobs = completion_logprobs(tokens, chat, offsets[i]) if wants else None
                     if not chat and tokens:
                         offsets[i] += sum(len(t["text"]) for t in tokens)
+                    if item.finish_reason is not None:
+                        ended += 1
                     if text or item.finish_reason or logprobs or (chat and i not in started):
-                        yield event(stream_chunk(rid, model, created, i, text, item.finish_reason, chat, fingerprint,
-                                                 logprobs, first=i not in started, tool_calls=item.tool_calls))
+                        piece = event(stream_chunk(rid, model, created, i, text, item.finish_reason, chat, fingerprint,
+                                                   logprobs, first=i not in started, tool_calls=item.tool_calls))
                         started.add(i)
+                        if ended == len(jobs):
+                            tail = piece
+                        else:
+                            yield piece
                     if item.finish_reason is not None:
                         if i % body.n == 0:
                             prompt_tokens += item.prompt_tokens or 0
                             cached_tokens += item.cached_tokens or 0
                         completion_tokens += item.completion_tokens or 0
                 if include_usage:
-                    yield event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                 "created": created, "model": model, "system_fingerprint": fingerprint, "choices": [],
-                                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
-                yield "data: [DONE]\n\n"
+                    tail += event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                   "created": created, "model": model, "system_fingerprint": fingerprint,
+                                   "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
+                yield LastPiece(tail + "data: [DONE]\n\n")
             finally:
                 await merged.aclose()  # the pumps of the other choices stop
                 for stream in streams:
                     await stream.aclose()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return EventStream(events(), media_type="text/event-stream")
 
     def _encoded(self, request: GenerateRequest):
         """An encoder-decoder model's source through the Encoder deployment (a reply the

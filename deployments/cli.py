@@ -69,6 +69,15 @@ def port_number(text: str) -> int:
     return port
 
 
+# Each replica runs its user code on the replica's own event loop (Serve runs it on a thread and a
+# loop of its own by default; RAY_SERVE_THROUGHPUT_OPTIMIZED does this too), and the ingress's
+# handles route on that loop as well (deployments.app.ROUTER_ON_LOOP, the Ingress's own
+# environment: a driver's sync handle calls need Serve's router thread): every streamed chunk
+# hopped between three threads in the ingress and two in the decoder, whose GIL the batching loop
+# needs. Sync methods still run on Serve's thread pool (RAY_SERVE_RUN_SYNC_IN_THREADPOOL).
+SAME_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
 def serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1") -> dict[str, str]:
     """Ray Serve's request path as environment variables, for a local Ray (set before `ray.init`,
     so every Ray process inherits them) or a cluster's nodes (before `ray start`).
@@ -113,6 +122,7 @@ def serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1") -> dict
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
             # a message between deployments carries a request as large as the ingress takes (gRPC's default: 4 MiB)
             "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MESSAGE_BYTES),
+            **SAME_LOOP,
             "RAY_SERVE_HAPROXY_STATS_PORT": stats, "RAY_SERVE_HAPROXY_METRICS_PORT": free_port(9101, stats),
             **haproxy.environment(host, binary)}
 

@@ -13,7 +13,7 @@ import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .openai import ApiError, check_json, validation_error
@@ -177,6 +177,29 @@ def openapi_document(api: FastAPI, request_models: list) -> dict:
                                     ref_template="#/components/schemas/{model}")
     doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas.get("$defs", {}))
     return doc
+
+
+class LastPiece(str):
+    """The last piece of an EventStream's body."""
+
+
+class EventStream(StreamingResponse):
+    """A StreamingResponse whose last piece (a LastPiece) ends the body in the same message:
+    one write to the socket for a stream's last event, its usage, [DONE] and the end of the
+    chunked body, where Starlette's makes one for each and one more for the end."""
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for chunk in self.body_iterator:
+            last = isinstance(chunk, LastPiece)
+            if not isinstance(chunk, (bytes, memoryview)):
+                chunk = chunk.encode(self.charset)
+            if not ended:
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            ended = ended or last
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def client_gone(request: Request) -> None:

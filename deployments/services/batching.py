@@ -94,7 +94,8 @@ class Request:
     _cancelled: bool = False
     _completion: Completion | None = None
     _first: float | None = None
-    _notify: object = None  # called (from the batcher's thread) after each event
+    _notify: object = None  # wakes the reader's event loop (abatches), called from the batcher's thread
+    _wanted: str | None = None  # what the reader waits for: "any" event, only the "done" one, or None (not waiting)
     finished: float | None = None  # perf_counter() when it ended
     encoder: object = None  # an encoder-decoder request's EncoderOutputs (one row)
     beams: int = 1
@@ -115,20 +116,24 @@ class Request:
         """Yield each new token id as the batcher makes it; ends when the request does."""
         return (token.id for token in self.events(timeout))
 
-    async def abatches(self):
+    async def abatches(self, interval: float = 0.0):
         """For asyncio: lists of the Tokens made since the last list (one token when the reader
         keeps up; more when it falls behind, so a slow stream sends fewer, larger messages).
-        The batcher's thread wakes the event loop; no thread waits per request."""
+        `interval` (seconds): after a list, the next one waits that long, so the tokens made
+        meanwhile go together (the first list goes at once, and the last as soon as the
+        request ends). The batcher's thread wakes the event loop only when the reader waits
+        for what it put (not for every token); no thread waits per request."""
         import asyncio
 
         loop, ready = asyncio.get_running_loop(), asyncio.Event()
         self._notify = lambda: loop.call_soon_threadsafe(ready.set)
+        events = self._events
         try:
             while True:
                 batch = []
                 while True:
                     try:
-                        item = self._events.get_nowait()
+                        item = events.get_nowait()
                     except queue.Empty:
                         break
                     if item is _DONE:
@@ -138,10 +143,24 @@ class Request:
                     batch.append(item)
                 if batch:
                     yield batch
+                    if interval > 0:  # hold the next list back, unless the request ends meanwhile
+                        ready.clear()
+                        self._wanted = "done"
+                        if not self._done.is_set():
+                            timer = loop.call_later(interval, ready.set)
+                            try:
+                                await ready.wait()
+                            finally:
+                                timer.cancel()
+                        self._wanted = None
                     continue
-                await ready.wait()
                 ready.clear()
+                self._wanted = "any"  # then look again: what the batcher put before it read this is seen here
+                if events.empty():
+                    await ready.wait()
+                self._wanted = None
         finally:
+            self._wanted = None
             self._notify = None
 
     @property
@@ -161,12 +180,15 @@ class Request:
 
     def _put(self, item) -> None:
         self._events.put(item)
-        notify = self._notify
-        if notify is not None:
-            try:
-                notify()
-            except RuntimeError:  # the listener's event loop has closed: nobody is waiting
-                self._notify = None
+        wanted = self._wanted  # read after the put: a reader that flags later finds the item in the queue
+        if wanted is not None and (wanted == "any" or item is _DONE):
+            notify = self._notify
+            if notify is not None:
+                self._wanted = None
+                try:
+                    notify()
+                except RuntimeError:  # the listener's event loop has closed: nobody is waiting
+                    self._notify = None
 
     def _emit(self, token: int, logprob: float | None = None, top: list | None = None) -> None:
         if self._first is None:

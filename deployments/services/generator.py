@@ -305,7 +305,8 @@ class TextGenerator:
         text, sent, last = "", 0, None
         echo = request.echo  # the prompt first (once the batcher has admitted it, with its log-probabilities)
         try:
-            async for tokens in handle.abatches():
+            # the tokens made within stream_interval of a chunk go together in the next one
+            async for tokens in handle.abatches(self.stream_interval):
                 if echo:
                     yield self._echo(request, handle, prompt)
                     echo = False
@@ -324,8 +325,6 @@ class TextGenerator:
                 yield GenerateChunk(text=piece, token_ids=[t.id for t in tokens],
                                     logprobs=None if request.logprobs is None else
                                     [self._logprob(t, request.logprobs) for t in tokens])
-                if self.stream_interval > 0 and not handle.done:
-                    await asyncio.sleep(self.stream_interval)  # the tokens made meanwhile go as one chunk
             completion = handle.result(timeout=5)
         except (asyncio.CancelledError, GeneratorExit):
             handle.cancel()

@@ -117,6 +117,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   value: "1"
 - name: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH   # requests up to app.args.max_body_bytes between deployments
   value: "67108864"
+- name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD  # replicas run their code on their own event loop
+  value: "0"
 {{- end }}
 {{- if .Values.app.apiKeySecret.name }}
 - name: RAYMUTER_API_KEY
