@@ -178,6 +178,19 @@ def _refused(result, request_id_: str) -> ApiError | None:
     return None
 
 
+# A request whose decoder replica is lost before it answered is sent again, to another replica
+# (Serve's router drops the lost one within a moment): at most RETRIES times, after a pause.
+RETRIES, RETRY_SECONDS = 2, 0.5
+
+
+def _replica_lost(error: BaseException) -> bool:
+    """The call failed because its replica (or its node) went away, not because of the request."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    return isinstance(error, (RayActorError, ActorUnavailableError, DeploymentUnavailableError))
+
+
 def _api_error_of(error: BaseException, request_id_: str) -> ApiError:
     """What a failed decoder call means to the client."""
     from ray.exceptions import RayActorError, RayTaskError
@@ -895,40 +908,61 @@ class Ingress:
 
     async def _chunks(self, request: GenerateRequest, body=None, prompt_index: int | None = None):
         """The decoder's stream, its failures as ApiErrors (naming the OpenAI request's field
-        where `body` is one)."""
-        stream = self._decoder_stream.stream.remote(request, self._encoded(request), *(await self._images(request)))
-        try:
-            while True:
-                try:
-                    chunk = await stream.__anext__()
-                except StopAsyncIteration:
-                    return
-                refused = _refused(chunk, request.request_id)
-                if refused is not None:
-                    raise refused
-                yield chunk
-        except ApiError as e:
-            raise e if body is None else for_request(e, body, prompt_index) from None
-        except Exception as e:  # noqa: BLE001
-            raise _api_error_of(e, request.request_id) from None
-        finally:
-            stream.cancel()
+        where `body` is one). A request whose replica is lost before its first chunk (it was
+        queued there, or its node went away) moves to another replica (RETRIES times); once a
+        chunk has gone out, the loss ends the stream with its error."""
+        images = await self._images(request)
+        for attempt in range(RETRIES + 1):
+            stream = self._decoder_stream.stream.remote(request, self._encoded(request), *images)
+            sent = False
+            try:
+                while True:
+                    try:
+                        chunk = await stream.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    refused = _refused(chunk, request.request_id)
+                    if refused is not None:
+                        raise refused
+                    sent = True
+                    yield chunk
+            except ApiError as e:
+                raise e if body is None else for_request(e, body, prompt_index) from None
+            except Exception as e:  # noqa: BLE001
+                if sent or attempt == RETRIES or not _replica_lost(e):
+                    raise _api_error_of(e, request.request_id) from None
+                await asyncio.sleep(RETRY_SECONDS * (attempt + 1))  # Serve drops the lost replica meanwhile
+            finally:
+                stream.cancel()
 
     async def _generate(self, request: GenerateRequest) -> GenerateResponse:
-        result = await self._call(self.decoder.generate.remote(request, self._encoded(request),
-                                                               *(await self._images(request))), request.request_id)
+        """The whole generation; a replica lost before it answered: moved to another (RETRIES times)."""
+        images = await self._images(request)
+        for attempt in range(RETRIES + 1):
+            try:
+                result = await self._call(self.decoder.generate.remote(request, self._encoded(request), *images),
+                                          request.request_id, raw=attempt < RETRIES)
+                break
+            except Exception as e:  # noqa: BLE001 - only a lost replica comes back raw
+                if not _replica_lost(e):
+                    raise _api_error_of(e, request.request_id) from None
+                await asyncio.sleep(RETRY_SECONDS * (attempt + 1))
         refused = _refused(result, request.request_id)
         if refused is not None:
             raise refused
         return result
 
-    async def _call(self, response, request_id_: str):
+    async def _call(self, response, request_id_: str, raw: bool = False):
+        """The decoder call's reply, its failure as an ApiError (`raw`: a lost replica's failure as
+        it came, for the caller to retry)."""
         try:
             return await response
         except asyncio.CancelledError:
             response.cancel()  # the decoder stops the request and frees its slot
             raise
         except Exception as e:  # noqa: BLE001
+            if raw and _replica_lost(e):
+                raise
             raise _api_error_of(e, request_id_) from None
 
 

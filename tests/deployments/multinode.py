@@ -1,6 +1,6 @@
 """A Ray cluster of four nodes on this machine (ray.cluster_utils.Cluster): the fake-engine
 application with two decoder replicas on two of the three worker nodes (one per node); streams
-under way when a node holding a decoder replica is removed. Run by tests/deployments/test_multinode.py in a process of its own (a process
+under way (8 running, 4 waiting for a slot) when a node holding a decoder replica is lost. Run by tests/deployments/test_multinode.py in a process of its own (a process
 joins one Ray cluster, and the test session has its own); prints one JSON line of what it saw.
 
     python tests/deployments/multinode.py PORT
@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-STREAMS = 8
+STREAMS = 12  # two replicas of 4 slots: 8 run, 4 wait for a slot
+RUNNING = 8
 TOKENS = 150  # 150 steps of 40 ms: 6 s a stream
 
 
@@ -40,7 +41,7 @@ def stream(url: str, prompt: str, started: dict) -> dict:
                 choice = event["choices"][0]
                 text.append(choice["text"])
                 finish = choice.get("finish_reason") or finish
-                started[prompt] = time.time()
+                started.setdefault(prompt, time.time())
     except Exception as e:  # noqa: BLE001 - what a client sees, reported
         error = f"{type(e).__name__}: {e}"
     return {"prompt": prompt, "text": "".join(text), "finish": finish, "error": error, "status": status}
@@ -113,9 +114,11 @@ def main(port: int) -> None:
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
         futures = [pool.submit(stream, url, p, started) for p in prompts]
         deadline = time.time() + 30
-        while len(started) < STREAMS and time.time() < deadline:
+        while len(started) < RUNNING and time.time() < deadline:
             time.sleep(0.05)
-        report["under_way"] = len(started)
+        time.sleep(0.5)  # the 4 others reach their replicas' queues
+        at_kill = set(started)
+        report["under_way"] = len(at_kill)
         victim = next(w for w in workers if w.node_id in nodes_before.values())
         lost = kill_node(cluster, victim)  # the node is gone, as a lost machine: every process on it
         removed_at = time.time()
@@ -128,6 +131,9 @@ def main(port: int) -> None:
         r["whole"] = r["text"] == want and r["finish"] == "length"
         whole += r["whole"]
     report["whole"] = whole
+    queued = [r for r in results if r["prompt"] not in at_kill]
+    report["queued"] = len(queued)
+    report["queued_whole"] = sum(r["whole"] for r in queued)  # moved to the surviving replica
     report["failed_clearly"] = sum(1 for r in results if not r["whole"] and r["error"])
     report["silent"] = sum(1 for r in results if not r["whole"] and not r["error"])
     report["errors"] = sorted({r["error"][:200] for r in results if r["error"]})

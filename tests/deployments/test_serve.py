@@ -420,17 +420,22 @@ def test_killing_the_decoder_fails_held_requests_fast_and_a_new_replica_serves(s
     os.kill(pid, signal.SIGKILL)
     killed = time.perf_counter()
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a request hung"
     assert len(outcomes) == 6
     for status, text, seconds in outcomes:
-        if status == 200:  # a stream that had started: cut with an error event, no [DONE]
-            assert '"error"' in text and "[DONE]" not in text, text[-300:]
+        if status == 200 and '"error"' in text:  # a stream that had started: cut with an error event, no [DONE]
+            assert "[DONE]" not in text, text[-300:]
+        elif status == 200:  # not started when the replica died: moved to the new one, whole
+            assert text.endswith("data: [DONE]\n\n") or json.loads(text)["usage"]["completion_tokens"] == 3000, \
+                text[-300:]
         else:
             assert status in (500, 503, None), (status, text)
             if status:
                 assert "decoder" in json.loads(text)["error"]["message"]
-    assert time.perf_counter() - killed < 20
+            assert seconds < 30
+    assert sum(1 for status, text, _ in outcomes if status == 200 and '"error"' in text) >= 1  # the running streams
+    assert time.perf_counter() - killed < 45  # failures at once; a moved request's 3000 tokens take 15 s
     deadline = time.time() + 60
     while True:
         out = httpx.post(serve_apps.fake + "/v1/completions", json=dict(model="fake", prompt="ab", max_tokens=2),
