@@ -85,12 +85,21 @@ def burst_schedule(base: float, before: float, burst: float, after: float, facto
     return out
 
 
-async def one_stream(client, url: str, prompt: str, tokens: int) -> dict:
-    """One streamed completion: its time to first token, its text, whether it ended whole."""
+async def one_stream(client, url: str, prompt: str, tokens: int, stream: bool = True) -> dict:
+    """One completion, streamed (its time to first token) or whole: its text, whether it ended whole."""
     from deployments.fake import fake_tokens
 
-    body = dict(model="fake", prompt=prompt, max_tokens=tokens, stream=True)
+    body = dict(model="fake", prompt=prompt, max_tokens=tokens, stream=stream)
     start, first, text, error = time.perf_counter(), None, [], None
+    want = "".join(chr(t) for t in fake_tokens([ord(c) for c in prompt], 0, {"max_new_tokens": tokens}))
+    if not stream:
+        try:
+            response = await client.post(url + "/v1/completions", json=body, timeout=300)
+            got = response.json()["choices"][0]["text"] if response.status_code == 200 else ""
+        except Exception as e:  # noqa: BLE001 - a lost request, counted
+            got, error = "", f"{type(e).__name__}: {e}"
+        return {"ttft": None, "whole": got == want, "error": error, "tokens": len(got),
+                "seconds": time.perf_counter() - start}
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
             if response.status_code != 200:
@@ -108,7 +117,6 @@ async def one_stream(client, url: str, prompt: str, tokens: int) -> dict:
                 text.append(piece)
     except Exception as e:  # noqa: BLE001 - a lost request, counted
         error = f"{type(e).__name__}: {e}"
-    want = "".join(chr(t) for t in fake_tokens([ord(c) for c in prompt], 0, {"max_new_tokens": tokens}))
     return {"ttft": first, "whole": "".join(text) == want, "error": error, "tokens": len("".join(text)),
             "seconds": time.perf_counter() - start}
 
@@ -160,7 +168,7 @@ class Fleet:
         self.cluster.shutdown()
 
 
-async def closed_loop(url: str, streams: int, seconds: float, tokens: int) -> dict:
+async def closed_loop(url: str, streams: int, seconds: float, tokens: int, stream: bool) -> dict:
     """`streams` clients, each sending its next request when the last ends, for `seconds`."""
     import httpx
 
@@ -170,7 +178,7 @@ async def closed_loop(url: str, streams: int, seconds: float, tokens: int) -> di
         async def client_loop(i):
             k = 0
             while time.perf_counter() < deadline:
-                done.append(await one_stream(client, url, f"{chr(97 + i % 26)}{i} loop {k}", tokens))
+                done.append(await one_stream(client, url, f"{chr(97 + i % 26)}{i} loop {k}", tokens, stream))
                 k += 1
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(i) for i in range(streams)))
@@ -214,6 +222,9 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=20, help="each closed-loop measurement")
     ap.add_argument("--burst", type=float, default=20, help="seconds of the 10x burst")
     ap.add_argument("--port", type=int, default=28931)
+    ap.add_argument("--stream-interval-ms", type=float, default=50.0,
+                    help="a stream's chunks at most this often (AppConfig.stream_interval_ms; the first at once): "
+                         "every message of every stream crosses this one machine's proxy, ingress and clients")
     args = ap.parse_args(argv)
     if args.step:
         a, b, source = *args.step, "--step"
@@ -222,10 +233,11 @@ def main(argv=None):
     else:
         (a, b), source = REAL_STEP, "SmolLM2-135M-Instruct in_place, 2 threads (bench/real.py)"
     print(f"step cost: {a * 1e3:.1f} ms + {b * 1e3:.2f} ms x rows ({source}); {args.slots} slots, "
-          f"{args.tokens} tokens a request, {args.nodes} worker nodes", flush=True)
+          f"{args.tokens} tokens a request, {args.nodes} worker nodes, chunks every {args.stream_interval_ms:.0f} ms "
+          "at most", flush=True)
     fleet = Fleet(args.nodes, args.port)
     base_args = dict(engine="fake", name="fake", slots=args.slots, step_seconds=a, step_seconds_per_row=b,
-                     max_waiting=4096, gpu="no")
+                     max_waiting=4096, gpu="no", stream_interval_ms=args.stream_interval_ms)
     try:
         # 3. the hops: a lone request's time to first token against the modelled first step
         fleet.deploy(base_args, replicas=1)
@@ -236,11 +248,15 @@ def main(argv=None):
         counts = [n for n in (1, 2, 4, 8, 16) if n <= args.nodes]
         for n in counts:
             fleet.deploy(base_args, replicas=n, ingress_replicas=max(1, n // 4))
-            got = asyncio.run(closed_loop(fleet.url, int(n * args.slots * 1.5), args.seconds, args.tokens))
-            one = one or got["tok_s"]
-            rows.append((n, got, got["tok_s"] / (n * one)))
-            print(f"  {n} replicas: {got['tok_s']:.0f} tok/s, {got['requests']} requests, {got['lost']} lost",
-                  flush=True)
+            row = {}
+            for stream in (False, True):
+                got = asyncio.run(closed_loop(fleet.url, int(n * args.slots * 1.5), args.seconds, args.tokens,
+                                              stream))
+                row[stream] = got
+                print(f"  {n} replicas, {'streamed' if stream else 'whole'}: {got['tok_s']:.0f} tok/s, "
+                      f"{got['requests']} requests, {got['lost']} lost", flush=True)
+            one = one or {k: v["tok_s"] for k, v in row.items()}
+            rows.append((n, row, {k: row[k]["tok_s"] / (n * one[k]) for k in row}))
         # 2. a burst through the autoscaler
         capacity = args.slots / (args.tokens * (a + b * args.slots))  # requests/s one replica finishes
         scaling = dict(min_replicas=1, max_replicas=args.nodes, initial_replicas=1, upscale_delay_s=1,
@@ -263,11 +279,14 @@ async def _lone(url: str, tokens: int) -> float:
 
 
 def report(rows, results, replicas, hops, lone, args, capacity, first_step):
-    print("\n## Throughput against decoder replicas (closed loop, 1.5 x slots streams a replica)\n")
-    print("| replicas | tok/s | efficiency (tok/s / (N x one's)) | requests | lost |")
-    print("|---|---|---|---|---|")
-    for n, got, eff in rows:
-        print(f"| {n} | {got['tok_s']:.0f} | {eff:.2f} | {got['requests']} | {got['lost']} |")
+    print("\n## Throughput against decoder replicas (closed loop, 1.5 x slots clients a replica)\n")
+    print("Whole: one answer per request; streamed: a server-sent event per token (every message through the")
+    print("one machine's proxy, ingress and clients). Efficiency: tok/s / (N x one replica's).\n")
+    print("| replicas | whole tok/s | efficiency | streamed tok/s | efficiency | requests | lost |")
+    print("|---|---|---|---|---|---|---|")
+    for n, row, eff in rows:
+        print(f"| {n} | {row[False]['tok_s']:.0f} | {eff[False]:.2f} | {row[True]['tok_s']:.0f} | {eff[True]:.2f} | "
+              f"{row[False]['requests'] + row[True]['requests']} | {row[False]['lost'] + row[True]['lost']} |")
     print(f"\n## A 10x burst through the autoscaler (1 to {args.nodes} replicas; base rate "
           f"{0.5 * capacity:.2f} requests/s, half of one replica's)\n")
     print("| phase | requests | p50 TTFT (s) | p95 TTFT (s) | lost |")
