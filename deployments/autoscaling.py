@@ -75,12 +75,22 @@ class Autoscaling(BaseModel):
 
 
 def parse_autoscale(text: str) -> tuple[str, Autoscaling]:
-    """`raymuter serve --autoscale PART=MIN:MAX` (e.g. decoder=1:8) -> (part, its settings)."""
-    part, _, bounds = text.partition("=")
+    """`raymuter serve --autoscale PART=MIN:MAX[,FIELD=VALUE...]` -> (part, its settings), e.g.
+    decoder=1:8,target_occupancy=0.6,downscale_delay_s=30 (FIELD: any of Autoscaling's)."""
+    part, _, rest = text.partition("=")
+    bounds, *fields = rest.split(",")
     low, _, high = bounds.partition(":")
     if part not in PARTS or not low.isdigit() or not high.isdigit():
-        raise ValueError(f"--autoscale takes PART=MIN:MAX with PART one of {', '.join(PARTS)}, not {text!r}")
-    return part, Autoscaling(min_replicas=int(low), max_replicas=int(high))
+        raise ValueError(f"--autoscale takes PART=MIN:MAX[,FIELD=VALUE...] with PART one of {', '.join(PARTS)}, "
+                         f"not {text!r}")
+    settings = {}
+    for field in fields:
+        name, sep, value = field.partition("=")
+        if not sep or name not in Autoscaling.model_fields or name in ("min_replicas", "max_replicas"):
+            raise ValueError(f"--autoscale {part}: {field!r} is not FIELD=VALUE with FIELD one of "
+                             f"{', '.join(f for f in Autoscaling.model_fields if 'replicas' not in f or f == 'initial_replicas')}")
+        settings[name] = value
+    return part, Autoscaling(min_replicas=int(low), max_replicas=int(high), **settings)
 
 
 class DecoderPolicy:

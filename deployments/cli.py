@@ -37,10 +37,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
     parser.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
     parser.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
-    parser.add_argument("--autoscale", action="append", default=[], metavar="PART=MIN:MAX",
+    parser.add_argument("--autoscale", action="append", default=[], metavar="PART=MIN:MAX[,FIELD=VALUE]",
                         help="autoscale a deployment between MIN and MAX replicas (PART: ingress, decoder, encoder, "
                              "vision; the decoder on its rows and waiting requests against its slots), e.g. "
-                             "--autoscale decoder=1:4; default: one replica each")
+                             "--autoscale decoder=1:4,target_occupancy=0.6,upscale_delay_s=2 (FIELD: "
+                             "deployments.autoscaling.Autoscaling's); default: one replica each")
     parser.add_argument("--no-fuse", dest="fuse", action="store_false",
                         help="run an Optimum / transformers.js decoder as exported, not as its fused rewrite "
                              "(generation.runtime.fusion; built once, cached under $RAYMUTER_CACHE)")

@@ -82,6 +82,16 @@ def test_raymuter_serve_autoscale_flags():
     for bad in ("decoder=6:1", "router=1:2", "decoder=1"):
         with pytest.raises(ValueError, match="max_replicas|PART=MIN:MAX"):
             cli.app_config(cli.parser().parse_args(["serve", "--autoscale", bad]))
+    args = cli.parser().parse_args(["serve", "--autoscale", "decoder=2:6,target_occupancy=0.6,downscale_delay_s=30,"
+                                    "policy=ongoing"])
+    decoder = AppConfig(**cli.app_config(args)).autoscaling["decoder"]
+    assert (decoder.min_replicas, decoder.target_occupancy, decoder.downscale_delay_s, decoder.policy) == \
+        (2, 0.6, 30.0, "ongoing")
+    for bad, message in (("decoder=1:2,occupancy=0.5", "'occupancy=0.5' is not FIELD=VALUE"),
+                         ("decoder=1:2,max_replicas=3", "is not FIELD=VALUE"),
+                         ("decoder=1:2,target_occupancy=2", "less than or equal to 1")):
+        with pytest.raises(ValueError, match=message):
+            cli.app_config(cli.parser().parse_args(["serve", "--autoscale", bad]))
 
 
 def test_the_application_carries_the_autoscaling_config():
