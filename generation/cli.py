@@ -49,6 +49,9 @@ def add_generate_command(commands) -> None:
                      "with Raymuter, a small Llama trained on the Python documentation)")
     gen.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, quantized, ... "
                      "(default: fp32)")
+    gen.add_argument("--no-fuse", dest="fuse", action="store_false",
+                     help="run an Optimum / transformers.js decoder as exported, not as its fused rewrite "
+                          "(generation.runtime.fusion; built once, cached under $RAYMUTER_CACHE)")
     gen.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default: generation_config.json's)")
     sampling = gen.add_mutually_exclusive_group()
     sampling.add_argument("--do-sample", dest="do_sample", action="store_true", default=None,
@@ -143,7 +146,8 @@ def generate_command(args) -> int:
         args.model = default_model_path(args.variant)
         print(f"[raymuter] no --model given: using the default model in {args.model} (a small Llama trained on "
               "the Python documentation; its card is README.md beside it)", file=sys.stderr)
-    model = generation.load(args.model, variant=args.variant, provider=args.provider, threads=args.threads)
+    model = generation.load(args.model, variant=args.variant, provider=args.provider, threads=args.threads,
+                            fuse=args.fuse)
     tokenizer = load_tokenizer(model.tokenizer_path, model.folder)
     ctx = generation.context(model, cache_mode=args.cache_mode, prompt_steps=args.prompt_steps, **_overrides(args))
     ctx = generation.compile(ctx, batch_size=len(args.prompts))

@@ -150,3 +150,11 @@ def test_constraint_flags_constrain_the_output(folder, model, tokenizer, tmp_pat
     assert bad.returncode == 2 and "structured_outputs.regex:" in bad.stderr and "Traceback" not in bad.stderr
     both = raymuter("generate", "--model", folder, "--json", "--regex", "a", "ka", cwd=tmp_path)
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+def test_no_fuse_runs_the_export_as_exported(folder, tmp_path):
+    fused = raymuter("generate", "--model", folder, "--max-new-tokens", "3", "x", cwd=tmp_path)
+    exported = raymuter("generate", "--model", folder, "--max-new-tokens", "3", "--no-fuse", "x", cwd=tmp_path)
+    assert fused.returncode == 0 and exported.returncode == 0, (fused.stderr, exported.stderr)
+    assert "cache in_place" in fused.stderr and "cache append" in exported.stderr
+    assert fused.stdout == exported.stdout  # the same greedy text either way
