@@ -173,5 +173,5 @@ def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int
 
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}{{ prefix | default('') }}")
-    return TextGenerator(name, FakeBatcher(slots, max_waiting, step_seconds, step_seconds_per_row=step_seconds_per_row), CharTokenizer(), 4096, template,
-                         max_logprobs=5)
+    batcher = FakeBatcher(slots, max_waiting, step_seconds, step_seconds_per_row=step_seconds_per_row)
+    return TextGenerator(name, batcher, CharTokenizer(), 4096, template, max_logprobs=5)

@@ -237,8 +237,7 @@ def _session(path: Path, provider: str | None, threads: int, spin_wait: bool = T
     if not spin_wait:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     available = ort.get_available_providers()
-    if provider is None:
-        provider = "cuda" if "CUDAExecutionProvider" in available else "cpu"
+    provider = _provider(provider)
     names = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
     if provider not in names:
         raise ModelError(f"provider '{provider}' is not one of cpu, cuda")
@@ -286,7 +285,7 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
 
 
 def _load(source, variant: str | None, provider: str | None, threads: int | None, spin_wait: bool,
-          fuse: bool = False) -> Model:
+          fuse: bool) -> Model:
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ModelError(f"threads must be a positive integer, not {threads!r}")
     folder = resolve_folder(source, variant)
@@ -309,18 +308,21 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     tokenizer_path = tokenizer if tokenizer.exists() else None
     if config.get("is_encoder_decoder"):
         return _load_seq2seq(folder, variant, provider, threads, config, generation_config, tokenizer_path)
-    fused = None
+    fused, source = None, None
     if fuse and not genai_path.exists():
-        source = {}
-
-        def load_source():
-            source["session"], source["used"] = _session(decoder_path, provider, threads, spin_wait)
-            return source["session"], read_graph(decoder_path, source["session"], _config_dims(config))
+        def load_source():  # asked for only when the cache has no answer for this file yet
+            nonlocal source
+            session, used = _session(decoder_path, provider, threads, spin_wait)
+            source = session, used, read_graph(decoder_path, session, _config_dims(config), present_names)
+            return source[0], source[2]
         fused = fused_decoder(decoder_path, config, _provider(provider), load_source)
-        source.clear()  # the source's weights are not kept beside the fused graph's
     path = fused or decoder_path
-    session, used = _session(path, provider, threads, spin_wait)
-    graph = read_graph(path, session, _config_dims(config), present_names)
+    if fused is None and source is not None:  # refused just now: the source is loaded already
+        session, used, graph = source
+    else:
+        source = None  # the source's weights are not kept beside the fused graph's
+        session, used = _session(path, provider, threads, spin_wait)
+        graph = read_graph(path, session, _config_dims(config), present_names)
     model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,
                   generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path,
                   fused_from=decoder_path if fused else None)

@@ -94,15 +94,13 @@ def fused_decoder(path: Path, config: dict, provider: str, load_source) -> Path 
         return None
     folder = cache_root() / "fused" / cache_key(path, config)
     fused, refused = folder / "model.onnx", folder / "refused.json"
-    if fused.exists():
-        log.info("%s runs as its fused graph %s", path.name, fused)
-        return fused
-    if refused.exists():
-        log.warning("%s runs unfused: %s", path.name, json.loads(refused.read_text())["reason"])
-        return None
     with _exclusive(folder):  # replicas starting together on one node: one builds, the others wait and load it
-        if fused.exists() or refused.exists():
-            return fused if fused.exists() else None
+        if fused.exists():
+            log.info("%s runs as its fused graph %s", path.name, fused)
+            return fused
+        if refused.exists():
+            log.warning("%s runs unfused: %s", path.name, json.loads(refused.read_text())["reason"])
+            return None
         return _rewrite(path, config, folder, load_source)
 
 
@@ -118,7 +116,6 @@ def _exclusive(folder: Path):
 
 
 def _rewrite(path: Path, config: dict, folder: Path, load_source) -> Path | None:
-    fused, refused = folder / "model.onnx", folder / "refused.json"
     session, graph = load_source()
     try:
         reason = unsupported_graph(graph)
@@ -134,13 +131,13 @@ def _rewrite(path: Path, config: dict, folder: Path, load_source) -> Path | None
     except FusionError as e:
         log.warning("%s runs unfused: %s", path.name, e)
         folder.mkdir(parents=True, exist_ok=True)
-        refused.write_text(json.dumps({"source": str(path), "reason": str(e)}))
+        (folder / "refused.json").write_text(json.dumps({"source": str(path), "reason": str(e)}))
         return None
     try:
         os.rename(built, folder)
-    except OSError:  # another process built it first
+    except OSError:  # another machine built it first (a cache shared over a filesystem the lock does not span)
         shutil.rmtree(built, ignore_errors=True)
-    return fused
+    return folder / "model.onnx"
 
 
 def _build(path: Path, config: dict, parent: Path) -> Path:
