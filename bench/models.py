@@ -111,9 +111,14 @@ def build_small(root, *, force: bool = False, progress=None) -> dict[str, Path]:
     return paths
 
 
-if __name__ == "__main__":
+def build_command(build, usage: str) -> None:
+    """`python bench/<module>.py ROOT [--force]`: build(ROOT, force=...) and print its folders."""
     args = [a for a in sys.argv[1:] if a != "--force"]
     if len(args) != 1:
-        sys.exit(__doc__)
-    for k, v in build_small(args[0], force="--force" in sys.argv).items():
+        sys.exit(usage)
+    for k, v in build(args[0], force="--force" in sys.argv).items():
         print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    build_command(build_small, __doc__)

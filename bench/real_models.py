@@ -219,8 +219,6 @@ def llamacpp_gguf(dirs: dict, kind: str) -> Path:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--force"]
-    if len(args) != 1:
-        sys.exit(__doc__)
-    for k, v in build_real(args[0], force="--force" in sys.argv).items():
-        print(f"{k}: {v}")
+    from models import build_command
+
+    build_command(build_real, __doc__)

@@ -23,13 +23,15 @@ RUNNING = 8
 TOKENS = 150  # 150 steps of 40 ms: 6 s a stream
 
 
-def stream(url: str, prompt: str, started: dict) -> dict:
+def stream(url: str, prompt: str, started: dict, tokens: int = TOKENS, timeout: float = 60) -> dict:
+    """One streamed completion of the fake app at `url`, as a client sees it: its text, finish
+    reason, error event (or exception) and status; `started[prompt]` is set at its first chunk."""
     import httpx
 
-    body = dict(model="fake", prompt=prompt, max_tokens=TOKENS, stream=True)
+    body = dict(model="fake", prompt=prompt, max_tokens=tokens, stream=True)
     text, finish, error, status = [], None, None, None
     try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as response:
             status = response.status_code
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
