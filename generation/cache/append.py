@@ -176,7 +176,7 @@ class AppendCache(BaseCache):
         finally:  # decode's own inputs, bound again
             self.binding.output("logits", self.inputs.logits)
             for name, array in (("input_ids", self.inputs.ids), ("inputs_embeds", self.inputs.embeds),
-                                ("position_ids", self.inputs.positions)):
+                                ("position_ids", self.inputs.positions), ("logits_positions", self.inputs.read)):
                 if name in feeds:
                     self.binding.input(name, array)
         self.current, self.width = 1 - self.current, width + count

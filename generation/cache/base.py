@@ -66,8 +66,9 @@ def insert_prompts(cache, slots: list[int], prompts: list[list[int]], found) -> 
 
 
 class CacheInputs:
-    """The per-token inputs every mode binds once: input_ids [B, 1], position_ids, logits, and
-    use_cache_branch (always True while decoding: the past is never empty).
+    """The per-token inputs every mode binds once: input_ids [B, 1], position_ids, logits,
+    use_cache_branch (always True while decoding: the past is never empty) and logits_positions
+    (0: the step's one token).
 
     A graph that takes inputs_embeds binds an embeddings buffer [B, 1, hidden] instead, which
     the run from `runner(run)` fills from the ids through `embed` (the model's embed_tokens)
@@ -96,6 +97,10 @@ class CacheInputs:
         if graph.has_use_cache_branch:
             self.use_cache = np.array([True])
             binding.input("use_cache_branch", self.use_cache)
+        self.read = None
+        if graph.has_logits_positions:  # a step's one token is position 0 of its run
+            self.read = np.zeros((slots, 1), np.int64)
+            binding.input("logits_positions", self.read)
 
     def set_positions(self, lengths: np.ndarray) -> None:
         """A row's new token sits at its length (plus its offset; rows never outgrow the model's

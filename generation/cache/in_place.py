@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..runtime.feeds import Binding, pieces, prompt_widths, step_inputs
+from ..runtime.feeds import Binding, last_read, pieces, prompt_widths, step_inputs
 from ..runtime.graph import DecoderGraph
 from .base import BaseCache, CacheInputs
 
@@ -71,21 +71,22 @@ class InPlaceCache(BaseCache):
             ids = np.full((len(run), first), pad, np.int64)
             for i, j in enumerate(run):
                 ids[i, :min(first, lengths[i])] = prompts[j][:first]
-            logits = self._prompt_step(slots[run[0]], ids, 0)
+            logits = self._prompt_step(slots[run[0]], ids, 0, last_read(lengths, 0, first))
             for i, j in enumerate(run):
-                last[j] = logits[i, min(first, lengths[i]) - 1]
+                last[j] = logits[i, -1 if self.graph.has_logits_positions else min(first, lengths[i]) - 1]
                 offset = first
                 for width in pieces(lengths[i] - first) if lengths[i] > first else []:
                     row = np.array([prompts[j][offset:offset + width]], np.int64)
-                    last[j] = self._prompt_step(slots[j], row, offset)[0, -1]
+                    last[j] = self._prompt_step(slots[j], row, offset, last_read([width], 0, width))[0, -1]
                     offset += width
         for j, slot in enumerate(slots):
             self.mask[slot] = 0
             self.mask[slot, :len(prompts[j])] = 1
         return last
 
-    def _prompt_step(self, slot: int, ids: np.ndarray, offset: int) -> np.ndarray:
-        """ids [n, S] after `offset` cached tokens, into slots slot..slot+n-1; logits [n, S, V]."""
+    def _prompt_step(self, slot: int, ids: np.ndarray, offset: int, read: np.ndarray | None = None) -> np.ndarray:
+        """ids [n, S] after `offset` cached tokens, into slots slot..slot+n-1; logits [n, S, V],
+        or [n, P, V] at the positions `read` [n, P] where the graph computes only those."""
         rows, width = ids.shape
         binding = self._prompt_binding
         for e in self.graph.cache:
@@ -94,15 +95,17 @@ class InPlaceCache(BaseCache):
             binding.input_at(e.past, pointer, shape, buffer.dtype)
             binding.output_at(e.present, pointer, shape, buffer.dtype)
         positions = np.broadcast_to(offset + np.arange(width), ids.shape)
-        feeds = step_inputs(self.graph, ids, np.ones((rows, offset + width), np.int64), positions, offset)
+        read = read if self.graph.has_logits_positions else None
+        feeds = step_inputs(self.graph, ids, np.ones((rows, offset + width), np.int64), positions, offset, read=read)
         feeds["use_cache_branch"] = np.array([True])  # the shared buffer is the past, even when empty
         for name, array in feeds.items():
             if name in self.graph.input_dtypes:
                 binding.input(name, array)
-        size = rows * width * self.graph.vocab_size
+        given = width if read is None else read.shape[1]
+        size = rows * given * self.graph.vocab_size
         if self._prompt_logits.size < size:  # kept between prompts: no fresh pages per request
             self._prompt_logits = np.empty(size, self.graph.logits_dtype)
-        logits = self._prompt_logits[:size].reshape(rows, width, self.graph.vocab_size)
+        logits = self._prompt_logits[:size].reshape(rows, given, self.graph.vocab_size)
         binding.output("logits", logits)
         binding.run()
         return logits

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..runtime.feeds import pieces, prompt_widths, step_inputs
+from ..runtime.feeds import last_read, pieces, prompt_widths, step_inputs
 from ..runtime.graph import DecoderGraph
 
 
@@ -62,11 +62,13 @@ def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: li
             embeds = embed(ids) if images is None else images.embeddings(embed, ids, real, prompts, offset)
             if images is not None and graph.position_axes == 3:
                 positions = images.piece_positions(positions, real, offset)
-        feeds = step_inputs(graph, ids, mask, positions, offset, embeds)
+        # the graph's LM head at each row's last token only, where it can and no one reads the rest
+        read = last_read(lengths, offset, width) if graph.has_logits_positions and on_logits is None else None
+        feeds = step_inputs(graph, ids, mask, positions, offset, embeds, read)
         feeds.update(past)
         logits, *presents = session.run(names, feeds)
         ends = np.flatnonzero((lengths > offset) & (lengths <= offset + width))
-        last[ends] = logits[ends, lengths[ends] - offset - 1]
+        last[ends] = logits[ends, 0] if read is not None else logits[ends, lengths[ends] - offset - 1]
         if on_logits is not None:
             on_logits(logits, offset)
         del logits  # all-position logits are large: drop them before the next piece

@@ -15,10 +15,13 @@ from .graph import DecoderGraph
 
 
 def step_inputs(graph: DecoderGraph, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
-                past_width: int, embeds: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                past_width: int, embeds: np.ndarray | None = None,
+                read: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Inputs other than the cache. ids: [n, S]; positions: [n, S] (the same on every axis of an
     M-RoPE graph) or [3, n, S]; mask: [n, past_width + S]. A graph that takes inputs_embeds gets
-    `embeds` [n, S, hidden] (the ids' embeddings, image features in place) instead of the ids."""
+    `embeds` [n, S, hidden] (the ids' embeddings, image features in place) instead of the ids.
+    read: [n, P] the positions (of S) whose logits the run gives, where the graph computes only
+    those (runtime.head); every position when None."""
     feeds = {"attention_mask": np.ascontiguousarray(mask, dtype=graph.dtype("attention_mask"))}
     if graph.has_inputs_embeds:
         feeds["inputs_embeds"] = np.ascontiguousarray(embeds, dtype=graph.dtype("inputs_embeds"))
@@ -31,7 +34,17 @@ def step_inputs(graph: DecoderGraph, ids: np.ndarray, mask: np.ndarray, position
         feeds["position_ids"] = np.ascontiguousarray(pos, dtype=graph.dtype("position_ids"))
     if graph.has_use_cache_branch:
         feeds["use_cache_branch"] = np.array([past_width > 0])
+    if graph.has_logits_positions:
+        n, width = ids.shape
+        feeds["logits_positions"] = np.ascontiguousarray(
+            np.broadcast_to(np.arange(width), (n, width)) if read is None else read, dtype=np.int64)
     return feeds
+
+
+def last_read(lengths: np.ndarray, offset: int, width: int) -> np.ndarray:
+    """[n, 1]: each row's last token within a run of `width` tokens from `offset` (its position
+    in the run; 0 for a row with no token there)."""
+    return np.clip(np.asarray(lengths) - offset - 1, 0, width - 1)[:, None]
 
 
 def _run_options():

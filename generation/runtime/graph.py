@@ -73,6 +73,8 @@ class DecoderGraph:
     # instead of input_ids: the model's embed_tokens.onnx makes them from the tokens
     has_inputs_embeds: bool = False
     hidden_size: int = 0
+    # the LM head runs at the positions of `logits_positions` [n, P] only (runtime.head's rewrite)
+    has_logits_positions: bool = False
 
     @property
     def is_seq2seq(self) -> bool:
@@ -207,4 +209,5 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         has_encoder_attention_mask="encoder_attention_mask" in ins,
         has_inputs_embeds=embeds,
         hidden_size=int(hidden),
+        has_logits_positions="logits_positions" in ins,
     )

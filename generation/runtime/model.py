@@ -223,7 +223,10 @@ def _provider(provider: str | None) -> str:
     return "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
 
 
-def _session(path: Path, provider: str | None, threads: int, spin_wait: bool = True):
+def _session(path: Path, provider: str | None, threads: int, spin_wait: bool = True, head: bool = False):
+    """An onnxruntime session of `path` and the provider it got. head: a decoder's LM head runs
+    only at the positions its `logits_positions` input names, where the graph allows
+    (runtime.head; the reason logged where not)."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -244,14 +247,35 @@ def _session(path: Path, provider: str | None, threads: int, spin_wait: bool = T
     if provider == "cuda" and "CUDAExecutionProvider" not in available:
         raise ModelError("provider 'cuda' asked for, but this onnxruntime has no CUDA provider "
                          "(install raymuter[gpu] on a CUDA node)")
+    source = str(path)
+    if head:
+        source = _head_source(path, options)
     try:
-        session = ort.InferenceSession(str(path), options, providers=names[provider])
+        session = ort.InferenceSession(source, options, providers=names[provider])
     except Exception as e:
         raise ModelError(f"onnxruntime cannot load {path}: {e}") from None
     used = "cuda" if session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
     if used != provider:
         log.warning("CUDA provider unusable for %s; running on the CPU", path.name)
     return session, used
+
+
+def _head_source(path: Path, options):
+    """The decoder at `path` with its LM head at the read positions only, as bytes whose weights
+    onnxruntime reads from `path`'s folder; `path` itself where the graph does not allow it."""
+    from .head import head_positions
+
+    try:
+        rewritten, reason = head_positions(path)
+        data = rewritten.SerializeToString() if rewritten is not None else None
+    except Exception as e:  # noqa: BLE001 - an unreadable graph fails below, with onnxruntime's own message
+        rewritten, reason = None, f"{type(e).__name__}: {e}"
+    if rewritten is None or data is None:
+        log.info("%s computes logits at every position: %s", path.name, reason)
+        return str(path)
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    log.info("%s computes logits only at the positions read", path.name)
+    return data
 
 
 def default_threads() -> int:
@@ -312,7 +336,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     if fuse and not genai_path.exists():
         def load_source():  # asked for only when the cache has no answer for this file yet
             nonlocal source
-            session, used = _session(decoder_path, provider, threads, spin_wait)
+            session, used = _session(decoder_path, provider, threads, spin_wait, head=True)
             source = session, used, read_graph(decoder_path, session, _config_dims(config), present_names)
             return source[0], source[2]
         fused = fused_decoder(decoder_path, config, _provider(provider), load_source)
@@ -321,7 +345,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
         session, used, graph = source
     else:
         source = None  # the source's weights are not kept beside the fused graph's
-        session, used = _session(path, provider, threads, spin_wait)
+        session, used = _session(path, provider, threads, spin_wait, head=True)
         graph = read_graph(path, session, _config_dims(config), present_names)
     model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,
                   generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path,

@@ -177,6 +177,8 @@ def _run_probe(session, graph, ids: np.ndarray, steps: int) -> list[np.ndarray]:
             feeds["position_ids"] = (length + np.arange(width, dtype=np.int64))[None, :]
         if "use_cache_branch" in names:
             feeds["use_cache_branch"] = np.array([step > 0])
+        if "logits_positions" in names:  # runtime.head's rewrite: every position, as the fused graph gives
+            feeds["logits_positions"] = np.arange(width, dtype=np.int64)[None, :]
         feeds = {k: v.astype(graph.dtype(k)) if k in ("attention_mask", "position_ids") else v
                  for k, v in feeds.items() if k in names}
         wanted = ["logits"] + [e.present for e in entries]

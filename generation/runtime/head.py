@@ -1,0 +1,56 @@
+"""The LM head only where logits are read.
+
+A prompt's run reads one row of logits per prompt (its last token's), yet a decoder graph
+computes the LM head at every position: [n, S, vocab] floats, a third of a 32-token prefill of
+a 135M model with a 49k vocabulary, and the largest tensor the run writes. At load,
+`head_positions` gives the decoder a `logits_positions` input [n, P]: a GatherND picks those
+positions of the hidden states before the LM head, so logits are [n, P, vocab]. Feeding every
+position (what `feeds.step_inputs` does unless told) gives the graph's logits unchanged; a
+prompt's run feeds its last position, a decode step position 0.
+
+The rewrite is made in memory at each load (the graph without its weights, milliseconds), so
+nothing is cached: the session reads the weights from the source's folder.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+POSITIONS = "logits_positions"
+_HEADS = ("MatMul", "MatMulNBits")  # row-wise in their first input: gathering rows first changes nothing
+
+
+def head_positions(path: Path):
+    """(ModelProto with the `logits_positions` input, None), or (None, why not) where the graph's
+    logits are not a MatMul of [n, S, hidden] hidden states at the top of the graph (a merged
+    decoder's If, a quantized head whose activation scale spans every position, a bias after it)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    if not any(o.domain in ("", "ai.onnx") and o.version >= 13 for o in model.opset_import):
+        return None, "its opset is older than 13 (Unsqueeze takes its axes as an input from 13)"
+    if any(i.name == POSITIONS for i in graph.input):
+        return None, f"it already takes {POSITIONS}"
+    output = next((o for o in graph.output if o.name == "logits"), None)
+    if output is None or len(output.type.tensor_type.shape.dim) != 3:
+        return None, "its logits are not [batch, sequence, vocab]"
+    head = next((n for n in graph.node if "logits" in n.output), None)
+    if head is None or head.op_type not in _HEADS or head.domain not in ("", "com.microsoft"):
+        return None, f"its logits come from {head.op_type if head else 'no node'}, not a MatMul at the top of the graph"
+    hidden = head.input[0]
+    graph.input.append(helper.make_tensor_value_info(POSITIONS, TensorProto.INT64, ["batch_size", "logits_length"]))
+    graph.initializer.append(helper.make_tensor("/logits_positions/axes", TensorProto.INT64, [1], [-1]))
+    nodes = [helper.make_node("Unsqueeze", [POSITIONS, "/logits_positions/axes"], ["/logits_positions/index"],
+                              name="/logits_positions/Unsqueeze"),
+             helper.make_node("GatherND", [hidden, "/logits_positions/index"], ["/logits_positions/hidden"],
+                              name="/logits_positions/GatherND", batch_dims=1)]
+    at = list(graph.node).index(head)
+    head.input[0] = "/logits_positions/hidden"
+    for node in reversed(nodes):
+        graph.node.insert(at, node)
+    return model, None
