@@ -7,6 +7,7 @@ and the targets of the speed issue.
 
     PYTHONPATH=. python bench/real.py                    # ~10 min on 2 cores once built
     PYTHONPATH=. python bench/real.py --batch 1 --repeats 3
+    PYTHONPATH=. python bench/real.py --first 32,512 --systems in_place,genai,llamacpp   # time to the first token
 
 llama.cpp rows need llama-cpp-python, built from source (about 12 minutes here); without it
 they say so. `-DGGML_NATIVE=ON` builds AMX kernels that this machine kind advertises but does not
@@ -32,7 +33,7 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import decode  # noqa: E402  (bench/decode.py)
-from decode_systems import model_dirs  # noqa: E402
+from decode_systems import REFERENCE, model_dirs  # noqa: E402
 
 SYSTEMS = ["in_place", "in_place_grow", "fused", "append", "append_grow", "genai", "transformers", "llamacpp", "llamacpp_fa",
            "in_place_int4", "genai_int4", "fused_q4", "append_q4", "llamacpp_q4", "llamacpp_q4_fa"]
@@ -90,8 +91,11 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {','.join(SYSTEMS)}")
+    ap.add_argument("--first", help="prompt lengths (e.g. 32,512): time to the first token instead of decode speed")
     args = ap.parse_args(argv)
     systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+    if args.first:
+        return first_token(args, systems)
     forwarded = ["--models", "real", "--batch", args.batch, "--prompt", str(args.prompt), "--new", str(args.new),
                  "--threads", str(args.threads), "--repeats", str(args.repeats), "--slow-repeats", str(args.repeats),
                  "--systems", ",".join(systems)]
@@ -119,6 +123,44 @@ def main(argv=None):
             ratio = f"{bound / got:.2f}x" if got else "n/a"
             print(f"| {b} | {kind} | {nbytes / 1e6:.0f} MB | {bound:.0f} | {got or 0:.0f} | {ratio} |")
     targets(results["real"], systems, dirs, speed, length)
+
+
+def first_token(args, systems):
+    """Milliseconds from a prompt to its first token (the prompt's run and one selection) at
+    each prompt length and batch, best of the repeats, interleaved as the decode table."""
+    model_dirs("real")
+    t0 = time.perf_counter()
+    rows = {}
+    for length in (int(x) for x in args.first.split(",")):
+        forwarded = ["--models", "real", "--batch", args.batch, "--prompt", str(length), "--new", "1",
+                     "--threads", str(args.threads), "--repeats", str(args.repeats), "--slow-repeats",
+                     str(args.repeats), "--systems", ",".join(systems)]
+        parsed = decode.parse(forwarded)
+        rows[length] = decode.bench_model("real", systems, [int(b) for b in args.batch.split(",")], parsed,
+                                          lambda m: print(f"{time.perf_counter() - t0:7.1f}s {m}", file=sys.stderr,
+                                                          flush=True))
+    cols = [(length, b) for length in rows for b in rows[length]]
+    print(f"\n## Time to the first token, ms (best of {args.repeats}; {args.threads} threads, greedy, fp32 unless "
+          "said); ratio to onnxruntime-genai\n")
+    print("| system | " + " | ".join(f"prompt {n}, B={b}" for n, b in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for key in systems:
+        cells = []
+        for n, b in cols:
+            res, ref = rows[n][b].get(key), rows[n][b].get(REFERENCE.get(key, "genai"))
+            got, base = decode.best(res), decode.best(rows[n][b].get("genai"))
+            if not got:
+                cells.append("n/a" if not res or not res.get("error") else "error")
+                continue
+            mark = "" if res["same"] is not False else " *"
+            cells.append(f"{1000 * b / got:.1f}" + (f" ({base / got:.2f})" if base else "") + mark)
+        print(f"| {decode.SYSTEMS[key]} | " + " | ".join(cells) + " |")
+    print("\n(ratio: genai's time over this system's; * = first token differs from its reference's)")
+    for key in systems:
+        for n, b in cols:
+            error = (rows[n][b].get(key) or {}).get("error")
+            if error:
+                print(f"- {key} prompt {n} B={b}: {error}")
 
 
 def targets(res: dict, systems, dirs, speed, length):

@@ -25,8 +25,10 @@ _HEADS = ("MatMul", "MatMulNBits")  # row-wise in their first input: gathering r
 
 def head_positions(path: Path):
     """(ModelProto with the `logits_positions` input, None), or (None, why not) where the graph's
-    logits are not a MatMul of [n, S, hidden] hidden states at the top of the graph (a merged
-    decoder's If, a quantized head whose activation scale spans every position, a bias after it)."""
+    logits are not a MatMul of [n, S, hidden] hidden states: at the top of the graph, or in each
+    branch of a merged decoder's If (its branches see the input from the outer graph). Refused:
+    a quantized head whose activation scale spans every position (DynamicQuantizeLinear), a bias
+    or a cast after the MatMul."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -39,18 +41,37 @@ def head_positions(path: Path):
     output = next((o for o in graph.output if o.name == "logits"), None)
     if output is None or len(output.type.tensor_type.shape.dim) != 3:
         return None, "its logits are not [batch, sequence, vocab]"
-    head = next((n for n in graph.node if "logits" in n.output), None)
-    if head is None or head.op_type not in _HEADS or head.domain not in ("", "com.microsoft"):
-        return None, f"its logits come from {head.op_type if head else 'no node'}, not a MatMul at the top of the graph"
-    hidden = head.input[0]
+    reason = _cut(graph, "logits", helper, TensorProto, [0])
+    if reason:
+        return None, reason
     graph.input.append(helper.make_tensor_value_info(POSITIONS, TensorProto.INT64, ["batch_size", "logits_length"]))
-    graph.initializer.append(helper.make_tensor("/logits_positions/axes", TensorProto.INT64, [1], [-1]))
-    nodes = [helper.make_node("Unsqueeze", [POSITIONS, "/logits_positions/axes"], ["/logits_positions/index"],
-                              name="/logits_positions/Unsqueeze"),
-             helper.make_node("GatherND", [hidden, "/logits_positions/index"], ["/logits_positions/hidden"],
-                              name="/logits_positions/GatherND", batch_dims=1)]
+    return model, None
+
+
+def _cut(graph, name: str, helper, TensorProto, count: list) -> str | None:
+    """Put the GatherND before the MatMul that makes `name` in `graph`, or in both branches of
+    the If that makes it; the reason where neither."""
+    head = next((n for n in graph.node if name in n.output), None)
+    if head is not None and head.op_type == "If":
+        at = list(head.output).index(name)
+        for attribute in head.attribute:
+            branch = attribute.g
+            reason = _cut(branch, branch.output[at].name, helper, TensorProto, count)
+            if reason:
+                return f"{reason} (in the If's {attribute.name})"
+        return None
+    if head is None or head.op_type not in _HEADS or head.domain not in ("", "com.microsoft"):
+        return f"its logits come from {head.op_type if head else 'no node'}, not a MatMul"
+    count[0] += 1
+    prefix = f"/logits_positions{count[0]}"
+    axes = helper.make_tensor(f"{prefix}/axes_value", TensorProto.INT64, [1], [-1])
+    nodes = [helper.make_node("Constant", [], [f"{prefix}/axes"], name=f"{prefix}/Constant", value=axes),
+             helper.make_node("Unsqueeze", [POSITIONS, f"{prefix}/axes"], [f"{prefix}/index"],
+                              name=f"{prefix}/Unsqueeze"),
+             helper.make_node("GatherND", [head.input[0], f"{prefix}/index"], [f"{prefix}/hidden"],
+                              name=f"{prefix}/GatherND", batch_dims=1)]
     at = list(graph.node).index(head)
-    head.input[0] = "/logits_positions/hidden"
+    head.input[0] = f"{prefix}/hidden"
     for node in reversed(nodes):
         graph.node.insert(at, node)
-    return model, None
+    return None

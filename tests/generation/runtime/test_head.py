@@ -4,8 +4,9 @@ Invariants: a decoder whose logits are a MatMul at the top of its graph (a genai
 rewrite, a plain Optimum export) loads with a `logits_positions` input; fed every position its
 logits are the graph's own, fed some positions they are those rows; a prompt's run computes its
 last row only (its logits are [n, 1, V]), while prompt log-probabilities and candidate
-verification still read every position; a graph whose head cannot be cut (a merged decoder's
-If) loads as it is, the reason in the log. Tokens equal transformers' in every test of
+verification still read every position; a merged decoder is cut in both branches of its If; a
+graph whose head cannot be cut (int8 dynamic quantization, whose scale spans every position)
+loads as it is, the reason in the log. Tokens equal transformers' in every test of
 core/test_greedy_oracle.py and search/test_beam.py, which load these graphs.
 """
 
@@ -20,7 +21,7 @@ import pytest
 import generation
 from generation.runtime import fusion, head
 
-CUT = ["llama-genai", "qwen2-genai", "llama-optimum", "gpt2-optimum", "gpt2-grow"]
+CUT = ["llama-genai", "qwen2-genai", "llama-optimum", "gpt2-optimum", "gpt2-grow", "llama-merged"]
 
 
 def _plain_session(path):
@@ -35,6 +36,8 @@ def _feeds(session, ids, graph):
     feeds = {"input_ids": ids, "attention_mask": np.ones((n, width), np.int64)}
     if "position_ids" in names:
         feeds["position_ids"] = np.tile(np.arange(width), (n, 1))
+    if "use_cache_branch" in names:
+        feeds["use_cache_branch"] = np.array([False])
     for e in graph.cache:
         feeds[e.past] = np.zeros((n, e.heads, 0, e.head_dim), graph.cache_dtype)
     return {k: v.astype(graph.dtype(k)) if k in graph.input_dtypes and v.dtype != graph.dtype(k) else v
@@ -61,13 +64,24 @@ def test_fused_rewrite_is_cut_too(test_models, load_model):
     assert model.fused_from is not None and model.graph.has_logits_positions
 
 
-def test_a_merged_decoder_keeps_its_head(test_models, load_model, caplog):
+def test_a_merged_decoder_is_cut_in_both_branches(test_models):
+    """Both branches of the If end in the LM head: each gets its GatherND, over the outer input."""
+    rewritten, reason = head.head_positions(test_models["llama-merged"] / "onnx" / "decoder_model_merged.onnx")
+    assert reason is None
+    branches = [a.g for n in rewritten.graph.node if n.op_type == "If" for a in n.attribute]
+    cuts = [[n.input[0] for n in b.node if n.op_type == "Unsqueeze" and n.name.startswith("/logits_positions")]
+            for b in branches]
+    assert len(branches) == 2 and cuts == [["logits_positions"], ["logits_positions"]]
+
+
+def test_an_int8_head_keeps_every_position(test_models, caplog):
+    """int8 dynamic quantization scales the head's input by its largest value over every
+    position: picking rows first would change the logits, so the head stays whole."""
     with caplog.at_level(logging.INFO, logger="generation.runtime.model"):
-        model = generation.load(test_models["llama-merged"], threads=1, fuse=False)
+        model = generation.load(test_models["llama-merged"], variant="quantized", threads=1, fuse=False)
     assert not model.graph.has_logits_positions
-    assert "computes logits at every position: its logits come from If" in caplog.text
-    rewritten, reason = head.head_positions(model.decoder_path)
-    assert rewritten is None and "If" in reason
+    assert "computes logits at every position: its logits come from" in caplog.text
+    assert "not a MatMul (in the If's" in caplog.text
 
 
 class Recorder:
