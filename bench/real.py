@@ -141,7 +141,7 @@ def first_token(args, systems):
                                                           flush=True))
     cols = [(length, b) for length in rows for b in rows[length]]
     print(f"\n## Time to the first token, ms (best of {args.repeats}; {args.threads} threads, greedy, fp32 unless "
-          "said); ratio to onnxruntime-genai\n")
+          "said); in brackets, that time over onnxruntime-genai's fp32 (below 1: sooner)\n")
     print("| system | " + " | ".join(f"prompt {n}, B={b}" for n, b in cols) + " |")
     print("|---|" + "---|" * len(cols))
     for key in systems:
@@ -155,7 +155,7 @@ def first_token(args, systems):
             mark = "" if res["same"] is not False else " *"
             cells.append(f"{1000 * b / got:.1f}" + (f" ({base / got:.2f})" if base else "") + mark)
         print(f"| {decode.SYSTEMS[key]} | " + " | ".join(cells) + " |")
-    print("\n(ratio: genai's time over this system's; * = first token differs from its reference's)")
+    print("\n(* = first token differs from its reference's)")
     for key in systems:
         for n, b in cols:
             error = (rows[n][b].get(key) or {}).get("error")
