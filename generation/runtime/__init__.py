@@ -5,5 +5,7 @@ and the feeds of one run.
     graph.py       a decoder graph's inputs, outputs and the cache modes it can run in
     onnx_graph.py  an ONNX file's nodes, read without the `onnx` package
     feeds.py       one decoder run's inputs, bound to onnxruntime without copies
+    head.py        the LM head cut to the positions whose logits are read (a graph rewrite at load)
+    fusion/        Optimum / transformers.js decoders rewritten into the fused graph, cached on disk
     encoders.py    an encoder-decoder's encoder runs (text, log-mel windows, pixels) and their cache
 """
