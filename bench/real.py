@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import decode  # noqa: E402  (bench/decode.py)
-from decode_systems import REFERENCE, model_dirs  # noqa: E402
+from decode_systems import model_dirs  # noqa: E402
 
 SYSTEMS = ["in_place", "in_place_grow", "fused", "append", "append_grow", "genai", "transformers", "llamacpp", "llamacpp_fa",
            "in_place_int4", "genai_int4", "fused_q4", "append_q4", "llamacpp_q4", "llamacpp_q4_fa"]
@@ -96,15 +96,9 @@ def main(argv=None):
     systems = [s for s in SYSTEMS if s in args.systems.split(",")]
     if args.first:
         return first_token(args, systems)
-    forwarded = ["--models", "real", "--batch", args.batch, "--prompt", str(args.prompt), "--new", str(args.new),
-                 "--threads", str(args.threads), "--repeats", str(args.repeats), "--slow-repeats", str(args.repeats),
-                 "--systems", ",".join(systems)]
     dirs = model_dirs("real")  # built once (minutes), before anything is timed
-    parsed = decode.parse(forwarded)
-    t0 = time.perf_counter()
-    results = {"real": decode.bench_model("real", systems, [int(b) for b in args.batch.split(",")], parsed,
-                                          lambda m: print(f"{time.perf_counter() - t0:7.1f}s {m}", file=sys.stderr,
-                                                          flush=True))}
+    parsed, t0 = decode.parse(_forwarded(args, systems, args.prompt, args.new)), time.perf_counter()
+    results = {"real": _bench(args, systems, parsed, t0)}
     decode.report(results, systems, parsed, targets=False)
     print("\n(4-bit rows are checked against onnxruntime-genai on the int4 build; llama.cpp Q4_0 against itself. "
           "At B=8 a step is bound by compute, not bandwidth: its bound is only a floor)")
@@ -125,20 +119,26 @@ def main(argv=None):
     targets(results["real"], systems, dirs, speed, length)
 
 
+def _forwarded(args, systems, prompt: int, new: int) -> list[str]:
+    """bench/decode.py's arguments for the real model at one prompt length and new-token count."""
+    return ["--models", "real", "--batch", args.batch, "--prompt", str(prompt), "--new", str(new),
+            "--threads", str(args.threads), "--repeats", str(args.repeats), "--slow-repeats", str(args.repeats),
+            "--systems", ",".join(systems)]
+
+
+def _bench(args, systems, parsed, t0) -> dict:
+    """{batch: results} of bench/decode.py's interleaved loop, progress on stderr."""
+    return decode.bench_model("real", systems, [int(b) for b in args.batch.split(",")], parsed,
+                              lambda m: print(f"{time.perf_counter() - t0:7.1f}s {m}", file=sys.stderr, flush=True))
+
+
 def first_token(args, systems):
     """Milliseconds from a prompt to its first token (the prompt's run and one selection) at
     each prompt length and batch, best of the repeats, interleaved as the decode table."""
     model_dirs("real")
     t0 = time.perf_counter()
-    rows = {}
-    for length in (int(x) for x in args.first.split(",")):
-        forwarded = ["--models", "real", "--batch", args.batch, "--prompt", str(length), "--new", "1",
-                     "--threads", str(args.threads), "--repeats", str(args.repeats), "--slow-repeats",
-                     str(args.repeats), "--systems", ",".join(systems)]
-        parsed = decode.parse(forwarded)
-        rows[length] = decode.bench_model("real", systems, [int(b) for b in args.batch.split(",")], parsed,
-                                          lambda m: print(f"{time.perf_counter() - t0:7.1f}s {m}", file=sys.stderr,
-                                                          flush=True))
+    rows = {length: _bench(args, systems, decode.parse(_forwarded(args, systems, length, 1)), t0)
+            for length in (int(x) for x in args.first.split(","))}
     cols = [(length, b) for length in rows for b in rows[length]]
     print(f"\n## Time to the first token, ms (best of {args.repeats}; {args.threads} threads, greedy, fp32 unless "
           "said); in brackets, that time over onnxruntime-genai's fp32 (below 1: sooner)\n")
@@ -147,7 +147,7 @@ def first_token(args, systems):
     for key in systems:
         cells = []
         for n, b in cols:
-            res, ref = rows[n][b].get(key), rows[n][b].get(REFERENCE.get(key, "genai"))
+            res = rows[n][b].get(key)
             got, base = decode.best(res), decode.best(rows[n][b].get("genai"))
             if not got:
                 cells.append("n/a" if not res or not res.get("error") else "error")

@@ -265,12 +265,14 @@ def _head_source(path: Path, options):
     onnxruntime reads from `path`'s folder; `path` itself where the graph does not allow it."""
     from .head import head_positions
 
+    data = None
     try:
         rewritten, reason = head_positions(path)
-        data = rewritten.SerializeToString() if rewritten is not None else None
+        if rewritten is not None:
+            data = rewritten.SerializeToString()
     except Exception as e:  # noqa: BLE001 - an unreadable graph fails below, with onnxruntime's own message
-        rewritten, reason = None, f"{type(e).__name__}: {e}"
-    if rewritten is None or data is None:
+        reason = f"{type(e).__name__}: {e}"
+    if data is None:
         log.info("%s computes logits at every position: %s", path.name, reason)
         return str(path)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
