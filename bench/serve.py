@@ -148,6 +148,7 @@ def main() -> int:
     parser.add_argument("--stream-interval-ms", type=float, default=10.0, help="the server's stream_interval_ms")
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
                         help="the request path, as `raymuter serve --proxy` (deployments.cli.serving_environment)")
+    parser.add_argument("--colocate", action="store_true", help="the routes in the decoder's replica (AppConfig.colocate)")
     args = parser.parse_args()
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -188,7 +189,7 @@ def main() -> int:
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build(dict(model=model, name="bench", slots=args.slots, threads=args.threads, max_logprobs=5,
-                         stream_interval_ms=args.stream_interval_ms)),
+                         stream_interval_ms=args.stream_interval_ms, colocate=args.colocate)),
               name="bench", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
 

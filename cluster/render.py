@@ -26,17 +26,18 @@ VALUES_SCHEMA = CHART / "values.schema.json"
 FROM_MODEL = ("model", "name", "kind")  # the chart's `model` values set these arguments
 
 
-def deployment_defaults(kind: str) -> list[dict]:
+def deployment_defaults(kind: str, colocate: bool = False) -> list[dict]:
     """The deployments of a kind of model with the options the code gives them, as Serve config
-    entries (name, max_ongoing_requests, ray_actor_options, ...), the ingress first."""
+    entries (name, max_ongoing_requests, ray_actor_options, ...), the ingress (or the colocated
+    Server) first."""
     from ray.serve._private.build_app import build_app
     from ray.serve.deployment import deployment_to_schema
 
-    from deployments.app import PARTS, AppConfig, application
+    from deployments.app import COLOCATED_PARTS, PARTS, AppConfig, application
 
-    built = build_app(application(AppConfig(gpu="no"), kind), name=APP_NAME)
+    built = build_app(application(AppConfig(gpu="no", colocate=colocate), kind), name=APP_NAME)
     entries = {d.name: deployment_to_schema(d).model_dump(exclude_unset=True, mode="json") for d in built.deployments}
-    return [entries[name] for name in PARTS[kind]]
+    return [entries[name] for name in (COLOCATED_PARTS if colocate else PARTS)[kind]]
 
 
 def serve_application(args: dict, deployments: dict[str, dict] | None = None) -> dict:
@@ -45,8 +46,9 @@ def serve_application(args: dict, deployments: dict[str, dict] | None = None) ->
     options; `ray_actor_options` replaces the code's, as in a Serve config)."""
     from deployments.app import AppConfig, app_kind
 
+    cfg = AppConfig(**args)
     entries = []
-    for entry in deployment_defaults(app_kind(AppConfig(**args))):
+    for entry in deployment_defaults(app_kind(cfg), cfg.colocate):
         entries.append({**entry, **(deployments or {}).get(entry["name"], {})})
     return {"name": APP_NAME, "route_prefix": "/", "import_path": IMPORT_PATH, "args": args, "deployments": entries}
 
@@ -57,7 +59,8 @@ def chart_parts() -> dict:
     from deployments.services.routing import ROUTERS
 
     return {"generated_by": "python -m cluster.render", "import_path": IMPORT_PATH, "app_name": APP_NAME,
-            "kinds": {kind: deployment_defaults(kind) for kind in PARTS}, "routers": ROUTERS}
+            "kinds": {kind: deployment_defaults(kind) for kind in PARTS},
+            "colocated": {kind: deployment_defaults(kind, colocate=True) for kind in PARTS}, "routers": ROUTERS}
 
 
 def args_schema() -> dict:

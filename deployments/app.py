@@ -77,6 +77,7 @@ from .http.openai import (
     validation_error,
 )
 from .http.openai import Transcription as TranscriptionBody
+from .local_handle import LocalHandle
 from .metrics import IngressMetrics
 from .schema import (
     EmbedRequest,
@@ -135,6 +136,10 @@ class AppConfig(BaseModel):
     # encoder, vision; a part not named keeps one replica (or what a Serve config gives it).
     # The decoder scales on its rows and waiting requests against its slots (policy occupancy).
     autoscaling: dict[Literal["ingress", "decoder", "encoder", "vision"], Autoscaling] = Field(default_factory=dict)
+    # The HTTP routes in the decoder's replica (deployments.app.Server): no Ray message per request
+    # and streamed chunk between an ingress and the decoder; the routes then scale with the decoder
+    # (its autoscaling, one proxy spreading requests) and the prefix router does not apply.
+    colocate: bool = False
 
 
 # Seconds a stopping replica (scaled down, redeployed, its node drained) may take to finish the
@@ -144,6 +149,8 @@ DRAIN_SECONDS = 300
 # The deployments of each kind of model, the ingress first.
 PARTS = {"text": ("Ingress", "Decoder"), "encoder-decoder": ("Ingress", "Decoder", "Encoder"),
          "vision": ("Ingress", "Decoder", "Vision")}
+# The same with the routes and the decoder in one Server deployment (AppConfig.colocate).
+COLOCATED_PARTS = {kind: ("Server", *names[2:]) for kind, names in PARTS.items()}
 
 
 def _typed(request) -> GenerateRequest:
@@ -966,6 +973,34 @@ class Ingress:
             raise _api_error_of(e, request_id_) from None
 
 
+# The routes and the decoder in one replica (AppConfig.colocate): the ingress's code over a
+# LocalHandle of its own Decoder, so a request and each streamed chunk cost no Ray message.
+@serve.deployment(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": ROUTER_ON_LOOP}},
+                  max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=10,
+                  graceful_shutdown_timeout_s=DRAIN_SECONDS, graceful_shutdown_wait_loop_s=1,
+                  logging_config={"enable_access_log": False})
+class Server(Ingress.func_or_class):
+    """HTTP routes and the Python handle API with the model in the same process."""
+
+    async def __init__(self, config: dict, encoder: DeploymentHandle | None = None,
+                       vision: DeploymentHandle | None = None):
+        self.model = Decoder.func_or_class(config, encoder)
+        await super().__init__(LocalHandle(self.model), config, encoder, vision)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.model.record_autoscaling_stats()
+
+    def check_health(self) -> None:
+        self.model.check_health()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def __del__(self):  # Serve's shutdown of the replica: the routes, then the batching loop
+        await super().__del__()
+        self.model.__del__()
+
+
 def build(args: dict | None = None):
     """The application (Serve's app builder: `serve run deployments.app:build model=...`)."""
     cfg = AppConfig(**(args or {}))
@@ -991,7 +1026,8 @@ def model_kind(cfg: AppConfig) -> str:
 
 
 def application(cfg: AppConfig, kind: str):
-    """The deployments of PARTS[kind], bound together (no model is read here)."""
+    """The deployments of PARTS[kind] (COLOCATED_PARTS[kind] with colocate), bound together (no
+    model is read here)."""
     config = cfg.model_dump()
     decoder = Decoder
     if cfg.gpu == "yes" or (cfg.gpu == "auto" and _cluster_has_gpu()):
@@ -1000,6 +1036,21 @@ def application(cfg: AppConfig, kind: str):
     for part, settings in cfg.autoscaling.items():
         parts[part] = parts[part].options(autoscaling_config=settings.serve_config(part))
     ingress, decoder = parts["ingress"], parts["decoder"]
+    if cfg.colocate:
+        if "ingress" in cfg.autoscaling:
+            raise ValueError("autoscaling: with colocate the routes run in the decoder's replicas; "
+                             "scale them with autoscaling.decoder, not autoscaling.ingress")
+        server = Server  # the decoder's resources and autoscaling
+        if decoder.ray_actor_options.get("num_gpus"):
+            server = server.options(ray_actor_options={**Server.ray_actor_options, "num_gpus": 1})
+        if "decoder" in cfg.autoscaling:
+            server = server.options(autoscaling_config=cfg.autoscaling["decoder"].serve_config("decoder"))
+        if kind == "encoder-decoder":
+            encoder = parts["encoder"].bind(config)
+            return server.bind(config, encoder)
+        if kind == "vision":
+            return server.bind(config, None, parts["vision"].bind(config))
+        return server.bind(config)
     if kind == "encoder-decoder":
         encoder = parts["encoder"].bind(config)
         return ingress.bind(decoder.bind(config, encoder), config, encoder)

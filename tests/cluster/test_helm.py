@@ -151,6 +151,30 @@ def test_the_rendered_application_is_the_one_raymuter_serve_builds(helm, tmp_pat
     assert built._bound_deployment.name == "Ingress"
 
 
+def test_a_colocated_application_renders_as_raymuter_serve_colocate_builds_it(helm, tmp_path, test_models):
+    """app.args.colocate: one Server deployment (routes and decoder) in place of Ingress and
+    Decoder, taking deployments.decoder's replicas, resources and autoscaling policy."""
+    from cluster.render import serve_application
+    from deployments.app import ROUTER_ON_LOOP, build
+
+    folder = str(test_models["llama-genai"])
+    values = {"model": {"kind": "text", "source": "hostPath", "hostPath": {"path": folder}},
+              "app": {"args": {"colocate": True}},
+              "deployments": {"decoder": {"cpus": 1.5, "autoscaling": {
+                  "enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetOngoingRequests": 8}}}}
+    (app,) = serve_config(render(helm, tmp_path, values))["applications"]
+    (server,) = app["deployments"]
+    assert server["name"] == "Server" and app["args"]["colocate"] is True
+    assert server["ray_actor_options"] == {"num_cpus": 1.5, "runtime_env": {"env_vars": ROUTER_ON_LOOP}}
+    assert server["autoscaling_config"]["policy"]["policy_function"] == "deployments.autoscaling:DecoderPolicy"
+    assert "request_router_config" not in server  # HTTP reaches it through the proxy, not a handle's router
+    cli = _cli_config("--model", folder, "--colocate")
+    (expected,) = serve_application(cli, {"Server": {"ray_actor_options": server["ray_actor_options"],
+                                                     "autoscaling_config": server["autoscaling_config"]}})["deployments"]
+    assert server == expected
+    assert build({**app["args"], "model": folder})._bound_deployment.name == "Server"
+
+
 BAD = [
     ({"deployments": {"decoder": {"replicas": -1}}}, "/deployments/decoder/replicas"),
     ({"deployments": {"decodr": {"replicas": 1}}}, "decodr"),

@@ -59,7 +59,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
      `python -m cluster.render`) updated by .Values.deployments.<name>. */}}
 {{- define "raymuter.deployment" -}}
 {{- $d := deepCopy .entry -}}
-{{- $v := index .values.deployments (lower $d.name) -}}
+{{- $part := ternary "decoder" (lower $d.name) (eq $d.name "Server") -}}{{/* colocated: the decoder's values */}}
+{{- $v := index .values.deployments $part -}}
 {{- $actor := deepCopy (default dict $d.ray_actor_options) -}}
 {{- if hasKey $v "cpus" }}{{ $_ := set $actor "num_cpus" $v.cpus }}{{ end -}}
 {{- if and (hasKey $v "gpus") (gt (int $v.gpus) 0) }}{{ $_ := set $actor "num_gpus" $v.gpus }}{{ end -}}
@@ -67,13 +68,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $d "ray_actor_options" $actor -}}
 {{- if $v.maxOngoingRequests }}{{ $_ := set $d "max_ongoing_requests" $v.maxOngoingRequests }}{{ end -}}
 {{- if $v.maxQueuedRequests }}{{ $_ := set $d "max_queued_requests" $v.maxQueuedRequests }}{{ end -}}
-{{- if $v.router }}{{ $_ := set $d "request_router_config" (dict "request_router_class" (index .routers $v.router)) }}{{ end -}}
+{{- if and $v.router (ne $d.name "Server") }}{{ $_ := set $d "request_router_config" (dict "request_router_class" (index .routers $v.router)) }}{{ end -}}
 {{- if and $v.autoscaling $v.autoscaling.enabled -}}
 {{- $a := $v.autoscaling -}}
 {{- $cfg := dict "min_replicas" $a.minReplicas "max_replicas" $a.maxReplicas "target_ongoing_requests" $a.targetOngoingRequests -}}
 {{- if hasKey $a "upscaleDelayS" }}{{ $_ := set $cfg "upscale_delay_s" $a.upscaleDelayS }}{{ end -}}
 {{- if hasKey $a "downscaleDelayS" }}{{ $_ := set $cfg "downscale_delay_s" $a.downscaleDelayS }}{{ end -}}
-{{- if and (eq (lower $d.name) "decoder") (ne (default "occupancy" $a.policy) "ongoing") -}}
+{{- if and (eq $part "decoder") (ne (default "occupancy" $a.policy) "ongoing") -}}
 {{- $_ := set $cfg "policy" (dict "policy_function" "deployments.autoscaling:DecoderPolicy" "policy_kwargs" (dict "target_occupancy" (default 0.75 $a.targetOccupancy))) -}}
 {{- end -}}
 {{- $_ := set $d "autoscaling_config" $cfg -}}
@@ -86,7 +87,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* serveConfigV2: Serve's config file, the application of `raymuter serve`. */}}
 {{- define "raymuter.serveConfig" -}}
 {{- $parts := .Files.Get "files/deployments.json" | fromJson -}}
-{{- $entries := index $parts.kinds .Values.model.kind -}}
+{{- $entries := index (ternary $parts.colocated $parts.kinds (eq (toString .Values.app.args.colocate) "true")) .Values.model.kind -}}
 {{- $deployments := list -}}
 {{- range $entries -}}
 {{- $deployments = append $deployments (include "raymuter.deployment" (dict "entry" . "values" $.Values "routers" $parts.routers) | fromJson) -}}
