@@ -125,7 +125,8 @@ class AppConfig(BaseModel):
     max_body_bytes: int = Field(default=25 * 2**20, ge=1024)
     stream_interval_ms: float = Field(default=10.0, ge=0, le=1000)  # a stream's chunks at most this often
     # (the first at once; the tokens made meanwhile travel together: fewer messages through Ray
-    # when a fast model streams to many clients; 0: a chunk per token)
+    # when a fast model streams to many clients; stretched while many rows run, about 200 chunks a
+    # second in all, at most one every 100 ms: generator.CHUNKS_PER_SECOND; 0: a chunk per token)
     step_seconds: float = Field(default=0.005, gt=0)  # fake engine only: a step's cost, plus
     step_seconds_per_row: float = Field(default=0.0, ge=0)  # this for each row in it (bench/fleet.py)
     gpu: str = Field(default="auto", pattern="^(auto|yes|no)$")  # the decoder asks for num_gpus=1

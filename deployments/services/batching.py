@@ -119,9 +119,9 @@ class Request:
     async def abatches(self, interval: float = 0.0):
         """For asyncio: lists of the Tokens made since the last list (one token when the reader
         keeps up; more when it falls behind, so a slow stream sends fewer, larger messages).
-        `interval` (seconds): after a list, the next one waits that long, so the tokens made
-        meanwhile go together (the first list goes at once, and the last as soon as the
-        request ends). The batcher's thread wakes the event loop only when the reader waits
+        `interval` (seconds, or a function giving them at each list): after a list, the next
+        one waits that long, so the tokens made meanwhile go together (the first list goes at
+        once, and the last as soon as the request ends). The batcher's thread wakes the event loop only when the reader waits
         for what it put (not for every token); no thread waits per request."""
         import asyncio
 
@@ -143,11 +143,12 @@ class Request:
                     batch.append(item)
                 if batch:
                     yield batch
-                    if interval > 0:  # hold the next list back, unless the request ends meanwhile
+                    wait = interval() if callable(interval) else interval
+                    if wait > 0:  # hold the next list back, unless the request ends meanwhile
                         ready.clear()
                         self._wanted = "done"
                         if not self._done.is_set():
-                            timer = loop.call_later(interval, ready.set)
+                            timer = loop.call_later(wait, ready.set)
                             try:
                                 await ready.wait()
                             finally:

@@ -177,6 +177,46 @@ def test_a_generator_with_a_draft_model(test_models, load_model):
         generator.close()
 
 
+def test_many_running_rows_stretch_the_stream_interval():
+    """The interval grows with the rows running (about CHUNKS_PER_SECOND chunks in all), within
+    MAX_INTERVAL; a row alone keeps stream_interval, and 0 keeps a chunk per token."""
+    from deployments.services.generator import CHUNKS_PER_SECOND, MAX_INTERVAL
+
+    generator = fake_generator(slots=64, step_seconds=0.001)
+    try:
+        generator.stream_interval = 0.01
+        for running, expected in [(0, 0.01), (1, 0.01), (8, max(0.01, 8 / CHUNKS_PER_SECOND)),
+                                  (64, MAX_INTERVAL)]:
+            generator.batcher.running = running
+            assert generator._interval() == pytest.approx(expected), running
+        generator.stream_interval = 0.0
+        assert generator._interval() == 0.0
+        generator.stream_interval = 0.5  # a longer one asked for stays
+        assert generator._interval() == 0.5
+    finally:
+        generator.close()
+
+
+def test_concurrent_streams_send_fewer_chunks_per_token_than_one_alone():
+    generator = fake_generator(slots=16, step_seconds=0.002)
+    generator.stream_interval = 0.005
+    try:
+        alone = collect(generator, prompt="abcd", settings={"max_new_tokens": 100})
+
+        async def together():
+            async def one(i):
+                return [c async for c in generator.stream(GenerateRequest(prompt="abcd", seed=i,
+                                                                          settings={"max_new_tokens": 100}))]
+            return await asyncio.gather(*(one(i) for i in range(16)))
+
+        streams = asyncio.run(together())
+        assert all("".join(c.text for c in s) == "".join(c.text for c in alone) for s in streams)
+        per_chunk = sum(sum(len(c.token_ids) for c in s) for s in streams) / sum(len(s) for s in streams)
+        assert per_chunk > 1.5 * sum(len(c.token_ids) for c in alone) / len(alone), per_chunk
+    finally:
+        generator.close()
+
+
 def test_a_stream_interval_sends_fewer_larger_chunks():
     generator = fake_generator(slots=2, step_seconds=0.001)
     try:
