@@ -2,15 +2,17 @@
 
 Table 1: time to first token (median, p90) and throughput at each concurrency, over HTTP (the
 Ray Serve application: HAProxy -> Ingress -> Decoder over gRPC, streamed server-sent events; with
---proxy ray, Serve's Python proxy and actor calls) beside the engine called directly in this
-process (the same TextGenerator and batching loop, no Ray), with the same requests, in
-alternating rounds so both see the same machine; "added" is the HTTP median TTFT minus the
-direct one. Table 2: continuous batching (requests join free slots at step boundaries) against
+--proxy ray, Serve's Python proxy and actor calls; with --colocate, HAProxy -> Server, the
+routes and the decoder in one replica) beside the engine called directly in this process (the
+same TextGenerator and batching loop, no Ray), with the same requests, in alternating rounds of
+--waves x concurrency requests so both see the same machine; "added" is the HTTP median TTFT
+minus the direct one. Table 2: continuous batching (requests join free slots at step boundaries) against
 static batching (the same loop admitting a new wave only when the whole previous wave has
 finished) on a mix of short and long requests, all sent at once; tokens/s and the ratio.
 
     PYTHONPATH=. python bench/serve.py                    # the default model, ~2 min on 2 cores
     PYTHONPATH=. python bench/serve.py --model DIR --slots 8 --requests 32
+    PYTHONPATH=. python bench/serve.py --colocate         # `raymuter serve --colocate`
 
 Every request ignores eos (its length is exactly its max_tokens) so the systems do equal work.
 Targets (issue 7): added median TTFT at concurrency 1 <= 10 ms; continuous / static >= 1.5.
@@ -96,12 +98,16 @@ async def http_run(client, url: str, model: str, requests: list[dict], concurren
     return ttft, tokens, time.perf_counter() - start
 
 
-async def level_run(generator, url: str, model: str, requests: list[dict], concurrency: int):
-    """Direct and HTTP in alternating rounds of at least 8 requests (and at least `concurrency`),
-    so both systems see the same state of a noisy machine; one warm-up round of each first."""
+async def level_run(generator, url: str, model: str, requests: list[dict], concurrency: int, waves: int = 4):
+    """Direct and HTTP in alternating rounds of at least 8 requests and `waves` x `concurrency`,
+    so both systems see the same state of a noisy machine; one warm-up round of each first. A
+    round of `concurrency` requests (waves 1) is one wave that starts and ends together: its
+    time is the slowest request's, and a fixed cost per request (the hops before the first token)
+    counts in full against throughput; with more waves the closed loop runs at its steady state
+    between a ramp up and a tail."""
     import httpx
 
-    size = max(8, concurrency)
+    size = max(8, waves * concurrency)
     rounds = [requests[i:i + size] for i in range(0, len(requests), size)]
     out = {"direct": ([], 0, 0.0), "http": ([], 0, 0.0)}
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
@@ -142,7 +148,10 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads of the decoder (both systems)")
     parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at least 8)")
+    parser.add_argument("--requests", type=int, default=32,
+                        help="requests per concurrency level (at least two rounds: 2 x max(8, waves x concurrency))")
+    parser.add_argument("--waves", type=int, default=4,
+                        help="a round's requests per concurrency (1: each round is one wave, as before)")
     parser.add_argument("--new", type=int, default=32, help="tokens per request in table 1")
     parser.add_argument("--mix", default="64,16,256", help="requests,short,long tokens for table 2 (1 in 4 long)")
     parser.add_argument("--stream-interval-ms", type=float, default=10.0, help="the server's stream_interval_ms")
@@ -195,15 +204,15 @@ def main() -> int:
 
     rows = []
     for level in levels:
-        work = requests_for(max(args.requests, level), args.new, seed=level)
-        got = asyncio.run(level_run(generator, url, "bench", work, level))
+        work = requests_for(max(args.requests, 2 * max(8, args.waves * level)), args.new, seed=level)
+        got = asyncio.run(level_run(generator, url, "bench", work, level, args.waves))
         rows.append((level, *got["direct"], *got["http"]))
     serve.shutdown()
     ray.shutdown()
     generator.close()
 
     print(f"\nmodel: {model}   slots {args.slots}   threads {args.threads}   {args.new} tokens per request   "
-          f"stream_interval_ms {args.stream_interval_ms}   proxy {args.proxy}\n")
+          f"stream_interval_ms {args.stream_interval_ms}   proxy {args.proxy}   colocate {args.colocate}   rounds of {args.waves} waves\n")
     print("| concurrency | system | TTFT p50 ms | TTFT p90 ms | tokens/s | HTTP/direct tokens/s | added TTFT p50 ms |")
     print("|---|---|---|---|---|---|---|")
     added_at_1 = None
