@@ -6,9 +6,10 @@ Ray Serve application: HAProxy -> Ingress -> Decoder over gRPC, streamed server-
 routes and the decoder in one replica) beside the engine called directly in this process (the
 same TextGenerator and batching loop, no Ray), with the same requests, in alternating rounds of
 --waves x concurrency requests so both see the same machine; "added" is the HTTP median TTFT
-minus the direct one. Table 2: continuous batching (requests join free slots at step boundaries) against
-static batching (the same loop admitting a new wave only when the whole previous wave has
-finished) on a mix of short and long requests, all sent at once; tokens/s and the ratio.
+minus the direct one. Table 2: continuous batching (requests join free slots at step
+boundaries) against static batching (the same loop admitting a new wave only when the whole
+previous wave has finished) on a mix of short and long requests, all sent at once; tokens/s and
+the ratio.
 
     PYTHONPATH=. python bench/serve.py                    # the default model, ~2 min on 2 cores
     PYTHONPATH=. python bench/serve.py --model DIR --slots 8 --requests 32

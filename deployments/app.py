@@ -995,7 +995,7 @@ class Server(Ingress.func_or_class):
         self.model.check_health()
 
     def pid(self) -> int:
-        return os.getpid()
+        return self.model.pid()
 
     async def __del__(self):  # Serve's shutdown of the replica: the routes, then the batching loop
         await super().__del__()
@@ -1030,28 +1030,22 @@ def application(cfg: AppConfig, kind: str):
     """The deployments of PARTS[kind] (COLOCATED_PARTS[kind] with colocate), bound together (no
     model is read here)."""
     config = cfg.model_dump()
-    decoder = Decoder
+    if cfg.colocate and "ingress" in cfg.autoscaling:
+        raise ValueError("autoscaling: with colocate the routes run in the decoder's replicas; "
+                         "scale them with autoscaling.decoder, not autoscaling.ingress")
+    decoder = Server if cfg.colocate else Decoder  # the Server takes the decoder's resources and autoscaling
     if cfg.gpu == "yes" or (cfg.gpu == "auto" and _cluster_has_gpu()):
-        decoder = Decoder.options(ray_actor_options={"num_cpus": 0.5, "num_gpus": 1})
+        decoder = decoder.options(ray_actor_options={**decoder.ray_actor_options, "num_gpus": 1})
     parts = {"ingress": Ingress, "decoder": decoder, "encoder": Encoder, "vision": Vision}
     for part, settings in cfg.autoscaling.items():
         parts[part] = parts[part].options(autoscaling_config=settings.serve_config(part))
     ingress, decoder = parts["ingress"], parts["decoder"]
     if cfg.colocate:
-        if "ingress" in cfg.autoscaling:
-            raise ValueError("autoscaling: with colocate the routes run in the decoder's replicas; "
-                             "scale them with autoscaling.decoder, not autoscaling.ingress")
-        server = Server  # the decoder's resources and autoscaling
-        if decoder.ray_actor_options.get("num_gpus"):
-            server = server.options(ray_actor_options={**Server.ray_actor_options, "num_gpus": 1})
-        if "decoder" in cfg.autoscaling:
-            server = server.options(autoscaling_config=cfg.autoscaling["decoder"].serve_config("decoder"))
         if kind == "encoder-decoder":
-            encoder = parts["encoder"].bind(config)
-            return server.bind(config, encoder)
+            return decoder.bind(config, parts["encoder"].bind(config))
         if kind == "vision":
-            return server.bind(config, None, parts["vision"].bind(config))
-        return server.bind(config)
+            return decoder.bind(config, None, parts["vision"].bind(config))
+        return decoder.bind(config)
     if kind == "encoder-decoder":
         encoder = parts["encoder"].bind(config)
         return ingress.bind(decoder.bind(config, encoder), config, encoder)

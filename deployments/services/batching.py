@@ -121,8 +121,9 @@ class Request:
         keeps up; more when it falls behind, so a slow stream sends fewer, larger messages).
         `interval` (seconds, or a function giving them at each list): after a list, the next
         one waits that long, so the tokens made meanwhile go together (the first list goes at
-        once, and the last as soon as the request ends). The batcher's thread wakes the event loop only when the reader waits
-        for what it put (not for every token); no thread waits per request."""
+        once, and the last as soon as the request ends). The batcher's thread wakes the event
+        loop only when the reader waits for what it put (not for every token); no thread waits
+        per request."""
         import asyncio
 
         loop, ready = asyncio.get_running_loop(), asyncio.Event()

@@ -45,6 +45,7 @@ from .batching import ContinuousBatcher, QueueFull
 # stream_interval_ms.
 CHUNKS_PER_SECOND = 200.0
 MAX_INTERVAL = 0.1
+
 logger = logging.getLogger("ray.serve")  # into the replica's log, with Serve's request id
 
 

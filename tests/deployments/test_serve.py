@@ -202,9 +202,14 @@ def test_beam_searches_of_different_widths_share_the_batch_with_sampling(serve_a
 
 # -- handles -----------------------------------------------------------------------------------
 def test_python_handles_typed_and_streaming(serve_apps):
+    check_handles("fake")
+
+
+def check_handles(app: str) -> None:
+    """The fake-engine app `app`'s handle API: typed replies, streams, a refused setting."""
     from ray import serve
 
-    handle = serve.get_app_handle("fake")
+    handle = serve.get_app_handle(app)
     response = handle.generate.remote(GenerateRequest(prompt="abc", settings={"max_new_tokens": 5})).result()
     assert isinstance(response, GenerateResponse) and response.text == fake_text("abc", max_new_tokens=5)
     chunks = list(handle.options(stream=True).generate_stream.remote(GenerateRequest(prompt="abcd", seed=2,
@@ -263,16 +268,22 @@ def test_a_late_request_starts_before_the_running_ones_finish(serve_apps):
 
 
 def test_a_client_that_goes_away_frees_its_slot(serve_apps):
+    check_client_gone_frees_slots(serve_apps.fake)
+
+
+def check_client_gone_frees_slots(url: str) -> None:
+    """Streams that take each of the 4 slots of the fake-engine app at `url`, then go away:
+    every slot is free again and a new request is answered."""
     slow = dict(model="fake", prompt="ab", max_tokens=2000, stream=True)
     with httpx.Client(timeout=60) as client:
         for _ in range(4):  # every slot of the fake app, then gone
-            with client.stream("POST", serve_apps.fake + "/v1/completions", json=slow) as response:
+            with client.stream("POST", url + "/v1/completions", json=slow) as response:
                 next(line for line in response.iter_lines() if line.startswith("data: "))
         deadline = time.time() + 10
-        while time.time() < deadline and running(client, serve_apps.fake) > 0:
+        while time.time() < deadline and running(client, url) > 0:
             time.sleep(0.1)
-        assert running(client, serve_apps.fake) == 0
-        out = client.post(serve_apps.fake + "/v1/completions", json=dict(model="fake", prompt="ok", max_tokens=2))
+        assert running(client, url) == 0
+        out = client.post(url + "/v1/completions", json=dict(model="fake", prompt="ok", max_tokens=2))
         assert out.json()["choices"][0]["text"] == "ko"
 
 

@@ -6,16 +6,12 @@ Encoder still a deployment of its own. Apps on the session's Ray (conftest.serve
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 
 import httpx
 import pytest
 
 from deployments.local_handle import LocalHandle
-from deployments.schema import GenerateChunk, GenerateRequest, GenerateResponse
-
-from test_serve import alone, fake_text, running, metric, sse
+from test_serve import alone, check_client_gone_frees_slots, check_handles, metric, sse
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -75,15 +71,7 @@ def test_concurrent_chat_requests_each_equal_the_two_deployment_apps(colocated, 
 
 
 def test_python_handles_typed_and_streaming(colocated):
-    from ray import serve
-
-    handle = serve.get_app_handle("colocated-fake")
-    response = handle.generate.remote(GenerateRequest(prompt="abc", settings={"max_new_tokens": 5})).result()
-    assert isinstance(response, GenerateResponse) and response.text == fake_text("abc", max_new_tokens=5)
-    chunks = list(handle.options(stream=True).generate_stream.remote(GenerateRequest(prompt="abcd", seed=2)))
-    assert all(isinstance(c, GenerateChunk) for c in chunks) and "".join(c.text for c in chunks) == fake_text("abcd", 2)
-    with pytest.raises(Exception, match="max_new_tokens must be an integer >= 0"):
-        handle.generate.remote(GenerateRequest(prompt="abc", settings={"max_new_tokens": -1})).result()
+    check_handles("colocated-fake")
 
 
 def test_bad_requests_get_their_4xx_naming_the_field(colocated):
@@ -99,18 +87,7 @@ def test_bad_requests_get_their_4xx_naming_the_field(colocated):
 
 
 def test_a_client_that_goes_away_frees_its_slot(colocated):
-    url = colocated["colocated-fake"]
-    slow = dict(model="fake", prompt="ab", max_tokens=2000, stream=True)
-    with httpx.Client(timeout=60) as client:
-        for _ in range(4):  # every slot, then gone
-            with client.stream("POST", url + "/v1/completions", json=slow) as response:
-                next(line for line in response.iter_lines() if line.startswith("data: "))
-        deadline = time.time() + 10
-        while time.time() < deadline and running(client, url) > 0:
-            time.sleep(0.1)
-        assert running(client, url) == 0
-        out = client.post(url + "/v1/completions", json=dict(model="fake", prompt="ok", max_tokens=2))
-        assert out.json()["choices"][0]["text"] == "ko"
+    check_client_gone_frees_slots(colocated["colocated-fake"])
 
 
 def test_metrics_has_the_routes_and_the_decoders(colocated):
