@@ -14,6 +14,10 @@ the ratio.
     PYTHONPATH=. python bench/serve.py                    # the default model, ~2 min on 2 cores
     PYTHONPATH=. python bench/serve.py --model DIR --slots 8 --requests 32
     PYTHONPATH=. python bench/serve.py --colocate         # `raymuter serve --colocate`
+    PYTHONPATH=. python bench/serve.py --colocate --engine-process   # the batching loop in a child process
+
+The HTTP client is aiohttp (`--client httpx` for httpx, heavier on a 2-core machine, where the
+client shares the cores with the server).
 
 Every request ignores eos (its length is exactly its max_tokens) so the systems do equal work.
 Targets (issue 7): added median TTFT at concurrency 1 <= 10 ms; continuous / static >= 1.5.
@@ -74,6 +78,18 @@ async def direct_run(generator, requests: list[dict], concurrency: int):
     return ttft, tokens, time.perf_counter() - start
 
 
+async def lines(client, url: str, body: dict):
+    """A streamed response's lines, through httpx or aiohttp (the client this bench is given)."""
+    if hasattr(client, "stream"):  # httpx.AsyncClient
+        async with client.stream("POST", url, json=body) as response:
+            async for line in response.aiter_lines():
+                yield line
+        return
+    async with client.post(url, json=body) as response:  # aiohttp.ClientSession
+        async for raw in response.content:
+            yield raw.decode().rstrip("\r\n")
+
+
 async def http_run(client, url: str, model: str, requests: list[dict], concurrency: int):
     """The same over HTTP: streamed /v1/completions, TTFT at the first chunk with text."""
     ttft, tokens = [], 0
@@ -86,12 +102,11 @@ async def http_run(client, url: str, model: str, requests: list[dict], concurren
                         ignore_eos=True, stream=True, stream_options={"include_usage": True})
             start = time.perf_counter()
             first = None
-            async with client.stream("POST", url + "/v1/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if first is None and line.startswith("data: {") and '"text": ""' not in line:
-                        first = time.perf_counter() - start
-                    if '"usage"' in line and line.startswith("data: {") and '"choices": []' in line:
-                        tokens += json.loads(line[6:])["usage"]["completion_tokens"]
+            async for line in lines(client, url + "/v1/completions", body):
+                if first is None and line.startswith("data: {") and '"text": ""' not in line:
+                    first = time.perf_counter() - start
+                if '"usage"' in line and line.startswith("data: {") and '"choices": []' in line:
+                    tokens += json.loads(line[6:])["usage"]["completion_tokens"]
             ttft.append(first)
 
     start = time.perf_counter()
@@ -99,19 +114,29 @@ async def http_run(client, url: str, model: str, requests: list[dict], concurren
     return ttft, tokens, time.perf_counter() - start
 
 
-async def level_run(generator, url: str, model: str, requests: list[dict], concurrency: int, waves: int = 4):
+def client_for(concurrency: int, kind: str):
+    if kind == "httpx":
+        import httpx
+
+        return httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4))
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                 connector=aiohttp.TCPConnector(limit=concurrency + 4))
+
+
+async def level_run(generator, url: str, model: str, requests: list[dict], concurrency: int, waves: int = 4,
+                    kind: str = "aiohttp"):
     """Direct and HTTP in alternating rounds of at least 8 requests and `waves` x `concurrency`,
     so both systems see the same state of a noisy machine; one warm-up round of each first. A
     round of `concurrency` requests (waves 1) is one wave that starts and ends together: its
     time is the slowest request's, and a fixed cost per request (the hops before the first token)
     counts in full against throughput; with more waves the closed loop runs at its steady state
     between a ramp up and a tail."""
-    import httpx
-
     size = max(8, waves * concurrency)
     rounds = [requests[i:i + size] for i in range(0, len(requests), size)]
     out = {"direct": ([], 0, 0.0), "http": ([], 0, 0.0)}
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    async with client_for(concurrency, kind) as client:
         await direct_run(generator, rounds[0][:2], 2)
         await http_run(client, url, model, rounds[0][:2], 2)
         for work in rounds:
@@ -159,6 +184,10 @@ def main() -> int:
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
                         help="the request path, as `raymuter serve --proxy` (deployments.cli.serving_environment)")
     parser.add_argument("--colocate", action="store_true", help="the routes in the decoder's replica (AppConfig.colocate)")
+    parser.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
+                        help="the HTTP client (aiohttp: the lighter, as vLLM's serving benchmark)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="the decoder's batching loop in a child process of its replica (AppConfig.engine_process)")
     args = parser.parse_args()
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -199,21 +228,22 @@ def main() -> int:
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build(dict(model=model, name="bench", slots=args.slots, threads=args.threads, max_logprobs=5,
-                         stream_interval_ms=args.stream_interval_ms, colocate=args.colocate)),
+                         stream_interval_ms=args.stream_interval_ms, colocate=args.colocate,
+                         engine_process=args.engine_process)),
               name="bench", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
 
     rows = []
     for level in levels:
         work = requests_for(max(args.requests, 2 * max(8, args.waves * level)), args.new, seed=level)
-        got = asyncio.run(level_run(generator, url, "bench", work, level, args.waves))
+        got = asyncio.run(level_run(generator, url, "bench", work, level, args.waves, args.client))
         rows.append((level, *got["direct"], *got["http"]))
     serve.shutdown()
     ray.shutdown()
     generator.close()
 
     print(f"\nmodel: {model}   slots {args.slots}   threads {args.threads}   {args.new} tokens per request   "
-          f"stream_interval_ms {args.stream_interval_ms}   proxy {args.proxy}   colocate {args.colocate}   rounds of {args.waves} waves\n")
+          f"stream_interval_ms {args.stream_interval_ms}   proxy {args.proxy}   colocate {args.colocate}   engine_process {args.engine_process}   client {args.client}   rounds of {args.waves} waves\n")
     print("| concurrency | system | TTFT p50 ms | TTFT p90 ms | tokens/s | HTTP/direct tokens/s | added TTFT p50 ms |")
     print("|---|---|---|---|---|---|---|")
     added_at_1 = None

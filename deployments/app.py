@@ -141,6 +141,10 @@ class AppConfig(BaseModel):
     # and streamed chunk between an ingress and the decoder; the routes then scale with the decoder
     # (its autoscaling, one proxy spreading requests) and the prefix router does not apply.
     colocate: bool = False
+    # The decoder's batching loop in a child process of its replica (services/engine_process.py):
+    # the routes' event loop and the engine's host Python then hold no GIL in common
+    # (decoder-only text models; the weights are in host memory twice).
+    engine_process: bool = False
 
 
 # Seconds a stopping replica (scaled down, redeployed, its node drained) may take to finish the
@@ -320,7 +324,8 @@ class Decoder:
                 model, name=cfg.name or (DEFAULT_MODEL_NAME if cfg.model is None else None), slots=cfg.slots, capacity=cfg.capacity, max_waiting=cfg.max_waiting,
                 prefix_cache_bytes=cfg.prefix_cache_bytes,
                 max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
-                fuse=cfg.fuse, stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft, **cfg.settings)
+                fuse=cfg.fuse, stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft,
+                engine_process=cfg.engine_process, **cfg.settings)
 
     async def generate(self, request: GenerateRequest, encoded=None, *images) -> GenerateResponse:
         try:

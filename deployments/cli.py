@@ -59,6 +59,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--colocate", action="store_true",
                         help="the HTTP routes in the decoder's replica: no Ray message per request and streamed "
                              "chunk (faster on one node; the routes then scale with the decoder)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="the decoder's batching loop in a process of its own beside its replica's event loop "
+                             "(no GIL shared between the routes and the engine; decoder-only text models)")
     parser.add_argument("--engine", choices=["onnx", "fake"], default="onnx", help=argparse_hidden())
 
 
@@ -165,7 +168,8 @@ def app_config(args) -> dict:
                 prefix_cache_bytes=args.prefix_cache_bytes,
                 max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
                 fuse=args.fuse, autoscaling=autoscaling_of(args.autoscale), draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
-                settings=settings, engine=args.engine, colocate=args.colocate)
+                settings=settings, engine=args.engine, colocate=args.colocate,
+                engine_process=args.engine_process)
 
 
 def autoscaling_of(items: list[str]) -> dict:

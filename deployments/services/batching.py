@@ -254,6 +254,25 @@ class ContinuousBatcher:
         self.occupied = 0  # slots held now (a beam search request holds num_beams)
         self._thread.start()
 
+    @classmethod
+    def from_model(cls, source, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
+                   prefix_cache_bytes: int = 0, max_logprobs: int = 5, threads: int | None = None,
+                   provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
+                   draft=None, fuse: bool = True, **settings) -> "ContinuousBatcher":
+        """Load `source` (and `draft`), warm its context up for `slots` rows and start the loop
+        (TextGenerator.from_model's engine part; see it for the arguments)."""
+        import generation
+
+        spin_wait = draft is None  # the draft's runs come between the model's (generation.load)
+        model = generation.load(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait,
+                                fuse=fuse)
+        if draft is not None:
+            draft = generation.load(draft, provider=provider, threads=threads, spin_wait=False, fuse=fuse)
+        ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
+                                 top_logprobs=max(0, max_logprobs), draft=draft, **settings)
+        ctx = generation.compile(ctx, batch_size=slots)
+        return cls(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_bytes)
+
     @property
     def steps(self) -> int:
         """Model runs of decode steps so far (for tests and metrics)."""
@@ -261,19 +280,21 @@ class ContinuousBatcher:
 
     # -- public -----------------------------------------------------------------------------
     def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
-               prompt_logprobs: int | None = None, timestamps: bool = False, untempered: bool = False) -> Request:
+               prompt_logprobs: int | None = None, timestamps: bool = False, untempered: bool = False,
+               job=None) -> Request:
         """Queue a prompt (token ids) with its generation settings (any generation_config
         field: validated here, so a bad one raises ValueError naming it). An encoder-decoder
         model's request brings its source through the encoder: `encoder`, an EncoderOutputs of
         one row (the prompt is then the decoder's: decoder_start_token_id, ...). `timestamps`: a
         Whisper window, decoded with the timestamp rules; `untempered`: its log-probabilities
-        before the temperature (the window's temperature fallback rates it by them)."""
+        before the temperature (the window's temperature fallback rates it by them). `job`: the
+        scheduler's Job of these, checked already (engine_process: in the parent)."""
         if self._stop.is_set():
             raise RuntimeError("the batcher is closed")
         if self._waiting.qsize() + len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
-        job = self.scheduler.job(prompt, seed, settings, encoder, prompt_logprobs, timestamps=timestamps,
-                                 untempered=untempered)
+        job = job or self.scheduler.job(prompt, seed, settings, encoder, prompt_logprobs, timestamps=timestamps,
+                                        untempered=untempered)
         request = Request(next(self._ids), job.prompt, job.seed, job.settings, job.max_new, job=job,
                           beams=job.beams, encoder=encoder, prompt_top=prompt_logprobs)
         job.key = request
@@ -306,15 +327,10 @@ class ContinuousBatcher:
     def _run(self) -> None:
         scheduler = self.scheduler
         while not self._stop.is_set():
-            while True:  # the queue, into the scheduler (it admits at the step boundary)
-                try:
-                    scheduler.add(self._waiting.get_nowait().job)
-                except queue.Empty:
-                    break
+            self._take_waiting()
             if not scheduler.busy:
                 self._count()
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+                self._idle()
                 continue
             updates, ended = scheduler.step()
             for update in updates:  # each position in order, as plain steps give them
@@ -329,6 +345,19 @@ class ContinuousBatcher:
             # Let the threads that forward these tokens run now: a small model's steps are
             # mostly Python, and without this they wait for the GIL's 5 ms switch interval.
             time.sleep(0)
+
+    def _take_waiting(self) -> None:
+        """The queue, into the scheduler (it admits at the step boundary)."""
+        while True:
+            try:
+                self.scheduler.add(self._waiting.get_nowait().job)
+            except queue.Empty:
+                return
+
+    def _idle(self) -> None:
+        """Nothing to step: wait for a submit (or the 50 ms tick)."""
+        self._wake.wait(timeout=0.05)
+        self._wake.clear()
 
     def _ended(self, job) -> None:
         """The request's Completion from its job's ending."""

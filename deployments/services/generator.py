@@ -117,30 +117,41 @@ class TextGenerator:
                    max_waiting: int = 256, max_logprobs: int = 5, threads: int | None = None,
                    provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
                    stream_interval: float = 0.0, draft: str | Path | None = None, prefix_cache_bytes: int = 0,
-                   fuse: bool = True, **settings) -> "TextGenerator":
+                   fuse: bool = True, engine_process: bool = False, **settings) -> "TextGenerator":
         """Load `source` (folder or hub id) and start its batcher. `settings`: defaults over the
         model's generation_config.json for every request (max_new_tokens, ...). `draft`: a small
         model with the same tokenizer (folder or hub id) whose proposals every step verifies
         (num_assistant_tokens and its schedule from `settings`). `prefix_cache_bytes`: prompt
-        prefixes kept for reuse (0: none). `fuse`: generation.load's (False: the decoder file as exported)."""
+        prefixes kept for reuse (0: none). `fuse`: generation.load's (False: the decoder file as exported).
+        `engine_process`: the batching loop in a child process (engine_process.EngineProcess;
+        decoder-only text models)."""
         import generation
         from generation import families
         from generation.runtime.model import config_texts
         from generation.text.chat import chat_template, special_tokens
         from generation.text.tokenizer import model_tokenizer
 
-        spin_wait = draft is None  # the draft's runs come between the model's (generation.load)
-        model = generation.load(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait,
-                                fuse=fuse)
-        if draft is not None:
-            draft = generation.load(draft, provider=provider, threads=threads, spin_wait=False, fuse=fuse)
-        ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
-                                 top_logprobs=max(0, max_logprobs), draft=draft, **settings)
-        ctx = generation.compile(ctx, batch_size=slots)
-        batcher = ContinuousBatcher(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting,
-                                    prefix_cache_bytes=prefix_cache_bytes)
+        if engine_process:  # this process checks requests against the model's context, the child runs it
+            from .engine_process import EngineProcess, parent_context
+
+            model = generation.load(source, variant=variant, provider="cpu", threads=1, spin_wait=False, fuse=fuse)
+            kind = families.family(model).KIND
+            if kind != "text":
+                raise ValueError(f"engine_process: runs decoder-only text models (this is a {kind} model)")
+            ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
+                                     top_logprobs=max(0, max_logprobs), **settings)
+            load = dict(source=str(source), variant=variant, provider=provider, threads=threads, cache_mode=cache_mode,
+                        max_logprobs=max_logprobs, draft=None if draft is None else str(draft), fuse=fuse, **settings)
+            batcher = EngineProcess(parent_context(ctx, slots), load, slots=slots, capacity=capacity,
+                                    max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_bytes)
+        else:
+            batcher = ContinuousBatcher.from_model(source, slots=slots, capacity=capacity, max_waiting=max_waiting,
+                                                   prefix_cache_bytes=prefix_cache_bytes, max_logprobs=max_logprobs,
+                                                   threads=threads, provider=provider, variant=variant,
+                                                   cache_mode=cache_mode, draft=draft, fuse=fuse, **settings)
+            model = batcher.ctx.model
+            kind = families.family(model).KIND
         name = name or (Path(source).name if Path(source).is_dir() else str(source))
-        kind = families.family(model).KIND
         generator = cls(name, batcher, model_tokenizer(model), batcher.capacity, chat_template(model.folder),
                         special_tokens(model.folder), max_logprobs,
                         "encoder-decoder" if kind == "encoder-decoder" else "decoder", stream_interval)

@@ -202,7 +202,8 @@ def test_help_shows_the_defaults_and_no_secret():
     for shown in ("port of the HTTP API (default: 8000)", "(default: 127.0.0.1)", "(default: 8)", "(default: 256)",
                   "(default: haproxy)", "(default: $RAYMUTER_API_KEY, else none)"):
         assert shown in text
-    assert "sk-secret" not in text and "(default: None)" not in text and "--engine" not in text
+    assert "sk-secret" not in text and "(default: None)" not in text and "--engine " not in text  # hidden (--engine-process is not)
+    assert "--engine-process" in text
     generate = raymuter("generate", "--help")
     text = " ".join(generate.stdout.split())
     assert "prompt i gets seed + i (default: 0)" in text and "(default: whole)" in text

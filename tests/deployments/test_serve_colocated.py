@@ -6,12 +6,13 @@ Encoder still a deployment of its own. Apps on the session's Ray (conftest.serve
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
 
 from deployments.local_handle import LocalHandle
-from test_serve import alone, check_client_gone_frees_slots, check_handles, metric, sse
+from test_serve import alone, check_client_gone_frees_slots, check_handles, metric, running, sse
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -25,11 +26,14 @@ def colocated(serve_apps):
 
     serve.run(build({**ServeApps.REAL, "model": str(serve_apps.real_model), "colocate": True}),
               name="colocated", route_prefix="/colocated")
+    serve.run(build({**ServeApps.REAL, "model": str(serve_apps.real_model), "colocate": True, "engine_process": True}),
+              name="colocated-engine", route_prefix="/colocated-engine")
     serve.run(build({**ServeApps.FAKE, "colocate": True}), name="colocated-fake", route_prefix="/colocated-fake")
     serve.run(build(dict(model=str(serve_apps.s2s["marian-optimum"]), name="marian", slots=4, threads=1,
                          settings={"max_new_tokens": 12}, colocate=True)),
               name="colocated-translate", route_prefix="/colocated-translate")
-    urls = {name: serve_apps.url + "/" + name for name in ("colocated", "colocated-fake", "colocated-translate")}
+    urls = {name: serve_apps.url + "/" + name
+            for name in ("colocated", "colocated-engine", "colocated-fake", "colocated-translate")}
     yield urls
     for name in urls:
         serve.delete(name)
@@ -43,19 +47,21 @@ def test_the_application_is_one_server_deployment_and_an_encoder_where_the_model
     assert set(status["colocated-translate"].deployments) == {"Server", "Encoder"}
 
 
-def test_completions_whole_and_streamed_equal_the_engine_alone(colocated, serve_apps, engine):
+@pytest.mark.parametrize("app", ["colocated", "colocated-engine"])  # the batching loop in the replica, or its child
+def test_completions_whole_and_streamed_equal_the_engine_alone(colocated, serve_apps, engine, app):
     body = dict(model="tiny", prompt="The list", max_tokens=12, seed=3, temperature=0.8, top_k=20)
     expected = alone(engine, "The list", 3, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20)
     with httpx.Client(timeout=60) as client:
-        whole = client.post(colocated["colocated"] + "/v1/completions", json=body).json()
+        whole = client.post(colocated[app] + "/v1/completions", json=body).json()
         separate = client.post(serve_apps.real + "/v1/completions", json=body).json()
-        events = sse(client.post(colocated["colocated"] + "/v1/completions", json={**body, "stream": True}).text)
+        events = sse(client.post(colocated[app] + "/v1/completions", json={**body, "stream": True}).text)
     assert whole["choices"][0]["text"] == expected == separate["choices"][0]["text"]
     assert "".join(e["choices"][0]["text"] for e in events) == expected
     assert events[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
 
 
-def test_concurrent_chat_requests_each_equal_the_two_deployment_apps(colocated, serve_apps):
+@pytest.mark.parametrize("app", ["colocated", "colocated-engine"])
+def test_concurrent_chat_requests_each_equal_the_two_deployment_apps(colocated, serve_apps, app):
     bodies = [dict(model="tiny", messages=[{"role": "user", "content": f"Tell me about {w}"}], max_tokens=8,
                    seed=i, temperature=0.9, logprobs=True, top_logprobs=2) for i, w in enumerate(["lists", "sets", "x"] * 4)]
 
@@ -63,7 +69,7 @@ def test_concurrent_chat_requests_each_equal_the_two_deployment_apps(colocated, 
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=b) for b in bodies))
 
-    ours, theirs = asyncio.run(run(colocated["colocated"])), asyncio.run(run(serve_apps.real))
+    ours, theirs = asyncio.run(run(colocated[app])), asyncio.run(run(serve_apps.real))
     for a, b in zip(ours, theirs):
         assert a.status_code == b.status_code == 200
         ca, cb = a.json()["choices"][0], b.json()["choices"][0]
@@ -161,3 +167,19 @@ def test_local_handle_calls_cancels_and_closes_as_serve_handles_do():
 
     target = asyncio.run(run())
     assert target.cancelled == [30] and target.closed == [3, 100]
+
+
+def test_a_client_gone_frees_the_engine_processs_slot(colocated):
+    """The slot count the metrics give is the child's (its last step message); the cancel itself
+    reaching the child: test_engine_process."""
+    url = colocated["colocated-engine"]
+    with httpx.Client(timeout=60) as client:
+        body = dict(model="tiny", prompt="The list", max_tokens=200, stream=True, ignore_eos=True)
+        with client.stream("POST", url + "/v1/completions", json=body) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: "))
+        deadline = time.time() + 10
+        while time.time() < deadline and running(client, url) > 0:
+            time.sleep(0.05)
+        assert running(client, url) == 0
+        out = client.post(url + "/v1/completions", json=dict(model="tiny", prompt="ok", max_tokens=3)).json()
+        assert out["usage"]["completion_tokens"] == 3
