@@ -293,8 +293,9 @@ class ContinuousBatcher:
             raise RuntimeError("the batcher is closed")
         if self._waiting.qsize() + len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
-        job = job or self.scheduler.job(prompt, seed, settings, encoder, prompt_logprobs, timestamps=timestamps,
-                                        untempered=untempered)
+        if job is None:
+            job = self.scheduler.job(prompt, seed, settings, encoder, prompt_logprobs, timestamps=timestamps,
+                                     untempered=untempered)
         request = Request(next(self._ids), job.prompt, job.seed, job.settings, job.max_new, job=job,
                           beams=job.beams, encoder=encoder, prompt_top=prompt_logprobs)
         job.key = request

@@ -75,6 +75,8 @@ def test_a_bad_setting_is_refused_here_naming_it(generators):
 def test_a_cancelled_stream_frees_the_childs_slot(generators):
     _, child = generators
 
+    before = child.batcher.steps
+
     async def leave_early():
         stream = child.stream(GenerateRequest(prompt="The list", settings={"max_new_tokens": 200}))
         await stream.__anext__()
@@ -84,7 +86,7 @@ def test_a_cancelled_stream_frees_the_childs_slot(generators):
     deadline = time.time() + 10
     while child.batcher.running and time.time() < deadline:
         time.sleep(0.01)
-    assert child.batcher.running == 0 and child.batcher.steps < 150
+    assert child.batcher.running == 0 and child.batcher.steps - before < 150  # not its 200 tokens
 
 
 def test_the_prefix_caches_counters_come_from_the_child(generators):
