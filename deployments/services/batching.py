@@ -200,15 +200,18 @@ class Request:
 
     def _finish(self, tokens: list[int], reason: str, error: str | None = None, started: float | None = None,
                 status: int | None = None, field: str | None = None) -> None:
+        first = None if self._first is None else self._first - self.submitted
+        self._settle(Completion(list(tokens), reason, error,
+                                queued_seconds=(started or time.perf_counter()) - self.submitted,
+                                first_token_seconds=first, status=status, field=field,
+                                cached_tokens=getattr(self.job, "cached_tokens", 0)))
+
+    def _settle(self, completion: Completion) -> None:
         with self._finishing:  # once: the first ending wins (the loop's last sweep may come after)
             if self._done.is_set():
                 return
             self.finished = time.perf_counter()
-            first = None if self._first is None else self._first - self.submitted
-            self._completion = Completion(list(tokens), reason, error,
-                                          queued_seconds=(started or time.perf_counter()) - self.submitted,
-                                          first_token_seconds=first, status=status, field=field,
-                                          cached_tokens=getattr(self.job, "cached_tokens", 0))
+            self._completion = completion
             self._done.set()
         self._put(_DONE)
 

@@ -28,11 +28,10 @@ import itertools
 import logging
 import multiprocessing
 import threading
-import time
 from dataclasses import replace
 
 from . import batching
-from .batching import Completion, QueueFull, Request, Token
+from .batching import Completion, QueueFull, Request
 
 log = logging.getLogger(__name__)
 
@@ -123,18 +122,17 @@ class EngineProcess:
                 self.running, self.occupied, self.waiting, self.steps = counts
                 if prefix is not None and self.prefix is not None:
                     self.prefix.queries, self.prefix.hits, self.prefix.bytes = prefix
-                now = time.perf_counter()
                 for kind, rid, payload in events:
                     request = requests.get(rid)
                     if request is None:
                         continue
                     if kind == _TOKEN:
-                        request._arrive(payload, now)
+                        request._emit(*payload)
                     elif kind == _PROMPT:
                         request.prompt_logprobs = payload
-                    else:
+                    else:  # the child's Completion, its seconds measured there
                         del requests[rid]
-                        request._end(payload)
+                        request._settle(payload)
         except (EOFError, OSError):
             pass
         except BaseException:
@@ -168,23 +166,6 @@ class _Request(Request):
         except (OSError, AttributeError):
             pass
 
-    def _arrive(self, payload, now: float) -> None:
-        token, logprob, top = payload
-        if self._first is None:
-            self._first = now
-        self._tokens.append(token)
-        self._put(Token(token, logprob, top, now))
-
-    def _end(self, payload) -> None:
-        """The child's Completion, its seconds measured there."""
-        with self._finishing:
-            if self._done.is_set():
-                return
-            self.finished = time.perf_counter()
-            self._completion = Completion(*payload)
-            self._done.set()
-        self._put(batching._DONE)
-
 
 # -- the child -------------------------------------------------------------------------------------
 class _Forwarded(Request):
@@ -203,9 +184,8 @@ class _Forwarded(Request):
             self._prompt_sent = True
             _Forwarded.outbox.append((_PROMPT, self.rid, self.prompt_logprobs))
         if item is batching._DONE:
-            c = self._completion
-            _Forwarded.outbox.append((_END, self.rid, (c.tokens, c.finish_reason, c.error, c.queued_seconds,
-                                                       c.first_token_seconds, c.status, c.field, c.cached_tokens)))
+            _ForwardingBatcher.requests.pop(self.rid, None)
+            _Forwarded.outbox.append((_END, self.rid, self._completion))
         else:
             _Forwarded.outbox.append((_TOKEN, self.rid, (item.id, item.logprob, item.top)))
 
@@ -217,7 +197,7 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
 
     conn = None  # set in the child before the loop starts
     _last: tuple = (0, 0, 0, 0)  # the counts the parent has (its own start at nothing)
-    _requests: dict = None
+    requests: dict = {}  # the parent's id -> the live request (for its cancel)
 
     def _take_waiting(self) -> None:
         conn = self.conn
@@ -236,17 +216,16 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
             self._stop.set()
 
     def _command(self, command) -> None:
-        requests = self._requests
+        requests = _ForwardingBatcher.requests
         if command[0] == "submit":
             _, rid, job = command
-            for ended in [k for k, r in requests.items() if r.done]:
-                del requests[ended]
             _Forwarded.next_rid = rid
             try:
-                requests[rid] = self.submit(job.prompt, job=job)
+                request = self.submit(job.prompt, job=job)
             except Exception as e:  # noqa: BLE001 - the parent checked it already: the server's fault
-                _Forwarded.outbox.append((_END, rid, ([], "error", f"{type(e).__name__}: {e}", 0.0, None, 500,
-                                                     None, 0)))
+                _Forwarded.outbox.append((_END, rid, Completion([], "error", f"{type(e).__name__}: {e}", status=500)))
+                return
+            requests[rid] = request  # until its end (_Forwarded._put drops it)
         elif command[0] == "cancel":
             request = requests.pop(command[1], None)
             if request is not None:
@@ -279,7 +258,7 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
 
 def _child_main(conn, load: dict) -> None:
     """Load the model and run its loop until the parent closes it or goes."""
-    _ForwardingBatcher.conn, _ForwardingBatcher._requests = conn, {}
+    _ForwardingBatcher.conn = conn
     batching.Request = _Forwarded  # what ContinuousBatcher.submit makes, in this process
     try:
         batcher = _ForwardingBatcher.from_model(**load, max_waiting=1 << 30)

@@ -268,23 +268,23 @@ def test_a_late_request_starts_before_the_running_ones_finish(serve_apps):
 
 
 def test_a_client_that_goes_away_frees_its_slot(serve_apps):
-    check_client_gone_frees_slots(serve_apps.fake)
+    assert check_client_gone_frees_slots(serve_apps.fake)["choices"][0]["text"] == "ko"
 
 
-def check_client_gone_frees_slots(url: str) -> None:
-    """Streams that take each of the 4 slots of the fake-engine app at `url`, then go away:
-    every slot is free again and a new request is answered."""
-    slow = dict(model="fake", prompt="ab", max_tokens=2000, stream=True)
+def check_client_gone_frees_slots(url: str, model: str = "fake", streams: int = 4, **long) -> dict:
+    """`streams` streams (4: each slot of the fake-engine app at `url`) that go away after their
+    first event: every slot is free again; the answer to a new 2-token request. `long`: the
+    streams' body (default: 2000 tokens of "ab")."""
+    slow = {"model": model, "prompt": "ab", "max_tokens": 2000, **long, "stream": True}
     with httpx.Client(timeout=60) as client:
-        for _ in range(4):  # every slot of the fake app, then gone
+        for _ in range(streams):
             with client.stream("POST", url + "/v1/completions", json=slow) as response:
                 next(line for line in response.iter_lines() if line.startswith("data: "))
         deadline = time.time() + 10
         while time.time() < deadline and running(client, url) > 0:
             time.sleep(0.1)
         assert running(client, url) == 0
-        out = client.post(url + "/v1/completions", json=dict(model="fake", prompt="ok", max_tokens=2))
-        assert out.json()["choices"][0]["text"] == "ko"
+        return client.post(url + "/v1/completions", json=dict(model=model, prompt="ok", max_tokens=2)).json()
 
 
 def running(client, url) -> float:
