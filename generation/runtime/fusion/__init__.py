@@ -27,7 +27,7 @@ from .weights import FusionError
 
 log = logging.getLogger(__name__)
 
-VERSION = 4  # bump when what is rewritten or emitted changes: it is part of every cache key (refusals too)
+VERSION = 5  # bump when what is rewritten or emitted changes: it is part of every cache key (refusals too)
 FAMILIES = ("llama", "qwen2", "mistral")
 _CONFIG_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "num_hidden_layers", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta",

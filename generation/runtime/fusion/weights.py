@@ -9,7 +9,7 @@ model calls them. So the weights are the constants the graph reads, in node orde
                 MatMul o  Mul(post_attention_layernorm)  MatMul gate  MatMul up  MatMul down
     Mul(norm)  MatMul lm_head (a copy of the table where tied: exporters write it out)
 
-A weight reaches its MatMul as an initializer, a Constant, or through Transpose / Identity / Gemm
+A weight reaches its MatMul as an initializer, a Constant, or through Transpose / Identity / Cast / Gemm
 (transB); a quantized one is a MatMulNBits (4-bit: onnx-community `_q4`) or the int8 dynamic
 quantization chain (`_quantized`, `_int8`), kept as the source computes it. Counts and shapes are checked against config.json here; the order is checked by the
 caller, which runs the rewritten graph against the source and keeps it only when their logits agree.
@@ -101,7 +101,7 @@ def _constants(graphs) -> dict[str, object]:
 
 def read_weights(model_proto, config: dict) -> DecoderWeights:
     """The weights of `model_proto` (loaded with its external data) laid out as the model's modules."""
-    from onnx import numpy_helper
+    from onnx import TensorProto, numpy_helper
 
     graph = _graph_with_past(model_proto.graph)
     protos = _constants([model_proto.graph, graph] if graph is not model_proto.graph else [graph])
@@ -112,10 +112,12 @@ def read_weights(model_proto, config: dict) -> DecoderWeights:
             arrays[name] = numpy_helper.to_array(protos[name])
         return arrays.get(name)
 
-    producer = {out: n for n in graph.node for out in n.output}
+    nodes = ([] if graph is model_proto.graph else list(model_proto.graph.node)) + list(graph.node)
+    producer = {out: n for n in nodes for out in n.output}  # a merged decoder's outer graph may cast its weights
 
     def const_through(name: str) -> np.ndarray | None:
-        """A constant, or one seen through Identity / Transpose([1, 0])."""
+        """A constant, or one seen through Identity / Transpose([1, 0]) / Cast to float32 (weights
+        stored once and shared, or stored as float16 and cast at load)."""
         value = const(name)
         if value is not None:
             return value
@@ -127,6 +129,9 @@ def read_weights(model_proto, config: dict) -> DecoderWeights:
         if node.op_type == "Transpose" and list(_attr(node, "perm", [1, 0])) == [1, 0]:
             inner = const_through(node.input[0])
             return None if inner is None else inner.T
+        if node.op_type == "Cast" and _attr(node, "to") == TensorProto.FLOAT:
+            inner = const_through(node.input[0])
+            return None if inner is None or inner.dtype.kind != "f" else inner.astype(np.float32)
         return None
 
     consumers: dict[str, list] = {}
@@ -147,7 +152,7 @@ def read_weights(model_proto, config: dict) -> DecoderWeights:
             if id(node) not in seen:
                 seen[id(node)] = node
                 todo.extend(node.input)
-        order = {id(n): i for i, n in enumerate(graph.node)}
+        order = {id(n): i for i, n in enumerate(nodes)}
         return sorted(seen.values(), key=lambda n: order[id(n)])
 
     def quantized(node) -> Linear:
@@ -189,7 +194,7 @@ def read_weights(model_proto, config: dict) -> DecoderWeights:
                 embed = _dequantized(table, consumers.get(node.output[0], []), const)
         elif op == "Mul":
             for name in node.input:
-                value = const(name)
+                value = const_through(name)
                 if value is not None and value.ndim == 1 and value.shape[0] == hidden:
                     norms.append(value)
         elif op in ("MatMul", "Gemm"):

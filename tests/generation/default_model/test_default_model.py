@@ -3,7 +3,7 @@
 
 Invariants: the shipped model is trained (its own text is far more likely under it than under a
 uniform guess, which an untrained model cannot pass) and ends documents with eos; Raymuter's
-greedy tokens on both of its graphs equal transformers' on the committed checkpoint; commands run
+greedy tokens on both of its graphs (and the merged export's fused rewrite) equal transformers' on the committed checkpoint; commands run
 without `--model` use it and say so; it fits in 20 MB and every file of it ships in the package.
 """
 
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[3]
 PROMPTS = ("The list type", "A context manager", "Exceptions are raised when",
            "user: What does json.dumps do?\nassistant:")
 NEW = 50
-LAYOUTS = {"genai": FOLDER / "genai", "merged": FOLDER}
+LAYOUTS = {"genai": (FOLDER / "genai", {}), "merged": (FOLDER, {}), "merged-as-exported": (FOLDER, {"fuse": False})}
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,12 @@ def prompts(tokenizer):
 def test_default_is_the_genai_build_and_the_folder_the_merged_export():
     assert default_model_path() == FOLDER / "genai"
     assert generation.load(default_model_path(), threads=1).graph.native_mode == "in_place"
-    merged = generation.load(FOLDER, threads=1)
+    merged = generation.load(FOLDER, threads=1, fuse=False)
     assert merged.decoder_path == FOLDER / "onnx" / "decoder_model_merged.onnx"
     assert merged.graph.has_use_cache_branch
+    # loaded by default as its fused rewrite (its weights are float16 behind Casts, in the If's outer graph)
+    fused = generation.load(FOLDER, threads=1)
+    assert fused.fused_from == merged.decoder_path and fused.graph.native_mode == "in_place"
 
 
 def test_sampled_text_decodes_ends_and_is_likely(model, tokenizer, prompts):
@@ -110,7 +113,8 @@ def reference_greedy(reference, prompt, **settings) -> list[int]:
 def test_greedy_equals_transformers(reference, prompts, layout, settings):
     """Raymuter on either graph gives transformers' greedy tokens on the checkpoint (all prompts
     in one batch; the shipped repetition penalty applies in both unless overridden)."""
-    model = generation.load(LAYOUTS[layout], threads=2)
+    folder, options = LAYOUTS[layout]
+    model = generation.load(folder, threads=2, **options)
     ctx = generation.context(model, max_new_tokens=NEW, do_sample=False, **settings)
     rows = generation.generate(generation.compile(ctx, batch_size=len(prompts)), prompts, seeds=[0] * len(prompts))
     for prompt, row in zip(prompts, rows):

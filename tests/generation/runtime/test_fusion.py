@@ -134,6 +134,37 @@ def test_a_config_that_disagrees_with_its_graph_is_refused(test_models, cache, t
     assert any("logits differ from the source's" in r.getMessage() for r in caplog.records)
 
 
+def test_weights_stored_once_and_shared_are_read(test_models, cache, tmp_path):
+    """An untrained model's norms are all ones: torch's exporter stores such equal weights once
+    and gives each norm an Identity of it (the ~125M bench model was refused for it: "found 1
+    RMSNorm weights"). Here every norm reads one shared ones vector that way: the copy still
+    loads fused, and its greedy tokens are the export's own."""
+    import onnx
+    from onnx import numpy_helper
+
+    copy = tmp_path / "copy"
+    shutil.copytree(test_models["llama-optimum"], copy)
+    path = copy / "model.onnx"
+    model = onnx.load(str(path))
+    hidden = json.loads((copy / "config.json").read_text())["hidden_size"]
+    graph, shared = model.graph, "norm.weight.shared"
+    norms = {t.name for t in graph.initializer if list(t.dims) == [hidden]}
+    muls = [n for n in graph.node if n.op_type == "Mul" and any(i in norms for i in n.input)]
+    assert len(muls) == 2 * json.loads((copy / "config.json").read_text())["num_hidden_layers"] + 1
+    for t in [t for t in graph.initializer if t.name in norms]:
+        graph.initializer.remove(t)
+    graph.initializer.append(numpy_helper.from_array(np.ones(hidden, np.float32), shared))
+    for at, name in enumerate(sorted(norms)):
+        graph.node.append(onnx.helper.make_node("Identity", [shared], [name], name=f"Identity_{at}"))
+    onnx.save_model(model, str(path))
+    fused, exported = generation.load(copy, threads=1), generation.load(copy, threads=1, fuse=False)
+    assert fused.fused_from == path and exported.fused_from is None
+    prompts = [np.random.default_rng(5).integers(3, 1000, n).tolist() for n in (9, 4)]
+    rows = [generation.generate(generation.context(m, max_new_tokens=12, do_sample=False), prompts, seeds=[0, 0])
+            for m in (fused, exported)]
+    assert rows[0] == rows[1]
+
+
 def test_cuda_and_other_families_are_not_candidates():
     llama = {"model_type": "llama", "hidden_act": "silu"}
     assert fusion.unsupported_config(llama, "cpu") is None
