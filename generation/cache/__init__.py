@@ -5,9 +5,11 @@ Every mode implements the same verbs over `slots` rows:
                                state writes its chosen tokens here; it is the bound input)
   insert(slot, cache, length)  put a prefilled row's cache ([heads, length, head_dim] per
                                cache input) into a free slot
-  decode(lengths)              run one token per slot (lengths [B] = valid cache rows of each
+  decode(lengths, span=None)   run one token per slot (lengths [B] = valid cache rows of each
                                slot, 0 for a free slot) and return the logits [B, V]; the new
-                               token's keys and values land at row `lengths[b]` of slot b
+                               token's keys and values land at row `lengths[b]` of slot b.
+                               `span`: the slots from it on are free, and their logits are
+                               not read (the in_place cache runs the leading rows only)
   release(slot)                forget a slot's rows
   copy_rows(dst, src, length)  slots dst take the first `length` cache rows of slots src (as
                                they were before the call): beam search's reorder

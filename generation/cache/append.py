@@ -129,7 +129,7 @@ class AppendCache(BaseCache):
             self.current, self.width = 1 - self.current, width + 1
             yield logits
 
-    def decode(self, lengths: np.ndarray) -> np.ndarray:
+    def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
         if self.width + 1 > self.capacity:
             self._relayout(int(lengths.max()))
             if self.width + 1 > self.capacity:

@@ -132,7 +132,7 @@ class Seq2SeqCache(BaseCache):
                 for array in list(group["cross"].values()) + [group["hidden"], group["mask"]]:
                     array[into] = array[take]
 
-    def decode(self, lengths: np.ndarray) -> np.ndarray:
+    def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
         logits = np.zeros((len(lengths), self.graph.vocab_size), np.float32)
         for group in self.groups:
             slots = np.array(group["slots"])

@@ -95,7 +95,7 @@ class GrowCache(BaseCache):
                                  for e in self.graph.cache}}
                        for length, rows in members.items()]
 
-    def decode(self, lengths: np.ndarray) -> np.ndarray:
+    def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
         logits = np.zeros((len(lengths), self.graph.vocab_size), np.float32)
         for group in self.groups:
             slots = np.array(group["slots"])

@@ -145,14 +145,27 @@ class InPlaceCache(BaseCache):
         self.mask[slot, 0] = 1
 
     def _decoder(self):
-        """`decode(lengths)` as a closure over what it touches (the step loop calls it often)."""
-        mask, rows, run, logits, inputs = self.mask, self.rows, self.binding.run, self.logits, self.inputs
+        """`decode(lengths, span)` as a closure over what it touches (the step loop calls it often).
 
-        def decode(lengths: np.ndarray) -> np.ndarray:
+        `span`: the rows from `span` on are free, so the run takes the leading rows only (their
+        bindings made once per span, over the same buffers): a server's batch of 8 slots holding
+        one request runs a batch of one, not of eight (1.4x a batch of one's time on SmolLM2-135M,
+        3.5x on the default model). M-RoPE positions ([3, B, 1]) and embedding inputs run whole."""
+        mask, rows, run, logits, inputs = self.mask, self.rows, self.binding.run, self.logits, self.inputs
+        slots, spans = len(rows), {}
+        partial = inputs.offsets is None and inputs.embeds is None
+
+        def decode(lengths: np.ndarray, span: int | None = None) -> np.ndarray:
             mask[rows, lengths] = 1  # the new token's row: GroupQueryAttention writes it at the row's length
             if inputs.positions is not None:
                 inputs.set_positions(lengths)
-            run()
+            if span is None or span >= slots or not partial:
+                run()
+            else:
+                leading = spans.get(span)
+                if leading is None:
+                    leading = spans[span] = self.binding.leading(max(span, 1), slots).run
+                leading()
             return logits
         return decode
 

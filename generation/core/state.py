@@ -585,7 +585,8 @@ def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
         return state, StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
     if state.fast:
         return _greedy_steps(state, 1)
-    logits = state.cache.decode(state.lengths)
+    used = np.flatnonzero(state.used)  # rows past the last used slot are free: the run may leave them out
+    logits = state.cache.decode(state.lengths, int(used[-1]) + 1 if used.size else None)
     stopped, lost = _step_groups(ctx, state, logits) if state.groups else ({}, {})
     if not rows.size:
         state.refresh()

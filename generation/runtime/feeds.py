@@ -111,6 +111,19 @@ class Binding:
         self._held["output:" + name] = array
         self.output_at(name, array.ctypes.data, array.shape, array.dtype)
 
+    def leading(self, count: int, batch: int) -> "Binding":
+        """A binding of the same session over the first `count` rows of every array bound here
+        by `input` / `output` whose first axis is `batch` long (the others as they are): a run of
+        the leading rows only, in the same memory (a C-contiguous array's leading rows are)."""
+        out = Binding(self.session)
+        for key, array in self._held.items():
+            part = array[:count] if array.ndim and array.shape[0] == batch else array
+            if key.startswith("output:"):
+                out.output(key[len("output:"):], part)
+            else:
+                out.input(key, part)
+        return out
+
 
 def prompt_widths(length: int, steps: str) -> list[int]:
     """The runs a prompt of `length` takes: one ('whole') or its power-of-two pieces ('pieces')."""

@@ -29,9 +29,9 @@ def alone(ctx, prompt, seed):
     return generation.generate(ctx, [prompt], seeds=[seed])[0]
 
 
-def run_schedule(ctx, prompts, seeds, arrivals, slots, cancel=None, verb="insert"):
+def run_schedule(ctx, prompts, seeds, arrivals, slots, cancel=None, verb="insert", lowest=False):
     """Drive the verbs by hand: prompt i arrives before step arrivals[i]; each goes into the
-    highest free slot. cancel = (prompt, step): release that row while it is live. verb: rows
+    highest free slot (`lowest`: the lowest, as the scheduler fills them). cancel = (prompt, step): release that row while it is live. verb: rows
     enter by prefill + insert, or by admit (in_place: straight into the slot's buffer).
     Returns the new tokens of each prompt, read from the step outputs."""
     state = generation.new_state(ctx, slots=slots, capacity=128)
@@ -40,7 +40,7 @@ def run_schedule(ctx, prompts, seeds, arrivals, slots, cancel=None, verb="insert
     step_no = 0
     while step_no < 200:
         for i in [i for i, at in enumerate(arrivals) if at == step_no]:
-            slot = int(state.free_slots()[-1])
+            slot = int(state.free_slots()[0 if lowest else -1])
             if verb == "insert":
                 prefix = generation.prefill(ctx, [prompts[i]], [seeds[i]])
                 state, first = generation.insert(ctx, prefix, state, [slot]), prefix.first
@@ -79,6 +79,38 @@ def test_inserted_rows_equal_rows_alone(models, folder, mode, do_sample, verb, s
     got = run_schedule(ctx, prompts, seeds, arrivals, slots=4, verb=verb)
     assert got == [alone(ctx, p, s) for p, s in zip(prompts, seeds)]
     assert all(len(r) == 24 for r in got)
+
+
+@pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
+def test_rows_in_the_lowest_slots_equal_rows_alone(models, folder, mode):
+    """Slots filled lowest first, as the scheduler does: the steps' runs leave the free slots
+    past the last used one out (in_place), and a row that joins above or in a hole below still
+    makes its own tokens."""
+    ctx = generation.context(models[folder], max_new_tokens=16, cache_mode=mode, do_sample=True, top_k=40)
+    prompts = prompts_of([9, 3, 17, 1, 12], seed=4)
+    seeds = [21, 22, 23, 24, 25]
+    got = run_schedule(ctx, prompts, seeds, arrivals=[0, 2, 4, 9, 19], slots=4, lowest=True, cancel=(0, 6))
+    assert got[0] == alone(ctx, prompts[0], seeds[0])[:7]
+    assert got[1:] == [alone(ctx, p, s) for p, s in zip(prompts[1:], seeds[1:])]
+
+
+def test_a_step_runs_the_slots_up_to_the_last_used_one(models):
+    """in_place: the free slots past the last used one are not run (their logits stay as they
+    were); a free slot below a used one is run, as a padding row."""
+    ctx = generation.context(models["llama-genai"], max_new_tokens=8, do_sample=False)
+    state = generation.new_state(ctx, slots=4, capacity=64)
+    state, _ = generation.admit(ctx, state, [0, 1], prompts_of([5, 9]), [0, 0])
+    logits = state.cache.logits  # the decode run's bound output [slots, V]
+    for used in ([0, 1], [1]):
+        if used == [1]:
+            state = generation.release(ctx, state, 0)
+        logits[:] = np.nan
+        state, _ = generation.step(ctx, state)
+        assert np.isfinite(logits[:2]).all() and np.isnan(logits[2:]).all(), used
+    state, _ = generation.admit(ctx, state, [3], prompts_of([4]), [0])
+    logits[:] = np.nan
+    state, _ = generation.step(ctx, state)
+    assert np.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])

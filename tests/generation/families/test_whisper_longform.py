@@ -263,11 +263,11 @@ def test_windows_are_rows_of_the_decoders_batch(model):
     cache = scheduler.state.cache
     decode = cache.decode
 
-    def recorded(lengths):
+    def recorded(lengths, span=None):
         rows = list(scheduler.holder.values())
         runs.append((sum(j.settings.timestamp_rules is not None for j in rows),
                      sum(j.settings.timestamp_rules is None for j in rows)))
-        return decode(lengths)
+        return decode(lengths, span)
 
     cache.decode = recorded
 
