@@ -336,19 +336,26 @@ class ContinuousBatcher:
                 self._count()
                 self._idle()
                 continue
-            updates, ended = scheduler.step()
-            for update in updates:  # each position in order, as plain steps give them
-                for job, token, logprob, top in update.tokens():
-                    request = job.key
-                    if not request._cancelled:
-                        request.prompt_logprobs = job.prompt_logprobs
-                        request._emit(token, logprob, top)
+            updates, ended = scheduler.step(admitted=self._admitted)
+            self._forward(updates)
             for job in ended:
                 self._ended(job)
             self._count()
             # Let the threads that forward these tokens run now: a small model's steps are
             # mostly Python, and without this they wait for the GIL's 5 ms switch interval.
             time.sleep(0)
+
+    def _forward(self, updates) -> None:
+        for update in updates:  # each position in order, as plain steps give them
+            for job, token, logprob, top in update.tokens():
+                request = job.key
+                if not request._cancelled:
+                    request.prompt_logprobs = job.prompt_logprobs
+                    request._emit(token, logprob, top)
+
+    def _admitted(self, updates) -> None:
+        """The first tokens of the rows a step admitted, streamed before its model run."""
+        self._forward(updates)
 
     def _take_waiting(self) -> None:
         """The queue, into the scheduler (it admits at the step boundary)."""

@@ -237,6 +237,10 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
         super()._count()
         self._flush()
 
+    def _admitted(self, updates) -> None:
+        super()._admitted(updates)
+        self._count()  # the first tokens go now, not after the step's run
+
     def _loop(self) -> None:
         try:
             super()._loop()

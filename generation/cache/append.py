@@ -46,6 +46,7 @@ class AppendCache(BaseCache):
         item = self.flat[0].itemsize
         self._entries = [(e.past, e.present, i * self.block * item) for i, e in enumerate(graph.cache)]
         self._dtype = np.dtype(graph.cache_dtype)
+        self._spans: dict = {}  # span -> (binding, run) of the leading slots (decode's span)
 
     def _layout(self, which: int, width: int) -> np.ndarray:
         """All cache inputs of buffer `which` laid out at `width`: [inputs, slots, heads, width, dim]."""
@@ -88,11 +89,14 @@ class AppendCache(BaseCache):
         if not self._used:
             self.width = 0
 
-    def _bind_cache(self, width: int, count: int = 1) -> None:
+    def _bind_cache(self, width: int, count: int = 1, binding: Binding | None = None, rows: int | None = None) -> None:
+        """The past and present of every cache input at `width`, in `binding` (default: the
+        decode's), over the first `rows` slots (default: all; a slot's rows lead its layout)."""
         past, present = self.flat[self.current].ctypes.data, self.flat[1 - self.current].ctypes.data
-        past_shape = (self.slots, self.heads, width, self.head_dim)
-        present_shape = (self.slots, self.heads, width + count, self.head_dim)
-        binding, dtype = self.binding, self._dtype
+        rows = rows or self.slots
+        past_shape = (rows, self.heads, width, self.head_dim)
+        present_shape = (rows, self.heads, width + count, self.head_dim)
+        binding, dtype = binding or self.binding, self._dtype
         bind_input, bind_output, device = binding.bind_input, binding.bind_output, binding.device
         for past_name, present_name, offset in self._entries:
             bind_input(past_name, device, dtype, past_shape, past + offset)
@@ -130,24 +134,39 @@ class AppendCache(BaseCache):
             yield logits
 
     def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
+        """`span`: only the first `span` slots run (their bindings made once per span); the free
+        slots after them keep stale rows in the present buffer, which a row inserted there
+        overwrites up to its length and the mask hides past it, as any free slot's."""
         if self.width + 1 > self.capacity:
             self._relayout(int(lengths.max()))
             if self.width + 1 > self.capacity:
                 raise ValueError(f"a row needs {self.width + 1} cache rows; this state holds {self.capacity}")
         width = self.width
-        mask = self._mask[:self.slots * (width + 1)].reshape(self.slots, width + 1)
+        self.inputs.set_positions(lengths)
+        rows, binding, run = self.slots, self.binding, self._run
+        if span is not None and 0 < span < self.slots and self.inputs.offsets is None:  # not M-RoPE: [3, B, 1]
+            rows, (binding, run) = span, self._leading(span)
+            lengths = lengths[:span]
+        mask = self._mask[:rows * (width + 1)].reshape(rows, width + 1)
         np.less(self._columns[:width + 1], lengths[:, None], out=mask)  # a row's valid rows
         mask[:, width] = 1  # and its new token
-        self.binding.input_at("attention_mask", self._mask_pointer, mask.shape, mask.dtype)
-        self._bind_cache(width)
-        self.inputs.set_positions(lengths)
-        self._run()
+        binding.input_at("attention_mask", self._mask_pointer, mask.shape, mask.dtype)
+        self._bind_cache(width, binding=binding, rows=rows)
+        run()
         self.current, self.width = 1 - self.current, width + 1
         if min(lengths.tolist()) < width:  # rows shorter than the widest: move their new row to their length
             behind = np.flatnonzero(lengths < width)
             present = self._layout(self.current, width + 1)
             present[:, behind, :, lengths[behind], :] = present[:, behind, :, width, :]
         return self.logits
+
+    def _leading(self, span: int):
+        """(binding, run) of the first `span` slots: the bound step inputs' leading rows."""
+        found = self._spans.get(span)
+        if found is None:
+            binding = self.binding.leading(span, self.slots)
+            found = self._spans[span] = (binding, self.inputs.runner(binding.run))
+        return found
 
 
     def verify(self, lengths: np.ndarray, ids: np.ndarray, rows: np.ndarray, widths: np.ndarray) -> np.ndarray:

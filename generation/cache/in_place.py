@@ -25,7 +25,7 @@ class InPlaceCache(BaseCache):
     def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int):
         self.binding = Binding(session)
         self.capacity = capacity
-        self.buffers = {e.past: np.zeros((slots, e.heads, capacity, e.head_dim), graph.cache_dtype)
+        self.buffers = {e.past: _mapped((slots, e.heads, capacity, e.head_dim), graph.cache_dtype)
                         for e in graph.cache}
         for e in graph.cache:
             self.binding.input(e.past, self.buffers[e.past])
@@ -183,3 +183,13 @@ class InPlaceCache(BaseCache):
             set_mask(entries, 1)
             run()
             yield logits
+
+
+def _mapped(shape, dtype) -> np.ndarray:
+    """Zeros whose pages are mapped now. np.zeros maps a large array's pages lazily, and a prompt's
+    run reaches its rows' buffers over the whole capacity: the first 8-row prompt of SmolLM2-135M
+    at capacity 4096 took 2.3 s in page faults (0.08 s after), a first token seconds late."""
+    out = np.empty(shape, dtype)
+    out.fill(0)
+    return out
+

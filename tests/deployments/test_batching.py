@@ -67,6 +67,30 @@ def test_a_late_request_starts_before_the_running_ones_finish(ctx):
         batcher.close()
 
 
+def test_a_first_token_streams_before_the_steps_model_run(ctx):
+    """The prefill's token of an admitted request goes out at once, not after the step's run
+    that makes its second token (held here until the first token has arrived)."""
+    batcher = ContinuousBatcher(ctx, slots=2, capacity=64)
+    held, run = threading.Event(), batcher.scheduler._run
+
+    def after_release(updates):
+        held.wait(30)
+        return run(updates)
+    batcher.scheduler._run = after_release
+    try:
+        request = batcher.submit([5, 6, 7], settings=dict(max_new_tokens=3, eos_token_id=[]))
+        first = next(request.events(timeout=10))
+        assert not held.is_set() and batcher.steps == 0  # no model run yet
+        held.set()
+        done = request.result(timeout=30)
+        assert done.tokens[0] == first.id and len(done.tokens) == 3
+        assert done.tokens == generation.generate(generation.context(ctx.model, max_new_tokens=3, eos_token_id=[]),
+                                                  [[5, 6, 7]], seeds=[0])[0]
+    finally:
+        held.set()
+        batcher.close()
+
+
 def test_cancel_frees_the_slot(ctx):
     batcher = ContinuousBatcher(ctx, slots=1, capacity=256)
     try:

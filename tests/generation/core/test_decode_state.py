@@ -94,10 +94,11 @@ def test_rows_in_the_lowest_slots_equal_rows_alone(models, folder, mode):
     assert got[1:] == [alone(ctx, p, s) for p, s in zip(prompts[1:], seeds[1:])]
 
 
-def test_a_step_runs_the_slots_up_to_the_last_used_one(models):
-    """in_place: the free slots past the last used one are not run (their logits stay as they
-    were); a free slot below a used one is run, as a padding row."""
-    ctx = generation.context(models["llama-genai"], max_new_tokens=8, do_sample=False)
+@pytest.mark.parametrize("folder,mode", [("llama-genai", "in_place"), ("llama-optimum", "append")])
+def test_a_step_runs_the_slots_up_to_the_last_used_one(models, folder, mode):
+    """The free slots past the last used one are not run (their logits stay as they were); a
+    free slot below a used one is run, as a padding row."""
+    ctx = generation.context(models[folder], max_new_tokens=8, do_sample=False, cache_mode=mode)
     state = generation.new_state(ctx, slots=4, capacity=64)
     state, _ = generation.admit(ctx, state, [0, 1], prompts_of([5, 9]), [0, 0])
     logits = state.cache.logits  # the decode run's bound output [slots, V]
@@ -111,6 +112,22 @@ def test_a_step_runs_the_slots_up_to_the_last_used_one(models):
     logits[:] = np.nan
     state, _ = generation.step(ctx, state)
     assert np.isfinite(logits).all()
+
+
+def test_in_place_buffers_are_mapped_when_made(models):
+    """The in_place buffers' pages are written when the state is made (np.zeros would map them
+    at a prompt's first run over each row: seconds late for the first token on a 30-layer model)."""
+    import os
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    ctx = generation.context(models["llama-genai"], max_new_tokens=8)
+    before = resident()
+    state = generation.new_state(ctx, slots=256, capacity=256)
+    size = sum(b.nbytes for b in state.cache.buffers.values())
+    assert size >= 16 << 20 and resident() - before >= 0.8 * size
 
 
 @pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])

@@ -71,6 +71,39 @@ def run_all(scheduler: Scheduler):
     return ended
 
 
+def test_admitted_rows_first_tokens_come_before_the_run(models):
+    """step(admitted=...) hands over the admitted rows' first tokens before the step's model
+    run and returns only the run's; every job's tokens are what it gets alone."""
+    model = models["llama-genai"]
+    ctx = generation.context(model, max_new_tokens=6, do_sample=False, eos_token_id=[])
+    scheduler = Scheduler(ctx, 4, 64)
+    runs, decode = [], scheduler.state.cache.decode
+    scheduler.state.cache.decode = lambda *a: runs.append(1) or decode(*a)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    jobs = [scheduler.job(p) for p in prompts]
+    for job in jobs:
+        scheduler.add(job)
+    tokens = {id(job): [] for job in jobs}
+    seen = []
+
+    def take(updates, into=None):
+        for update in updates:
+            for job, token, _, _ in update.tokens():
+                tokens[id(job)].append(token)
+                if into is not None:
+                    into.append(token)
+
+    while scheduler.busy:
+        first: list = []
+        updates, _ = scheduler.step(admitted=lambda u: seen.append(len(runs)) or take(u, first))
+        if first:
+            assert len(first) == 2 and seen == [0]  # both first tokens, before any run
+            assert sum(1 for u in updates for _ in u.tokens()) == 2 and len(runs) == 1  # the run's
+        take(updates)
+    assert [tokens[id(j)] for j in jobs] == [alone(model, "in_place", dict(max_new_tokens=6, eos_token_id=[]), p, 0)
+                                             for p in prompts]
+
+
 @pytest.mark.parametrize("folder, mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
 def test_a_mixed_run_gives_each_job_what_it_gets_alone(models, folder, mode):
     model = models[folder]
