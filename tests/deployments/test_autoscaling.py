@@ -114,9 +114,10 @@ def _replicas(app: str, deployment: str) -> int:
 
 
 def test_a_burst_grows_the_decoder_and_every_request_is_answered_whole(serve_apps):
-    """The fake engine (2 slots, 20 ms a step, 30 tokens a request): 24 requests at once wait for
-    slots, the decoder grows to its 3 replicas; each request gets exactly its known tokens; once
-    the burst is over it shrinks to 1 again, its replicas drained."""
+    """The fake engine (2 slots, 20 ms a step, 45 tokens a request: ~11 s of work for one replica,
+    time for two more to start on a busy machine): 24 requests at once wait for slots, the decoder
+    grows to its 3 replicas; each request gets exactly its known tokens; once the burst is over it
+    shrinks to 1 again, its replicas drained."""
     from ray import serve
 
     from deployments.app import build
@@ -130,7 +131,7 @@ def test_a_burst_grows_the_decoder_and_every_request_is_answered_whole(serve_app
     try:
         assert _replicas("scaled", "Decoder") == 1
         prompts = [f"burst {i:02d}" for i in range(24)]
-        settings = {"max_new_tokens": 30}
+        settings = {"max_new_tokens": 45}
 
         def one(prompt):
             return handle.generate.remote(GenerateRequest(prompt=prompt, settings=settings)).result(timeout_s=120)
