@@ -46,7 +46,6 @@ class AppendCache(BaseCache):
         item = self.flat[0].itemsize
         self._entries = [(e.past, e.present, i * self.block * item) for i, e in enumerate(graph.cache)]
         self._dtype = np.dtype(graph.cache_dtype)
-        self._spans: dict = {}  # span -> (binding, run) of the leading slots (decode's span)
 
     def _layout(self, which: int, width: int) -> np.ndarray:
         """All cache inputs of buffer `which` laid out at `width`: [inputs, slots, heads, width, dim]."""
@@ -159,14 +158,6 @@ class AppendCache(BaseCache):
             present = self._layout(self.current, width + 1)
             present[:, behind, :, lengths[behind], :] = present[:, behind, :, width, :]
         return self.logits
-
-    def _leading(self, span: int):
-        """(binding, run) of the first `span` slots: the bound step inputs' leading rows."""
-        found = self._spans.get(span)
-        if found is None:
-            binding = self.binding.leading(span, self.slots)
-            found = self._spans[span] = (binding, self.inputs.runner(binding.run))
-        return found
 
 
     def verify(self, lengths: np.ndarray, ids: np.ndarray, rows: np.ndarray, widths: np.ndarray) -> np.ndarray:

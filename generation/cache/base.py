@@ -48,6 +48,17 @@ class BaseCache:
         inserted; a mode that can run prompts straight into its buffer overrides it (in_place)."""
         return insert_prompts(self, slots, prompts, apart(prompts))
 
+    def _leading(self, span: int):
+        """(binding, run) of the first `span` slots: the decode binding's bound arrays, their
+        leading rows (`Binding.leading`), made once per span; `run` embeds first where the graph
+        takes embeddings (`CacheInputs.runner`)."""
+        spans = self.__dict__.setdefault("_spans", {})
+        found = spans.get(span)
+        if found is None:
+            binding = self.binding.leading(span, self.inputs.ids.shape[0])
+            found = spans[span] = (binding, self.inputs.runner(binding.run))
+        return found
+
     def decode_steps(self, lengths: np.ndarray, count: int):
         """Up to `count` decodes, the k-th (from 0) at `lengths + k`, yielding each step's logits;
         the caller writes each step's tokens into `token_input` before asking for the next, and

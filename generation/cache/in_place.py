@@ -152,8 +152,7 @@ class InPlaceCache(BaseCache):
         one request runs a batch of one, not of eight (1.4x a batch of one's time on SmolLM2-135M,
         3.5x on the default model). M-RoPE positions ([3, B, 1]) and embedding inputs run whole."""
         mask, rows, run, logits, inputs = self.mask, self.rows, self.binding.run, self.logits, self.inputs
-        slots, spans = len(rows), {}
-        partial = inputs.offsets is None and inputs.embeds is None
+        slots, partial = len(rows), inputs.offsets is None and inputs.embeds is None
 
         def decode(lengths: np.ndarray, span: int | None = None) -> np.ndarray:
             mask[rows, lengths] = 1  # the new token's row: GroupQueryAttention writes it at the row's length
@@ -162,10 +161,7 @@ class InPlaceCache(BaseCache):
             if span is None or span >= slots or not partial:
                 run()
             else:
-                leading = spans.get(span)
-                if leading is None:
-                    leading = spans[span] = self.binding.leading(max(span, 1), slots).run
-                leading()
+                self._leading(span)[1]()
             return logits
         return decode
 
@@ -192,4 +188,3 @@ def _mapped(shape, dtype) -> np.ndarray:
     out = np.empty(shape, dtype)
     out.fill(0)
     return out
-
