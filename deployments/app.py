@@ -143,7 +143,7 @@ class AppConfig(BaseModel):
     colocate: bool = False
     # The decoder's batching loop in a child process of its replica (services/engine_process.py):
     # the routes' event loop and the engine's host Python then hold no GIL in common
-    # (decoder-only text models; the weights are in host memory twice).
+    # (decoder-only text models; the weights are in the child's memory only).
     engine_process: bool = False
 
 

@@ -140,6 +140,7 @@ class TextGenerator:
                 raise ValueError(f"engine_process: runs decoder-only text models (this is a {kind} model)")
             ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
                                      top_logprobs=max(0, max_logprobs), **settings)
+            model.session = None  # never run here: its weights go (the child loads its own)
             load = dict(source=str(source), variant=variant, provider=provider, threads=threads, cache_mode=cache_mode,
                         max_logprobs=max_logprobs, draft=None if draft is None else str(draft), fuse=fuse, **settings)
             batcher = EngineProcess(parent_context(ctx, slots), load, slots=slots, capacity=capacity,

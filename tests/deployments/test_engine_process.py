@@ -58,6 +58,8 @@ def test_streams_equal_the_loop_in_process(generators):
     assert child.batcher.process.pid != os.getpid() and child.batcher.process.is_alive()
     assert [flat(c) for c in got] == [flat(c) for c in expected]
     assert flat(got[3])["prompt_logprobs"] and flat(got[4])["prompt_logprobs"]  # forwarded, not left behind
+    # this process reads the graph and keeps no session: the weights live in the child only
+    assert local.batcher.ctx.model.session is not None and child.batcher.ctx.model.session is None
     assert len(flat(got[0])["tokens"]) == 12 and flat(got[1])["logprobs"]
 
 
