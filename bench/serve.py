@@ -11,7 +11,8 @@ boundaries) against static batching (the same loop admitting a new wave only whe
 previous wave has finished) on a mix of short and long requests, all sent at once; tokens/s and
 the ratio.
 
-    PYTHONPATH=. python bench/serve.py                    # the default model, ~2 min on 2 cores
+    PYTHONPATH=. python bench/serve.py                    # the default model as `raymuter serve` lays it out, ~2 min
+    PYTHONPATH=. python bench/serve.py --split            # an Ingress and a Decoder deployment
     PYTHONPATH=. python bench/serve.py --model DIR --slots 8 --requests 32
     PYTHONPATH=. python bench/serve.py --colocate         # `raymuter serve --colocate`
     PYTHONPATH=. python bench/serve.py --colocate --engine-process   # the batching loop in a child process
@@ -183,12 +184,21 @@ def main() -> int:
     parser.add_argument("--stream-interval-ms", type=float, default=10.0, help="the server's stream_interval_ms")
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
                         help="the request path, as `raymuter serve --proxy` (deployments.cli.serving_environment)")
-    parser.add_argument("--colocate", action="store_true", help="the routes in the decoder's replica (AppConfig.colocate)")
+    parser.add_argument("--colocate", action="store_true", default=None,
+                        help="the routes in the decoder's replica (AppConfig.colocate)")
+    parser.add_argument("--split", action="store_true",
+                        help="an Ingress and a Decoder deployment (default: the layout `raymuter serve` picks: "
+                             "a decoder-only text model colocated, its loop in a child process)")
     parser.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
                         help="the HTTP client (aiohttp: the lighter, as vLLM's serving benchmark)")
-    parser.add_argument("--engine-process", action="store_true",
+    parser.add_argument("--engine-process", action="store_true", default=None,
                         help="the decoder's batching loop in a child process of its replica (AppConfig.engine_process)")
     args = parser.parse_args()
+    from deployments.cli import layout
+
+    picked = layout(argparse.Namespace(split=args.split, colocate=args.colocate, engine_process=args.engine_process,
+                                       engine="onnx", autoscale=[], model=args.model, variant=None))
+    args.colocate, args.engine_process = picked["colocate"], picked["engine_process"]
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

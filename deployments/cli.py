@@ -56,12 +56,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
                         help="haproxy: HAProxy in front of the ingress and gRPC between deployments (the fast "
                              "path); ray: Serve's Python proxy and actor calls")
-    parser.add_argument("--colocate", action="store_true",
+    parser.add_argument("--colocate", action="store_true", default=None,
                         help="the HTTP routes in the decoder's replica: no Ray message per request and streamed "
                              "chunk (faster on one node; the routes then scale with the decoder)")
-    parser.add_argument("--engine-process", action="store_true",
+    parser.add_argument("--engine-process", action="store_true", default=None,
                         help="the decoder's batching loop in a process of its own beside its replica's event loop "
                              "(no GIL shared between the routes and the engine; decoder-only text models)")
+    parser.add_argument("--split", action="store_true",
+                        help="an Ingress deployment for the routes and the batching loop in the Decoder's replica "
+                             "(what a Serve config or the Helm chart builds unless told otherwise); default: a "
+                             "decoder-only text model as --colocate --engine-process, any other as --split")
     parser.add_argument("--engine", choices=["onnx", "fake"], default="onnx", help=argparse_hidden())
 
 
@@ -168,8 +172,43 @@ def app_config(args) -> dict:
                 prefix_cache_bytes=args.prefix_cache_bytes,
                 max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
                 fuse=args.fuse, autoscaling=autoscaling_of(args.autoscale), draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
-                settings=settings, engine=args.engine, colocate=args.colocate,
-                engine_process=args.engine_process)
+                settings=settings, engine=args.engine, **layout(args))
+
+
+def layout(args) -> dict:
+    """colocate and engine_process from --split, --colocate and --engine-process; with none given,
+    a decoder-only text model's (the fastest on one node: bench/serve.py) unless the routes are
+    autoscaled apart, and the two-deployment layout for anything else."""
+    if args.split and (args.colocate or args.engine_process):
+        raise ValueError("--split puts the routes and the batching loop in separate places: it takes neither "
+                         "--colocate nor --engine-process")
+    if args.split or args.colocate is not None or args.engine_process is not None:
+        return dict(colocate=bool(args.colocate), engine_process=bool(args.engine_process))
+    fast = args.engine == "onnx" and not any(item.partition("=")[0].strip() == "ingress" for item in args.autoscale) \
+        and _generative_text(args.model, args.variant)
+    return dict(colocate=fast, engine_process=fast)
+
+
+def layout_words(config: dict) -> str:
+    """The application's layout, as `raymuter serve` says it at start."""
+    where = ("the routes and the decoder in one replica (Server)" if config["colocate"]
+             else "an Ingress and a Decoder deployment")
+    loop = ", the batching loop in a child process" if config["engine_process"] else ""
+    other = "" if not config["colocate"] else " (--split: the routes in a deployment of their own)"
+    return where + loop + other
+
+
+def _generative_text(model: str | None, variant: str | None) -> bool:
+    """Whether `model` (None: the default model) is a decoder-only text generator (not an
+    encoder-decoder, vision or embedding model)."""
+    if model is None:
+        return True
+    from generation import families
+    from generation.core.embed import is_embedding_folder
+    from generation.runtime.model import resolve_folder
+
+    folder = resolve_folder(model, variant)
+    return families.kind(str(folder)) == "text" and not is_embedding_folder(folder)
 
 
 def autoscaling_of(items: list[str]) -> dict:
@@ -251,14 +290,15 @@ def signals_deferred():
 
 
 def serve_command(args) -> int:
+    check_models(args)  # a hub id is fetched here, before app_config reads its kind
     config = app_config(args)
-    check_models(args)
     check_port(args.host, args.port)
     local_only = local_environment(args)
     if args.model is None and args.engine == "onnx":
         from generation.default_model import default_model_path
 
         print(f"[raymuter] no --model: serving the default model ({default_model_path()})", file=sys.stderr)
+    print(f"[raymuter] layout: {layout_words(config)}", file=sys.stderr)
     from .app import AppConfig
 
     AppConfig(**config)  # bad arguments fail here, before Ray starts

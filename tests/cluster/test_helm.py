@@ -131,7 +131,9 @@ def test_the_rendered_application_is_the_one_raymuter_serve_builds(helm, tmp_pat
     assert config["proxy_location"] == "EveryNode" and config["http_options"]["port"] == 8000
     (app,) = config["applications"]
 
-    cli = _cli_config("--model", folder, "--slots", "4", "--max-waiting", "32", "--max-logprobs", "3",
+    # the chart's layout (an Ingress and a Decoder): `raymuter serve --split` (its default for a
+    # decoder-only text model is --colocate --engine-process)
+    cli = _cli_config("--model", folder, "--split", "--slots", "4", "--max-waiting", "32", "--max-logprobs", "3",
                       "--set", "max_new_tokens=20", "--api-key", "")
     cli["api_key"] = None  # the chart passes the key from a Secret, as RAYMUTER_API_KEY
     expected = serve_application(cli, serve_options)

@@ -130,7 +130,7 @@ def test_other_models_are_refused_naming_the_setting(s2s):
         TextGenerator.from_model(s2s["marian-optimum"], slots=2, threads=1, engine_process=True)
 
 
-def test_the_cli_and_app_config_carry_it(test_models):
+def test_the_cli_and_app_config_carry_it(test_models, s2s):
     import argparse
 
     from deployments.app import AppConfig
@@ -138,6 +138,21 @@ def test_the_cli_and_app_config_carry_it(test_models):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = app_config(parser.parse_args(["--model", str(test_models["llama-genai"]), "--engine-process"]))
-    assert args["engine_process"] is True and AppConfig(**args).engine_process
-    assert AppConfig().engine_process is False
+
+    def layout(*argv):
+        args = app_config(parser.parse_args(list(map(str, argv))))
+        AppConfig(**args)
+        return args["colocate"], args["engine_process"]
+
+    text = test_models["llama-genai"]
+    assert layout("--model", text, "--engine-process") == (False, True)
+    assert AppConfig().engine_process is False and AppConfig().colocate is False  # a Serve config's, the chart's
+    # raymuter serve's default: a decoder-only text model colocated with its loop in a child process
+    assert layout("--model", text) == (True, True) and layout() == (True, True)  # () : the default model
+    assert layout("--model", text, "--split") == (False, False)
+    assert layout("--model", text, "--colocate") == (True, False)
+    assert layout("--model", text, "--autoscale", "ingress=1:2") == (False, False)  # routes scaled apart
+    assert layout("--model", s2s["marian-optimum"]) == (False, False)  # an encoder-decoder: two deployments
+    assert layout("--engine", "fake") == (False, False)
+    with pytest.raises(ValueError, match="--split .* takes neither --colocate nor --engine-process"):
+        layout("--model", text, "--split", "--colocate")
