@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = "not_a_server_error,response_schema_conformance,content_type_conformance,max_response_time"
+# --max-response-time is its own check in schemathesis 4 (not a name for --checks)
+CHECKS = "not_a_server_error,response_schema_conformance,content_type_conformance"
 
 
 def start_server(model: str | None, api_key: str | None) -> tuple[subprocess.Popen, str]:
