@@ -196,8 +196,7 @@ def main() -> int:
     args = parser.parse_args()
     from deployments.cli import layout
 
-    picked = layout(argparse.Namespace(split=args.split, colocate=args.colocate, engine_process=args.engine_process,
-                                       engine="onnx", autoscale=[], model=args.model, variant=None))
+    picked = layout(args.split, args.colocate, args.engine_process, model=args.model)
     args.colocate, args.engine_process = picked["colocate"], picked["engine_process"]
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

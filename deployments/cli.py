@@ -168,24 +168,28 @@ def app_config(args) -> dict:
             settings[name.strip()] = json.loads(value)
         except json.JSONDecodeError:
             settings[name.strip()] = value
+    autoscaling = autoscaling_of(args.autoscale)
     return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
                 prefix_cache_bytes=args.prefix_cache_bytes,
                 max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
-                fuse=args.fuse, autoscaling=autoscaling_of(args.autoscale), draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
-                settings=settings, engine=args.engine, **layout(args))
+                fuse=args.fuse, autoscaling=autoscaling, draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
+                settings=settings, engine=args.engine,
+                **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
+                         engine=args.engine, routes_scaled="ingress" in autoscaling))
 
 
-def layout(args) -> dict:
-    """colocate and engine_process from --split, --colocate and --engine-process; with none given,
-    a decoder-only text model's (the fastest on one node: bench/serve.py) unless the routes are
-    autoscaled apart, and the two-deployment layout for anything else."""
-    if args.split and (args.colocate or args.engine_process):
+def layout(split: bool, colocate: bool | None, engine_process: bool | None, *, model: str | None,
+           variant: str | None = None, engine: str = "onnx", routes_scaled: bool = False) -> dict:
+    """AppConfig's colocate and engine_process from --split, --colocate and --engine-process (None:
+    not given); with none given, a decoder-only text model's (the fastest on one node:
+    bench/serve.py) unless the routes are autoscaled apart, and the two-deployment layout for
+    anything else."""
+    if split and (colocate or engine_process):
         raise ValueError("--split puts the routes and the batching loop in separate places: it takes neither "
                          "--colocate nor --engine-process")
-    if args.split or args.colocate is not None or args.engine_process is not None:
-        return dict(colocate=bool(args.colocate), engine_process=bool(args.engine_process))
-    fast = args.engine == "onnx" and not any(item.partition("=")[0].strip() == "ingress" for item in args.autoscale) \
-        and _generative_text(args.model, args.variant)
+    if split or colocate is not None or engine_process is not None:
+        return dict(colocate=bool(colocate), engine_process=bool(engine_process))
+    fast = engine == "onnx" and not routes_scaled and _generative_text(model, variant)
     return dict(colocate=fast, engine_process=fast)
 
 
