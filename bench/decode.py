@@ -9,8 +9,10 @@ bench/decode_systems.py) all run in this one process with the same intra-op thre
 interleaved round-robin (A rep 1, B rep 1, ..., then rep 2, ...; the order rotates each rep) so
 machine noise hits all alike. A sample of a short run is as many back-to-back calls as fill
 --min-time seconds. The prompt is `--prompt` random token ids (seed 0, ids >= 3), the same for
-every system; each system makes exactly `--new` tokens (eos ignored) and its tokens are checked
-against onnxruntime-genai's, row by row, on every sample. Prints a markdown table, then the
+every system; each system makes exactly `--new` tokens (eos ignored) and its tokens are checked,
+row by row, on every sample, against transformers' where it runs (the oracle: onnxruntime-genai
+itself can part from it on a near tie), else onnxruntime-genai's; 4-bit rows against their own
+reference (bench/decode_systems.py REFERENCE). Prints a markdown table, then the
 project's targets (PASS/FAIL) and whole-prompt vs pieces ratios.
 
     PYTHONPATH=. python bench/decode.py --quick     # tiny model, repeats 3, 32 new: ~15-30 s
@@ -54,8 +56,10 @@ def bench_batch(name, runs, batch, args, log):
         except Exception as e:  # noqa: BLE001 - reported under the table
             res[key]["error"] = f"{type(e).__name__}: {e}"
             ready.pop(key, None)
-    def compare(key, tokens):  # every run's tokens against its reference's (genai's), row by row
-        other = REFERENCE.get(key, "genai")
+    oracle = "transformers" if "transformers" in ready else "genai"
+
+    def compare(key, tokens):  # every run's tokens against its reference's, row by row
+        other = REFERENCE.get(key, oracle)  # fp32: transformers where it ran (the oracle), else genai
         ref = first.get(other) if other in ready else None
         if ref is not None:
             rows = [i for i in range(batch) if not np.array_equal(tokens[i], ref[i])]
@@ -109,7 +113,7 @@ def report(all_res, systems, args, targets: bool = True):
     cols = [(m, b) for m in all_res for b in all_res[m]]
     print(f"\n## Decode tokens/s (best of {args.repeats}) and ratio to onnxruntime-genai\n"
           f"threads {args.threads}, prompt {args.prompt}, {args.new} new tokens, greedy, fp32, CPU\n")
-    print("| system | " + " | ".join(f"{m} B={b}" for m, b in cols) + " | same tokens as genai |")
+    print("| system | " + " | ".join(f"{m} B={b}" for m, b in cols) + " | same tokens as the reference |")
     print("|---" * (len(cols) + 2) + "|")
     for key in systems:
         cells, differ = [], []
@@ -125,7 +129,9 @@ def report(all_res, systems, args, targets: bool = True):
     spread = [statistics.median([max(r["tps"]) / min(r["tps"]) for r in all_res[m][b].values() if best(r)] or [0])
               for m, b in cols]
     print("| spread: max/min over repeats, median over systems | " + " | ".join(f"{x:.2f}x" for x in spread) + " | |")
-    print("\n(* = tokens differ from genai's: that speed is not comparable)")
+    oracle = "transformers" if "transformers" in systems else "genai"
+    print(f"\n(* = tokens differ from the reference's: that speed is not comparable. The reference of an fp32 "
+          f"row: {oracle}{' (the oracle)' if oracle == 'transformers' else ' (add transformers to check against the oracle)'})")
     if any(k in systems for m in all_res for k in SLOW.get(m, ())) and args.slow_repeats < args.repeats:
         print(f"(transformers on the small model: best of {args.slow_repeats} repeats, to save time)")
     for m, b in cols:
