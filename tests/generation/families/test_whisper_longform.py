@@ -254,32 +254,53 @@ def test_windows_are_rows_of_the_decoders_batch(model):
     without timestamps; each equals speech_to_text, and model runs held a window and another
     request's row together."""
     import asyncio
+    import threading
 
     from deployments.schema import TranscriptionRequest
     from deployments.services.generator import TextGenerator
 
     generator = TextGenerator.from_model(model.folder, slots=4, max_logprobs=-1, max_new_tokens=12)
     scheduler, runs = generator.batcher.scheduler, []
-    cache = scheduler.state.cache
-    decode = cache.decode
+    cache, batcher = scheduler.state.cache, generator.batcher
+    decode, submit = cache.decode, batcher.submit
+    # The order is made, not left to the threads' timing (a short clip could otherwise end before
+    # the long one's first window is in): the short clips are encoded once a window is in the
+    # batch, and the step that first holds a window waits until both were submitted.
+    window_in, shorts_in, short_submits = threading.Event(), threading.Event(), []
 
     def recorded(lengths, span=None):
         rows = list(scheduler.holder.values())
-        runs.append((sum(j.settings.timestamp_rules is not None for j in rows),
-                     sum(j.settings.timestamp_rules is None for j in rows)))
+        windows, others = (sum(j.settings.timestamp_rules is not None for j in rows),
+                           sum(j.settings.timestamp_rules is None for j in rows))
+        runs.append((windows, others))
+        if windows and not window_in.is_set():
+            window_in.set()
+            shorts_in.wait(timeout=60)
         return decode(lengths, span)
 
-    cache.decode = recorded
+    def submitted(*args, timestamps=False, **kwargs):
+        request = submit(*args, timestamps=timestamps, **kwargs)
+        if not timestamps:
+            short_submits.append(request)
+            if len(short_submits) == 2:
+                shorts_in.set()
+        return request
+
+    cache.decode, batcher.submit = recorded, submitted
 
     def encode(features):
         return generation.runtime.encoders.encode_audio(model, features)
 
+    def encode_after_a_window(features):
+        window_in.wait(timeout=60)
+        return encode(features)
+
     long, short = noise(5, 0.1, 6), [noise(1, 0.1, 7), noise(1.5, 0.2, 8)]
-    requests = [(long, TranscriptionRequest(language="en", timestamps=True))] + [
-        (clip, TranscriptionRequest(language="en", seed=i)) for i, clip in enumerate(short)]
+    requests = [(long, TranscriptionRequest(language="en", timestamps=True), encode)] + [
+        (clip, TranscriptionRequest(language="en", seed=i), encode_after_a_window) for i, clip in enumerate(short)]
 
     async def run():
-        return await asyncio.gather(*[generator.transcribe(clip, request, encode) for clip, request in requests])
+        return await asyncio.gather(*[generator.transcribe(clip, request, coder) for clip, request, coder in requests])
 
     try:
         got = asyncio.run(run())
