@@ -174,6 +174,8 @@ def main() -> int:
     parser.add_argument("--model", help="model folder (default: the default model)")
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads of the decoder (both systems)")
+    parser.add_argument("--no-spin", dest="spin", action="store_false",
+                        help="the decoder's idle onnxruntime threads sleep between runs (both systems; raymuter serve --no-spin)")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--requests", type=int, default=32,
                         help="requests per concurrency level (at least two rounds: 2 x max(8, waves x concurrency))")
@@ -212,7 +214,7 @@ def main() -> int:
     model = args.model or str(default_model_path())
     levels = [int(c) for c in args.concurrency.split(",")]
     generator = TextGenerator.from_model(model, name="bench", slots=args.slots, threads=args.threads,
-                                         max_logprobs=5)
+                                         spin=args.spin, max_logprobs=5)
     tokenizer = model_tokenizer(generator.batcher.ctx.model)
 
     # Table 2 first, before Ray starts (in-process loop, nothing else running)
@@ -236,8 +238,8 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(dict(model=model, name="bench", slots=args.slots, threads=args.threads, max_logprobs=5,
-                         stream_interval_ms=args.stream_interval_ms, colocate=args.colocate,
+    serve.run(build(dict(model=model, name="bench", slots=args.slots, threads=args.threads, spin=args.spin,
+                         max_logprobs=5, stream_interval_ms=args.stream_interval_ms, colocate=args.colocate,
                          engine_process=args.engine_process)),
               name="bench", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
@@ -251,7 +253,7 @@ def main() -> int:
     ray.shutdown()
     generator.close()
 
-    print(f"\nmodel: {model}   slots {args.slots}   threads {args.threads}   {args.new} tokens per request   "
+    print(f"\nmodel: {model}   slots {args.slots}   threads {args.threads}{'' if args.spin else ' (not spinning)'}   {args.new} tokens per request   "
           f"stream_interval_ms {args.stream_interval_ms}   proxy {args.proxy}   colocate {args.colocate}   engine_process {args.engine_process}   client {args.client}   rounds of {args.waves} waves\n")
     print("| concurrency | system | TTFT p50 ms | TTFT p90 ms | tokens/s | HTTP/direct tokens/s | added TTFT p50 ms |")
     print("|---|---|---|---|---|---|---|")

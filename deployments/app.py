@@ -113,6 +113,7 @@ class AppConfig(BaseModel):
     prefix_cache_bytes: int = Field(default=256 * 2**20, ge=0, le=2**40)
     max_logprobs: int = Field(default=5, ge=-1, le=20)  # -1: no log-probabilities (the lean greedy loop)
     threads: int | None = Field(default=None, ge=1)  # onnxruntime intra-op threads per decoder replica
+    spin: bool = True  # the decoder's idle onnxruntime threads spin between runs (False: they sleep)
     provider: str | None = None  # cuda, cpu; default: CUDA where the replica has a GPU
     variant: str | None = None
     fuse: bool = True  # run an Optimum / transformers.js Llama-family decoder as its fused rewrite (generation.load)
@@ -325,7 +326,7 @@ class Decoder:
                 prefix_cache_bytes=cfg.prefix_cache_bytes,
                 max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
                 fuse=cfg.fuse, stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft,
-                engine_process=cfg.engine_process, **cfg.settings)
+                engine_process=cfg.engine_process, spin=cfg.spin, **cfg.settings)
 
     async def generate(self, request: GenerateRequest, encoded=None, *images) -> GenerateResponse:
         try:

@@ -35,6 +35,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-logprobs", type=int, default=5,
                         help="most alternatives per token a request may ask; -1: no log-probabilities")
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
+    parser.add_argument("--no-spin", dest="spin", action="store_false",
+                        help="the decoder's idle onnxruntime threads sleep between the model's runs instead of "
+                             "spinning (frees the cores for the HTTP stack: a small CPU machine; see README's Serve)")
     parser.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
     parser.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
     parser.add_argument("--autoscale", action="append", default=[], metavar="PART=MIN:MAX[,FIELD=VALUE]",
@@ -171,8 +174,8 @@ def app_config(args) -> dict:
     autoscaling = autoscaling_of(args.autoscale)
     return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
                 prefix_cache_bytes=args.prefix_cache_bytes,
-                max_logprobs=args.max_logprobs, threads=args.threads, provider=args.provider, variant=args.variant,
-                fuse=args.fuse, autoscaling=autoscaling, draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
+                max_logprobs=args.max_logprobs, threads=args.threads, spin=args.spin, provider=args.provider,
+                variant=args.variant, fuse=args.fuse, autoscaling=autoscaling, draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
                 settings=settings, engine=args.engine,
                 **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
                          engine=args.engine, routes_scaled="ingress" in autoscaling))

@@ -261,12 +261,12 @@ class ContinuousBatcher:
     def from_model(cls, source, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
                    prefix_cache_bytes: int = 0, max_logprobs: int = 5, threads: int | None = None,
                    provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
-                   draft=None, fuse: bool = True, **settings) -> "ContinuousBatcher":
+                   draft=None, fuse: bool = True, spin: bool = True, **settings) -> "ContinuousBatcher":
         """Load `source` (and `draft`), warm its context up for `slots` rows and start the loop
         (TextGenerator.from_model's engine part; see it for the arguments)."""
         import generation
 
-        spin_wait = draft is None  # the draft's runs come between the model's (generation.load)
+        spin_wait = spin and draft is None  # the draft's runs come between the model's (generation.load)
         model = generation.load(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait,
                                 fuse=fuse)
         if draft is not None:

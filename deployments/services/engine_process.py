@@ -60,7 +60,7 @@ class EngineProcess:
         self._stopped: str | None = None  # why the child is gone
         spawn = multiprocessing.get_context("spawn")
         self._conn, child = spawn.Pipe()
-        load = dict(load, slots=slots, capacity=self.capacity, prefix_cache_bytes=prefix_cache_bytes)
+        self.load = load = dict(load, slots=slots, capacity=self.capacity, prefix_cache_bytes=prefix_cache_bytes)
         self.process = spawn.Process(target=_child_main, args=(child, load), name="raymuter-engine", daemon=True)
         self.process.start()
         child.close()  # the child's end lives in the child only: its exit is this end's EOF

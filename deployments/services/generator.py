@@ -117,12 +117,15 @@ class TextGenerator:
                    max_waiting: int = 256, max_logprobs: int = 5, threads: int | None = None,
                    provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
                    stream_interval: float = 0.0, draft: str | Path | None = None, prefix_cache_bytes: int = 0,
-                   fuse: bool = True, engine_process: bool = False, **settings) -> "TextGenerator":
+                   fuse: bool = True, engine_process: bool = False, spin: bool = True,
+                   **settings) -> "TextGenerator":
         """Load `source` (folder or hub id) and start its batcher. `settings`: defaults over the
         model's generation_config.json for every request (max_new_tokens, ...). `draft`: a small
         model with the same tokenizer (folder or hub id) whose proposals every step verifies
         (num_assistant_tokens and its schedule from `settings`). `prefix_cache_bytes`: prompt
         prefixes kept for reuse (0: none). `fuse`: generation.load's (False: the decoder file as exported).
+        `spin`: onnxruntime's idle threads spin between the model's runs (generation.load's spin_wait;
+        False frees the cores between runs for the HTTP stack and the loop's own Python).
         `engine_process`: the batching loop in a child process (engine_process.EngineProcess;
         decoder-only text models)."""
         import generation
@@ -142,14 +145,15 @@ class TextGenerator:
                                      top_logprobs=max(0, max_logprobs), **settings)
             model.session = None  # never run here: its weights go (the child loads its own)
             load = dict(source=str(source), variant=variant, provider=provider, threads=threads, cache_mode=cache_mode,
-                        max_logprobs=max_logprobs, draft=None if draft is None else str(draft), fuse=fuse, **settings)
+                        max_logprobs=max_logprobs, draft=None if draft is None else str(draft), fuse=fuse, spin=spin,
+                        **settings)
             batcher = EngineProcess(parent_context(ctx, slots), load, slots=slots, capacity=capacity,
                                     max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_bytes)
         else:
             batcher = ContinuousBatcher.from_model(source, slots=slots, capacity=capacity, max_waiting=max_waiting,
                                                    prefix_cache_bytes=prefix_cache_bytes, max_logprobs=max_logprobs,
                                                    threads=threads, provider=provider, variant=variant,
-                                                   cache_mode=cache_mode, draft=draft, fuse=fuse, **settings)
+                                                   cache_mode=cache_mode, draft=draft, fuse=fuse, spin=spin, **settings)
             model = batcher.ctx.model
             kind = families.family(model).KIND
         name = name or (Path(source).name if Path(source).is_dir() else str(source))

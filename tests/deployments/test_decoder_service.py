@@ -177,6 +177,39 @@ def test_a_generator_with_a_draft_model(test_models, load_model):
         generator.close()
 
 
+def test_no_spin_reaches_the_decoders_session(test_models, load_model):
+    """`raymuter serve --no-spin` (AppConfig.spin): the decoder's onnxruntime threads sleep
+    between runs, in this process and in the engine process; the tokens are the same."""
+    import argparse
+
+    import generation
+    from deployments.app import AppConfig
+    from deployments.cli import add_arguments, app_config
+    from generation.text.tokenizer import model_tokenizer
+
+    folder = test_models["llama-genai"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = app_config(parser.parse_args(["--model", str(folder), "--no-spin"]))
+    assert args["spin"] is False and AppConfig(**args).spin is False
+    assert app_config(parser.parse_args(["--model", str(folder)]))["spin"] is True and AppConfig().spin is True
+    model = load_model(folder)
+    expected = generation.generate(generation.context(model, max_new_tokens=10),
+                                   [model_tokenizer(model).encode("The list").ids], seeds=[0])[0]
+    for engine_process in (False, True):
+        generator = TextGenerator.from_model(folder, slots=2, threads=2, spin=args["spin"], max_new_tokens=10,
+                                             engine_process=engine_process)
+        try:
+            if engine_process:  # the child loads the model from these arguments
+                assert generator.batcher.load["spin"] is False
+            else:
+                options = generator.batcher.ctx.model.session.get_session_options()
+                assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+            assert sum((c.token_ids for c in collect(generator, prompt="The list")), []) == expected
+        finally:
+            generator.close()
+
+
 def test_many_running_rows_stretch_the_stream_interval():
     """The interval grows with the rows running (about CHUNKS_PER_SECOND chunks in all), within
     MAX_INTERVAL; a row alone keeps stream_interval, and 0 keeps a chunk per token."""
