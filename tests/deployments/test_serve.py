@@ -409,13 +409,19 @@ def test_killing_the_decoder_fails_held_requests_fast_and_a_new_replica_serves(s
 
     pid = serve.get_deployment_handle("Decoder", app_name="fake").pid.remote().result()
     outcomes: list = []
+    streaming = threading.Event()  # a stream's first token reached its client
 
     def held(i):
         started = time.perf_counter()
         try:
-            out = httpx.post(serve_apps.fake + "/v1/completions", json=dict(
-                model="fake", prompt="abc", max_tokens=3000, stream=bool(i % 2)), timeout=60)
-            outcomes.append((out.status_code, out.text, time.perf_counter() - started))
+            with httpx.stream("POST", serve_apps.fake + "/v1/completions", json=dict(
+                    model="fake", prompt="abc", max_tokens=3000, stream=bool(i % 2)), timeout=60) as out:
+                text = ""
+                for piece in out.iter_text():
+                    text += piece
+                    if i % 2 and '"text"' in text:
+                        streaming.set()
+            outcomes.append((out.status_code, text, time.perf_counter() - started))
         except httpx.HTTPError as e:  # a cut stream
             outcomes.append((None, repr(e), time.perf_counter() - started))
 
@@ -423,9 +429,10 @@ def test_killing_the_decoder_fails_held_requests_fast_and_a_new_replica_serves(s
     for t in threads:
         t.start()
     deadline = time.time() + 30
-    while time.time() < deadline:  # all six held by the decoder (4 running, 2 waiting) before the kill
+    while time.time() < deadline:  # all six held by the decoder (4 running, 2 waiting), a stream under way
         text = httpx.get(serve_apps.fake + "/metrics", timeout=10).text
-        if metric(text, "raymuter:num_requests_running") + metric(text, "raymuter:num_requests_waiting") >= 6:
+        if metric(text, "raymuter:num_requests_running") + metric(text, "raymuter:num_requests_waiting") >= 6 \
+                and streaming.is_set():  # 3 streams, 2 waiting places: one runs; its first token out, it cannot move
             break
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
