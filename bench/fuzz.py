@@ -27,15 +27,17 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECKS = "not_a_server_error,response_schema_conformance,content_type_conformance"
 
 
-def start_server(model: str | None, api_key: str | None) -> tuple[subprocess.Popen, str]:
-    """`raymuter serve` on a free port; (process, base URL) once it serves."""
+def start_server(model: str | None, api_key: str | None, extra: list[str] = (),
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`raymuter serve` on a free port (`extra`: more of its arguments; `env`: more variables);
+    (process, base URL) once it serves."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "deployments.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "deployments.cli", "serve", "--port", str(port), *extra]
     command += ["--model", model] if model else []
     command += ["--api-key", api_key] if api_key else []
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), **(env or {})}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 180
     while time.time() < deadline:

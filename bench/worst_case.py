@@ -12,6 +12,14 @@ steps, so it comes to the shared batch with a high acceptance rate; it is capped
 batcher caps it (limits.MAX_STEP_SLOWDOWN), and once more uncapped (CostAware's plan for the
 batch's tokens per second alone, as generate() runs it) to show what the cap prevents.
 
+The "structured_outputs" lines hold slot 7 to the costliest constraints the default grammar
+budget admits (generation.logits.constraints.GrammarBudget), each found here by bisection
+against the server's own check (Grammars.check), up to the first limit it meets: the longest
+x{N} and the widest (x{100}){B} (initial_lexer_fuel: their lexer derives a larger regex at
+every token), the widest repeated rule (item+, item: one of K literals; step_max_items) and the
+JSON schema of the most optional string properties (max_items_in_row, before max_grammar_size).
+That row's first token comes from a prefill under its constraint, and it starts again at eos.
+
 Every configuration keeps its own decode state and all of them step in turn, a few steps each,
 round after round, in one process; the table gives each one's median step time and its ratio
 to plain's (the machine is shared and noisy: read the ratios), and the tokens slot 7 got a
@@ -19,6 +27,7 @@ step. Goal: at most 1.5x.
 
     PYTHONPATH=. python bench/worst_case.py                    # ~6 min on 2 cores, ~4 GB
     PYTHONPATH=. python bench/worst_case.py --only "worst case" --rounds 4
+    PYTHONPATH=. python bench/worst_case.py --only structured_outputs
 """
 
 from __future__ import annotations
@@ -39,7 +48,9 @@ from generation.assisted import verify as assisted
 from generation.core import limits  # noqa: E402
 from generation.assisted.budget import CostAware  # noqa: E402
 from generation.assisted.prompt_lookup import PromptLookup  # noqa: E402
+from generation.core.settings import SettingError  # noqa: E402
 from generation.core.stops import StopMatcher  # noqa: E402
+from generation.logits.constraints import Grammars  # noqa: E402
 from generation.text.tokenizer import model_tokenizer  # noqa: E402
 
 SLOTS = 8
@@ -67,6 +78,44 @@ def costly(vocab: int, rng: np.random.Generator) -> dict[str, dict]:
                                           suppress_tokens=list(range(3, vocab, 2)),
                                           forced_eos_token_id=list(range(3, 3 + limits.MAX_TOKEN_IDS))),
     }
+
+
+def largest(fits, low: int, high: int) -> int:
+    """The largest n in [low, high] with fits(n), fits(low) holding (fits falls once, as n grows)."""
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def constraints_at_limits(ctx) -> dict[str, dict]:
+    """The costliest constraints the context's grammar budget admits, by name (module docstring)."""
+    grammars = Grammars.of(ctx)
+
+    def fits(value) -> bool:
+        try:
+            grammars.check(ctx.with_settings(structured_outputs=value).structured_outputs)
+        except SettingError:
+            return False
+        return True
+
+    def rule(k: int) -> dict:
+        return {"grammar": "start: item+\nitem: " + " | ".join(f'"a{i}"' for i in range(k))}
+
+    def schema(k: int) -> dict:
+        return {"json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(k)}}}
+
+    n = largest(lambda n: fits({"regex": f"x{{{n}}}"}), 100, 1_000_000)
+    b = largest(lambda b: fits({"regex": f"(x{{100}}){{{b}}}"}), 1, 10_000)
+    k = largest(lambda k: fits(rule(k)), 2, 5000)
+    p = largest(lambda p: fits(schema(p)), 1, 5000)
+    eos = list(grammars.eos_ids)  # a row whose grammar is complete ends at eos, and starts again
+    return {f"structured_outputs regex x{{{n}}}": dict(structured_outputs={"regex": f"x{{{n}}}"}, eos_token_id=eos),
+            f"structured_outputs regex (x{{100}}){{{b}}}": dict(structured_outputs={"regex": f"(x{{100}}){{{b}}}"},
+                                                               eos_token_id=eos),
+            f"structured_outputs grammar item+ of {k} literals": dict(structured_outputs=rule(k), eos_token_id=eos),
+            f"structured_outputs json, {p} optional string properties": dict(structured_outputs=schema(p),
+                                                                              eos_token_id=eos)}
 
 
 def looping(ctx, length: int, rng: np.random.Generator) -> list[int]:
@@ -123,8 +172,12 @@ def main() -> int:
     rng = np.random.default_rng(0)
     ctx = generation.context(model, do_sample=False, eos_token_id=[], repetition_penalty=1.0)
     alone = costly(model.vocab_size, rng)
+    t0 = time.perf_counter()
+    constrained = constraints_at_limits(ctx)
+    print(f"constraints at the budget's limits found in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     configs = {"plain": {}, "worst case (all at once)": {k: v for c in alone.values() for k, v in c.items()}, **alone,
-               "prompt lookup 32, ngram 32, uncapped (CostAware's plan alone)": alone["prompt lookup 32, ngram 32"]}
+               "prompt lookup 32, ngram 32, uncapped (CostAware's plan alone)": alone["prompt lookup 32, ngram 32"],
+               **constrained}
     if args.only:
         keep = {"plain", *args.only.split(",")}
         configs = {k: v for k, v in configs.items() if k in keep or any(k.startswith(x) for x in keep)}
@@ -137,11 +190,16 @@ def main() -> int:
     print(f"prefill {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     states, steppers, times, made = {}, {}, {name: [] for name in configs}, {name: 0 for name in configs}
     settings_of = {name: ctx.with_settings(**settings) for name, settings in configs.items()}
+    firsts = {}  # slot 7's prefill: under its constraint, where it has one (its first token the grammar's)
     for name, settings in configs.items():
+        firsts[name] = last
+        if settings.get("structured_outputs"):
+            firsts[name] = generation.prefill(ctx, [last.prompts[0]], [SLOTS - 1], settings=[settings_of[name]],
+                                              max_new=[room])
         lookup = None
         if settings.get("prompt_lookup_num_tokens"):  # as the batcher runs it: the step capped, unless told
             lookup = CostAware(PromptLookup(), max_slowdown=np.inf if "uncapped" in name else limits.MAX_STEP_SLOWDOWN)
-        states[name] = build_state(ctx, plain, last, settings_of[name], args.capacity, tokenizer, lookup)
+        states[name] = build_state(ctx, plain, firsts[name], settings_of[name], args.capacity, tokenizer, lookup)
         steppers[name] = (lambda s: generation.step(ctx, s)) if lookup is None else (
             lambda s, g=lookup: assisted.verify(ctx, s, g))
     order = list(configs)
@@ -159,7 +217,7 @@ def main() -> int:
                     made[name] += int(states[name].lengths[SLOTS - 1]) - before
                 if not states[name].live[SLOTS - 1]:  # its eos came (the decay's purpose): it starts again
                     generation.release(ctx, states[name], SLOTS - 1)
-                    states[name] = seat(ctx, states[name], last, settings_of[name], tokenizer)
+                    states[name] = seat(ctx, states[name], firsts[name], settings_of[name], tokenizer)
                 if states[name].live_rows.size < SLOTS:
                     raise SystemExit(f"{name}: a plain row ended; give more --capacity")
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr)

@@ -111,7 +111,7 @@ class AppConfig(BaseModel):
     # prompt prefixes kept per decoder replica (KV rows, bytes; 0: off): a prompt that starts as one
     # seen before runs only its rest (generation/cache/prefix.py)
     prefix_cache_bytes: int = Field(default=256 * 2**20, ge=0, le=2**40)
-    max_logprobs: int = Field(default=5, ge=-1, le=20)  # -1: no log-probabilities (the lean greedy loop)
+    max_logprobs: int = Field(default=20, ge=-1, le=20)  # -1: no log-probabilities (the lean greedy loop)
     threads: int | None = Field(default=None, ge=1)  # onnxruntime intra-op threads per decoder replica
     spin: bool = True  # the decoder's idle onnxruntime threads spin between runs (False: they sleep)
     provider: str | None = None  # cuda, cpu; default: CUDA where the replica has a GPU
@@ -146,6 +146,10 @@ class AppConfig(BaseModel):
     # the routes' event loop and the engine's host Python then hold no GIL in common
     # (decoder-only text models; the weights are in the child's memory only).
     engine_process: bool = False
+    # What one request's constraint (structured outputs, tool_choice's grammar, each tool's parameters)
+    # may cost, by field of generation.logits.constraints.GrammarBudget (seconds to compile it, and
+    # llguidance's limits: max_grammar_size, initial_lexer_fuel, ...); a field not given keeps its default
+    grammar_budget: dict[str, int | float] = Field(default_factory=dict)
 
 
 # Seconds a stopping replica (scaled down, redeployed, its node drained) may take to finish the
@@ -185,6 +189,8 @@ def _refused(result, request_id_: str) -> ApiError | None:
         return _busy(result.error) if result.status == 503 else ApiError(result.status or 400, result.error,
                                                                          param=result.field)
     if result.finish_reason == "error":
+        if result.status == 503:  # its engine went away (a new one is starting): the client may retry
+            return _busy(result.error)
         if result.status and result.status < 500:  # the batch refused it while admitting it: its own fault
             return ApiError(result.status, result.error, param=result.field)
         return server_error(request_id_, "the generation failed in the batch", result.error)
@@ -326,6 +332,7 @@ class Decoder:
                 prefix_cache_bytes=cfg.prefix_cache_bytes,
                 max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
                 fuse=cfg.fuse, stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft,
+                grammar_budget=cfg.grammar_budget,
                 engine_process=cfg.engine_process, spin=cfg.spin, **cfg.settings)
 
     async def generate(self, request: GenerateRequest, encoded=None, *images) -> GenerateResponse:
@@ -395,9 +402,9 @@ class Decoder:
         return {RUNNING: float(batcher.running), WAITING: float(batcher.waiting), SLOTS: float(batcher.slots)}
 
     def check_health(self) -> None:
-        thread = getattr(self.generator.batcher, "_thread", None)
-        if thread is not None and not thread.is_alive():
-            raise RuntimeError("the batching loop stopped")
+        batcher = getattr(self.generator, "batcher", None)
+        if batcher is not None and not batcher.alive:
+            raise RuntimeError(f"the batching loop stopped ({getattr(batcher, '_stopped', None) or 'its thread ended'})")
 
     def __del__(self):
         generator = getattr(self, "generator", None)

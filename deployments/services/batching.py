@@ -66,7 +66,8 @@ class Completion:
     """A finished request: its new tokens (without the eos token) and why it ended: "stop"
     (eos or a stop string), "length" (its max_new_tokens), "cancelled", or "error". An error
     has its message, an HTTP `status` (400: the request was at fault, `field` then names the
-    engine's setting when it is one; 500: the server was) for the decoder to answer with."""
+    engine's setting when it is one; 500: the server was) for the decoder to answer with. A
+    "stop" with a message: its constraint left no token (the scheduler's Job.note)."""
 
     tokens: list[int]
     finish_reason: str
@@ -259,9 +260,10 @@ class ContinuousBatcher:
 
     @classmethod
     def from_model(cls, source, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
-                   prefix_cache_bytes: int = 0, max_logprobs: int = 5, threads: int | None = None,
+                   prefix_cache_bytes: int = 0, max_logprobs: int = 20, threads: int | None = None,
                    provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
-                   draft=None, fuse: bool = True, spin: bool = True, **settings) -> "ContinuousBatcher":
+                   draft=None, fuse: bool = True, spin: bool = True, grammar_budget=None,
+                   **settings) -> "ContinuousBatcher":
         """Load `source` (and `draft`), warm its context up for `slots` rows and start the loop
         (TextGenerator.from_model's engine part; see it for the arguments)."""
         import generation
@@ -272,7 +274,8 @@ class ContinuousBatcher:
         if draft is not None:
             draft = generation.load(draft, provider=provider, threads=threads, spin_wait=False, fuse=fuse)
         ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
-                                 top_logprobs=max(0, max_logprobs), draft=draft, **settings)
+                                 top_logprobs=max(0, max_logprobs), draft=draft, grammar_budget=grammar_budget,
+                                 **settings)
         ctx = generation.compile(ctx, batch_size=slots)
         return cls(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_bytes)
 
@@ -313,6 +316,11 @@ class ContinuousBatcher:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        """Whether its loop runs (the decoder's health check)."""
+        return self._thread.is_alive()
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -382,7 +390,7 @@ class ContinuousBatcher:
             if job.hypotheses is not None and not request._cancelled:  # a beam search's tokens come at its end
                 for token, logprob in zip(job.tokens, job.logprobs or [None] * len(job.tokens)):
                     request._emit(token, logprob)
-            request._finish(job.tokens, job.reason, started=job.started)
+            request._finish(job.tokens, job.reason, job.note, started=job.started)  # note: a constraint's dead end
 
     def _count(self) -> None:
         scheduler = self.scheduler

@@ -18,9 +18,12 @@ memory once, in the child (SmolLM2-135M: this process 80 MB, 700 MB with the ses
 Decoder-only text models only: an encoder-decoder's or a vision model's request carries arrays
 (encoder outputs, image features) and Whisper reads its rows' Jobs back; those stay in process.
 
-If the child dies, every request not ended gets finish_reason "error" (500), later submits raise,
-and the decoder's health check fails (Serve restarts the replica). If this process dies, the
-child reads the end of the pipe and exits.
+If the child dies, every request not ended gets finish_reason "error" with status 503 (the client
+may retry: nothing of its own was at fault), and a new child starts at once with the same
+arguments; until it is ready, submits raise EngineRestarting (503 with Retry-After). A child that
+dies RESTARTS times within RESTART_WINDOW seconds, or fails to start, stops the batcher for good:
+`alive` turns false, the decoder's health check fails and Serve replaces the replica. If this
+process dies, the child reads the end of the pipe and exits.
 """
 
 from __future__ import annotations
@@ -29,7 +32,11 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
+from collections import deque
 from dataclasses import replace
+
+from generation.logits.constraints import Grammars
 
 from . import batching
 from .batching import Completion, QueueFull, Request
@@ -37,6 +44,13 @@ from .batching import Completion, QueueFull, Request
 log = logging.getLogger(__name__)
 
 _TOKEN, _PROMPT, _END = 0, 1, 2  # the kinds of a step's events: (kind, request id, payload)
+# A child that dies this many times within this many seconds is not started again.
+RESTARTS, RESTART_WINDOW = 3, 300.0
+
+
+class EngineRestarting(QueueFull):
+    """The engine process died and a new one is starting: the request may be sent again soon
+    (HTTP 503 with Retry-After, as a full queue)."""
 
 
 class EngineProcess:
@@ -57,24 +71,39 @@ class EngineProcess:
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
-        self._stopped: str | None = None  # why the child is gone
-        spawn = multiprocessing.get_context("spawn")
-        self._conn, child = spawn.Pipe()
-        self.load = load = dict(load, slots=slots, capacity=self.capacity, prefix_cache_bytes=prefix_cache_bytes)
-        self.process = spawn.Process(target=_child_main, args=(child, load), name="raymuter-engine", daemon=True)
-        self.process.start()
-        child.close()  # the child's end lives in the child only: its exit is this end's EOF
-        if not self._conn.poll(start_timeout):
-            self.process.kill()
-            raise RuntimeError(f"the engine process did not start within {start_timeout:.0f} s")
-        try:
-            ready = self._conn.recv()
-        except EOFError:
-            ready = ("failed", f"it exited with code {self.process.join(5) or self.process.exitcode}")
-        if ready[0] != "ready":
-            raise RuntimeError(f"the engine process could not load the model: {ready[1]}")
+        self._lock = threading.Lock()  # a submit against the reader ending every request of a dead child
+        self._stopped: str | None = None  # why the batcher ended for good
+        self._restarting: str | None = None  # why a new child is starting
+        self._deaths: deque[float] = deque(maxlen=RESTARTS)
+        self.restarts = 0
+        self.start_timeout = start_timeout
+        self.load = dict(load, slots=slots, capacity=self.capacity, prefix_cache_bytes=prefix_cache_bytes)
+        self._conn, self.process = self._start_child()
         self._thread = threading.Thread(target=self._read, name="raymuter-engine-reader", daemon=True)
         self._thread.start()
+
+    def _start_child(self):
+        """A new child loading the model, once it says it is ready: (its pipe, its process)."""
+        spawn = multiprocessing.get_context("spawn")
+        conn, child = spawn.Pipe()
+        process = spawn.Process(target=_child_main, args=(child, self.load), name="raymuter-engine", daemon=True)
+        process.start()
+        child.close()  # the child's end lives in the child only: its exit is this end's EOF
+        if not conn.poll(self.start_timeout):
+            process.kill()
+            raise RuntimeError(f"the engine process did not start within {self.start_timeout:.0f} s")
+        try:
+            ready = conn.recv()
+        except EOFError:
+            ready = ("failed", f"it exited with code {process.join(5) or process.exitcode}")
+        if ready[0] != "ready":
+            raise RuntimeError(f"the engine process could not load the model: {ready[1]}")
+        return conn, process
+
+    @property
+    def alive(self) -> bool:
+        """Whether it serves or will again (a new child starting counts)."""
+        return self._stopped is None
 
     # -- ContinuousBatcher's interface -----------------------------------------------------------
     def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
@@ -84,18 +113,23 @@ class EngineProcess:
             raise RuntimeError(f"the batcher is closed ({self._stopped})")
         if encoder is not None or timestamps or untempered:
             raise ValueError("the engine process runs decoder-only text requests")
-        if len(self._requests) - self.running >= self.max_waiting:
-            raise QueueFull(f"{self.max_waiting} requests are waiting already")
         job = self._checks.job(prompt, seed, settings, None, prompt_logprobs)
         request = _Request(next(self._ids), job.prompt, job.seed, job.settings, job.max_new, beams=job.beams,
                            prompt_top=prompt_logprobs)
         request.engine = self
-        self._requests[request.id] = request
+        with self._lock:
+            if self._restarting:
+                raise EngineRestarting(f"the engine process is restarting ({self._restarting})")
+            if len(self._requests) - self.running >= self.max_waiting:
+                raise QueueFull(f"{self.max_waiting} requests are waiting already")
+            self._requests[request.id] = request
         try:
             self._send(("submit", request.id, job))
-        except OSError:
+        except OSError:  # the child is gone: the reader is about to start another (or has stopped for good)
             self._requests.pop(request.id, None)
-            raise RuntimeError(f"the batcher is closed ({self._stopped or 'the engine process is gone'})") from None
+            if self._stopped:
+                raise RuntimeError(f"the batcher is closed ({self._stopped})") from None
+            raise EngineRestarting("the engine process is restarting (it exited)") from None
         return request
 
     def close(self) -> None:
@@ -116,7 +150,26 @@ class EngineProcess:
             self._conn.send(message)
 
     def _read(self) -> None:
-        requests, conn = self._requests, self._conn
+        """The children's messages, one child after another: each death ends its requests (503)
+        and starts the next, until close() or too many deaths."""
+        while True:
+            self._read_child(self._conn)
+            code = self.process.exitcode
+            if self._stopped is None:
+                reason = f"the engine process exited with code {code}"
+                self._end_requests(reason + "; retry: a new one is starting", restarting=reason)
+                self._deaths.append(time.monotonic())
+                if len(self._deaths) == RESTARTS and self._deaths[-1] - self._deaths[0] < RESTART_WINDOW:
+                    self._stopped = f"{reason}, {RESTARTS} times within {RESTART_WINDOW:.0f} s"
+                else:
+                    self._restart(reason)
+            if self._stopped is not None:
+                log.error("%s; the batcher stopped", self._stopped)
+                self._end_requests(self._stopped)
+                return
+
+    def _read_child(self, conn) -> None:
+        requests = self._requests
         try:
             while True:
                 events, counts, prefix = conn.recv()
@@ -138,15 +191,45 @@ class EngineProcess:
             pass
         except BaseException:
             log.exception("the engine process's reader stopped")
+            self.process.kill()
         finally:
-            self.process.join(timeout=1)  # reaped, for its exit code
-            code = self.process.exitcode
-            if self._stopped is None:
-                self._stopped = f"the engine process exited (code {code})"
-                log.error("%s; its %d requests end with an error", self._stopped, len(requests))
-            for request in list(requests.values()):
-                request._finish(request._tokens, "error", self._stopped, status=500)
-            requests.clear()
+            self.process.join(timeout=5)  # reaped, for its exit code
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout=5)
+
+    def _end_requests(self, reason: str, restarting: str | None = None) -> None:
+        """Every request of the child that is gone ends with `reason` and 503: none of them was at
+        fault, and the client may send it again. With `restarting`, submits are refused (503)
+        until the next child is ready."""
+        with self._lock:
+            if restarting is not None:
+                self._restarting = restarting
+            ended = list(self._requests.values())
+            self._requests.clear()
+        self.running = self.occupied = self.waiting = 0
+        if ended:
+            log.error("%s: its %d requests end (503)", reason, len(ended))
+        for request in ended:
+            request._finish(request._tokens, "error", reason, status=503)
+
+    def _restart(self, reason: str) -> None:
+        log.error("%s; starting a new one", reason)
+        started = time.monotonic()
+        try:
+            conn, process = self._start_child()
+        except Exception as e:  # noqa: BLE001 - then Serve replaces the replica
+            self._stopped = f"{reason}, and a new one failed to start ({e})"
+            return
+        if self._stopped is not None:  # closed meanwhile
+            conn.close()
+            process.kill()
+            return
+        self._conn, self.process = conn, process
+        self.restarts += 1
+        with self._lock:
+            self._restarting = None
+        log.warning("a new engine process serves (started in %.1f s)", time.monotonic() - started)
 
 
 class _PrefixStats:
@@ -194,11 +277,16 @@ class _Forwarded(Request):
 class _ForwardingBatcher(batching.ContinuousBatcher):
     """The child's loop, on one thread: the parent's commands read from the pipe at each step
     boundary (blocking while idle), and after each step one message with the step's events and
-    the loop's counts."""
+    the loop's counts. A submit whose constraint this process has not compiled yet (the parent
+    compiled and checked it in its own) compiles on a worker thread first, and joins the batch
+    at the step boundary after: a compile never holds the loop."""
 
     conn = None  # set in the child before the loop starts
     _last: tuple = (0, 0, 0, 0)  # the counts the parent has (its own start at nothing)
     requests: dict = {}  # the parent's id -> the live request (for its cancel)
+    _compiler = None  # a ThreadPoolExecutor, once a constraint needs compiling
+    _compiling: dict = {}  # the parent's id -> its job, while its constraint compiles
+    _compiled = None  # queue.Queue of (parent's id, job) whose constraint compiled
 
     def _take_waiting(self) -> None:
         conn = self.conn
@@ -207,11 +295,12 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
                 self._command(conn.recv())
         except (EOFError, OSError):  # the parent is gone
             self._stop.set()
+        self._take_compiled()
         super()._take_waiting()
 
     def _idle(self) -> None:
         try:
-            if self.conn.poll(0.05):
+            if self.conn.poll(0.002 if self._compiling else 0.05):  # a compile's end is looked for often
                 self._command(self.conn.recv())
         except (EOFError, OSError):
             self._stop.set()
@@ -220,19 +309,53 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
         requests = _ForwardingBatcher.requests
         if command[0] == "submit":
             _, rid, job = command
-            _Forwarded.next_rid = rid
-            try:
-                request = self.submit(job.prompt, job=job)
-            except Exception as e:  # noqa: BLE001 - the parent checked it already: the server's fault
-                _Forwarded.outbox.append((_END, rid, Completion([], "error", f"{type(e).__name__}: {e}", status=500)))
+            constraint = job.settings.structured_outputs
+            if constraint is not None and not Grammars.of(self.ctx).compiled(constraint):
+                self._compile(rid, job)
                 return
-            requests[rid] = request  # until its end (_Forwarded._put drops it)
+            self._submit(rid, job)
         elif command[0] == "cancel":
             request = requests.pop(command[1], None)
             if request is not None:
                 request.cancel()
+            elif command[1] in self._compiling:  # it joins the batch cancelled, and ends at once
+                self._compiling[command[1]].cancelled = True
         elif command[0] == "close":
             self._stop.set()
+
+    def _submit(self, rid: int, job) -> None:
+        _Forwarded.next_rid = rid
+        try:
+            request = self.submit(job.prompt, job=job)
+        except Exception as e:  # noqa: BLE001 - the parent checked it already: the server's fault
+            _Forwarded.outbox.append((_END, rid, Completion([], "error", f"{type(e).__name__}: {e}", status=500)))
+            return
+        _ForwardingBatcher.requests[rid] = request  # until its end (_Forwarded._put drops it)
+
+    def _compile(self, rid: int, job) -> None:
+        """The job's constraint compiled on a worker thread (into this process's Grammars, where
+        its row finds it), then the job submitted from the loop's thread (_take_compiled)."""
+        if self._compiler is None:
+            import concurrent.futures
+            import queue
+
+            self._compiler = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="raymuter-grammar")
+            self._compiling, self._compiled = {}, queue.Queue()
+        self._compiling[rid] = job
+
+        def compile_it():
+            try:
+                Grammars.of(self.ctx).check(job.settings.structured_outputs)
+            except Exception:  # noqa: BLE001, S110 - its admission then ends it with the error
+                pass
+            self._compiled.put(rid)
+
+        self._compiler.submit(compile_it)
+
+    def _take_compiled(self) -> None:
+        while self._compiled is not None and not self._compiled.empty():
+            rid = self._compiled.get_nowait()
+            self._submit(rid, self._compiling.pop(rid))
 
     def _count(self) -> None:
         super()._count()

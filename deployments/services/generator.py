@@ -114,10 +114,10 @@ class TextGenerator:
 
     @classmethod
     def from_model(cls, source: str | Path, name: str | None = None, slots: int = 8, capacity: int | None = None,
-                   max_waiting: int = 256, max_logprobs: int = 5, threads: int | None = None,
+                   max_waiting: int = 256, max_logprobs: int = 20, threads: int | None = None,
                    provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
                    stream_interval: float = 0.0, draft: str | Path | None = None, prefix_cache_bytes: int = 0,
-                   fuse: bool = True, engine_process: bool = False, spin: bool = True,
+                   fuse: bool = True, engine_process: bool = False, spin: bool = True, grammar_budget=None,
                    **settings) -> "TextGenerator":
         """Load `source` (folder or hub id) and start its batcher. `settings`: defaults over the
         model's generation_config.json for every request (max_new_tokens, ...). `draft`: a small
@@ -127,7 +127,8 @@ class TextGenerator:
         `spin`: onnxruntime's idle threads spin between the model's runs (generation.load's spin_wait;
         False frees the cores between runs for the HTTP stack and the loop's own Python).
         `engine_process`: the batching loop in a child process (engine_process.EngineProcess;
-        decoder-only text models)."""
+        decoder-only text models). `grammar_budget`: what a request's constraint may cost to
+        compile and run (generation.logits.constraints.GrammarBudget, or a dict of its fields)."""
         import generation
         from generation import families
         from generation.runtime.model import config_texts
@@ -142,18 +143,19 @@ class TextGenerator:
             if kind != "text":
                 raise ValueError(f"engine_process: runs decoder-only text models (this is a {kind} model)")
             ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
-                                     top_logprobs=max(0, max_logprobs), **settings)
+                                     top_logprobs=max(0, max_logprobs), grammar_budget=grammar_budget, **settings)
             model.session = None  # never run here: its weights go (the child loads its own)
             load = dict(source=str(source), variant=variant, provider=provider, threads=threads, cache_mode=cache_mode,
                         max_logprobs=max_logprobs, draft=None if draft is None else str(draft), fuse=fuse, spin=spin,
-                        **settings)
+                        grammar_budget=ctx.grammar_budget, **settings)
             batcher = EngineProcess(parent_context(ctx, slots), load, slots=slots, capacity=capacity,
                                     max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_bytes)
         else:
             batcher = ContinuousBatcher.from_model(source, slots=slots, capacity=capacity, max_waiting=max_waiting,
                                                    prefix_cache_bytes=prefix_cache_bytes, max_logprobs=max_logprobs,
                                                    threads=threads, provider=provider, variant=variant,
-                                                   cache_mode=cache_mode, draft=draft, fuse=fuse, spin=spin, **settings)
+                                                   cache_mode=cache_mode, draft=draft, fuse=fuse, spin=spin,
+                                                   grammar_budget=grammar_budget, **settings)
             model = batcher.ctx.model
             kind = families.family(model).KIND
         name = name or (Path(source).name if Path(source).is_dir() else str(source))
@@ -242,7 +244,73 @@ class TextGenerator:
         """Check and queue a request: (batcher request, prompt ids). Bad input raises
         RequestError naming the request's field; a full queue raises Overloaded. An
         encoder-decoder model's request comes with its source's encoder outputs (`encoder`); its
-        decoder prompt is the decoder start token."""
+        decoder prompt is the decoder start token. Its constraints compile here, on the caller's
+        thread (`stream` compiles them on a worker thread)."""
+        prompt, settings, encoder = self._prepared(request, encoder, images)
+        self._compile_constraints(request, settings)
+        return self._queued(request, prompt, settings, encoder), prompt
+
+    async def _submitted_checked(self, request: GenerateRequest, encoder=None, images=()):
+        """`submit`, its constraints compiled on a worker thread within the grammar budget's
+        seconds first: the replica's event loop serves the other streams and the batching loop
+        steps meanwhile, and the engine then finds the compiled grammar in its cache
+        (constraints.Grammars) when the row starts."""
+        prompt, settings, encoder = self._prepared(request, encoder, images)
+        grammars = self._grammars if (settings.get("structured_outputs") is not None or request.tools) else None
+        if grammars is not None:
+            seconds = grammars.budget.seconds
+            try:
+                if not grammars.ready:  # the model's tokenizer, once: not this request's cost
+                    await asyncio.to_thread(grammars.prepare)
+                await asyncio.wait_for(asyncio.to_thread(self._compile_constraints, request, settings), seconds)
+            except RequestError:
+                raise
+            except ValueError as e:  # the model's folder has no tokenizer.json for llguidance
+                raise refusal(e, request) from None
+            except asyncio.TimeoutError:
+                from generation.core.settings import SettingError
+
+                over = f"compiling it took more than {seconds:g} s (over the grammar budget: grammar_budget.seconds " \
+                       f"is {seconds:g})"
+                if settings.get("structured_outputs") is None:
+                    raise RequestError(f"tools: {over}", "tools") from None
+                raise refusal(SettingError("structured_outputs", f"structured_outputs: {over}"), request) from None
+        return self._queued(request, prompt, settings, encoder), prompt
+
+    @property
+    def _grammars(self):
+        """The engine's grammar compiler (constraints.Grammars; None for the fake engine)."""
+        ctx = getattr(self.batcher, "ctx", None)
+        if ctx is None:
+            return None
+        from generation.logits.constraints import Grammars
+
+        return Grammars.of(ctx)
+
+    def _compile_constraints(self, request: GenerateRequest, settings: dict) -> None:
+        """The request's tools (each one's parameters a JSON schema, whatever the tool_choice) and
+        its constraint compiled within the grammar budget (cached: the engine reuses it);
+        RequestError naming the field otherwise."""
+        grammars = self._grammars
+        if grammars is None:
+            return
+        if request.tools:
+            from generation.text.tools import ToolError, check_tool_schemas, check_tools
+
+            try:
+                check_tool_schemas(check_tools(request.tools), grammars.budget)
+            except ToolError as e:
+                raise RequestError(str(e), e.field) from None
+        constraint = settings.get("structured_outputs")
+        if constraint is not None:
+            try:
+                grammars.check(self.batcher.ctx.with_settings(structured_outputs=constraint).structured_outputs)
+            except ValueError as e:
+                raise refusal(e, request) from None
+
+    def _prepared(self, request: GenerateRequest, encoder=None, images=()):
+        """A request's prompt ids, its engine settings and its encoder outputs (or images),
+        checked as far as the serving layer checks them (RequestError naming the field)."""
         if self.is_seq2seq:
             if encoder is None:
                 raise RequestError("this encoder-decoder model needs the encoder's outputs of the prompt", "prompt")
@@ -274,9 +342,18 @@ class TextGenerator:
         if request.stop_token_ids:
             settings["eos_token_id"] = [*self._eos(settings), *request.stop_token_ids]
         budget = settings.get("max_new_tokens")
+        room = self.context_length and self.context_length - (0 if budget == 0 else 1)  # a new token's place
+        if room and len(prompt) > room:  # the prompt alone is too long, whatever max_tokens says
+            field = "messages" if request.messages is not None else "prompt"
+            raise RequestError(f"{field}: the prompt is {len(prompt)} tokens; the model's context holds "
+                               f"{self.context_length}" + (", a new token included" if budget != 0 else ""), field)
         if isinstance(budget, int) and self.context_length and len(prompt) + budget > self.context_length:
             raise RequestError(f"max_tokens: {budget} new tokens after a prompt of {len(prompt)} "
                                f"exceed the context of {self.context_length} tokens", "settings.max_new_tokens")
+        return prompt, settings, encoder
+
+    def _queued(self, request: GenerateRequest, prompt: list[int], settings: dict, encoder=None):
+        """The prepared request into the batcher (its settings checked there); its Request."""
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         try:
             handle = self.batcher.submit(prompt, seed=seed, settings=settings, encoder=encoder,
@@ -286,7 +363,7 @@ class TextGenerator:
             raise Overloaded(str(e)) from None
         except ValueError as e:
             raise refusal(e, request) from None
-        return handle, prompt
+        return handle
 
     @staticmethod
     def _calls_tools(request: GenerateRequest) -> bool:
@@ -326,7 +403,7 @@ class TextGenerator:
     async def stream(self, request: GenerateRequest, encoder=None, images=()):
         """GenerateChunks as the tokens come; the last one carries finish_reason and counts. A
         consumer that stops early (a client that went away) cancels the request."""
-        handle, prompt = self.submit(request, encoder, images)
+        handle, prompt = await self._submitted_checked(request, encoder, images)
         arrived = time.perf_counter()
         stops = list(request.settings.get("stop_strings") or [])
         if isinstance(request.settings.get("stop_strings"), str):
@@ -370,8 +447,11 @@ class TextGenerator:
             field = request_field(request, getattr(completion, "field", None)) if status < 500 else None
             if status >= 500:
                 logger.error("request %s failed in the batch: %s", request.request_id, error)
-        elif echo:
-            yield self._echo(request, handle, prompt)
+        else:
+            if error:  # a stop its constraint made (it left no token): the client sees "stop"
+                logger.warning("request %s ended early: %s", request.request_id, error)
+            if echo:
+                yield self._echo(request, handle, prompt)
         rest, calls, reason = visible[sent:], None, completion.finish_reason
         if tools and reason != "error":
             rest, calls = self._tool_calls(request, visible)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..logits.constraints import GrammarBudget
 from ..runtime.graph import CACHE_MODES
 from ..runtime.model import Model
 from .settings import SettingError, Settings, make_settings, model_settings, shown
@@ -27,6 +28,7 @@ class Context:
     logprobs_of: str = "processed"  # the scores they are the log-softmax of: 'processed' or 'raw'
     processors: tuple = ()  # the user's (state, process) pairs, after transformers' processors
     draft: object = field(default=None, compare=False)  # the draft model's Context (assisted decoding)
+    grammar_budget: GrammarBudget = GrammarBudget()  # what a structured_outputs constraint may cost
     # a decode state that generate() left empty, to reuse its buffers and bindings next call
     spare_states: list = field(default_factory=list, compare=False, repr=False)
 
@@ -42,7 +44,8 @@ class Context:
 
 def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = DEFAULT_PROMPT_STEPS,
             token_logprobs: bool = False, top_logprobs: int = 0, logprobs_of: str = "processed",
-            processors=(), draft=None, draft_cache_mode: str | None = None, **overrides) -> Context:
+            processors=(), draft=None, draft_cache_mode: str | None = None, grammar_budget=None,
+            **overrides) -> Context:
     """The context for `model`: generation_config.json, then `overrides` (any generation
     setting: max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, ...).
 
@@ -55,7 +58,9 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
     after transformers' processors and before the sampling warpers. draft: a draft model (a
     folder or a loaded Model with the same tokenizer) that proposes tokens the model verifies
     (assisted.py; num_assistant_tokens, num_assistant_tokens_schedule), its cache in
-    `draft_cache_mode` (default its native mode).
+    `draft_cache_mode` (default its native mode). grammar_budget: what compiling a
+    structured_outputs constraint may cost (constraints.GrammarBudget, or a dict of some of its
+    fields; default its defaults).
     """
     if cache_mode is None:
         cache_mode = model.graph.native_mode
@@ -82,6 +87,7 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
         if not (isinstance(pair, tuple) and len(pair) == 2 and all(callable(f) for f in pair)):
             raise SettingError("processors", f"processors[{i}] must be a (state, process) pair of functions, "
                                              f"not {shown(pair)}")
+    grammar_budget = GrammarBudget.of(grammar_budget)
     base = model_settings(model.config, model.generation_config, model.max_context, model.vocab_size)
     settings = make_settings(base, overrides, model.vocab_size, model.max_context)
     if draft is not None:
@@ -90,7 +96,7 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
                   "prompt_lookup_num_tokens" if settings.prompt_lookup_num_tokens else None)
     return Context(model=model, settings=settings, cache_mode=cache_mode, prompt_steps=prompt_steps,
                    token_logprobs=token_logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
-                   logprobs_of=logprobs_of, processors=processors, draft=draft)
+                   logprobs_of=logprobs_of, processors=processors, draft=draft, grammar_budget=grammar_budget)
 
 
 def _check_verify(cache_mode: str, asked: str | None) -> None:

@@ -18,7 +18,8 @@ A failure stays with its job: a batched admission that raises is redone one job 
 a job that fails alone ends with its error (`Job.admitting`: raised while admitting it, so its
 own data is at fault when the error is a ValueError); a row whose own part of a step failed ends
 alone. A failure of the model's run ends the jobs of that run; the scheduler goes on with a
-fresh state.
+fresh state. A constrained row whose scores its constraint leaves without a token is no failure:
+it ends with the tokens it has, reason "stop", `Job.note` saying why (constraints.DeadEnd).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ..assisted.verify import verify
 from ..cache.cross import FirstStepStore
 from ..cache.prefix import PrefixStore
 from ..families.whisper.timestamps import timestamp_rule_ids
-from ..logits.constraints import Grammars
+from ..logits.constraints import DeadEnd, Grammars
 from ..logits.selection import LogProbs
 from ..search.beam import Hypothesis
 from . import limits
@@ -82,6 +83,7 @@ class Job:
     started: float | None = None  # perf_counter() when it was admitted (or ended waiting)
     eos_logprob: float | None = None  # the log-probability of the eos token it ended at (token_logprobs)
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache (OpenAI's usage.prompt_tokens_details)
+    note: str | None = None  # why a "stop" came before its eos: its constraint left no token (constraints.DeadEnd)
 
     @property
     def beams(self) -> int:
@@ -256,6 +258,9 @@ class Scheduler:
             for slot, error in out.failed.items():
                 if slot in self.groups:  # a beam search's own failure: the engine freed its slots
                     self._close(self.groups.pop(slot), "error", error)
+                elif isinstance(error, DeadEnd):  # its constraint left it no token: it ends there
+                    self.holder[slot].note = str(error)
+                    self._end_slot(slot, "stop")
                 else:
                     self._end_slot(slot, "error", error)
             if out.any_finished:
@@ -370,7 +375,11 @@ class Scheduler:
                 updates.append(Update(group_jobs, first))
             for j, (slot, job) in enumerate(zip(group_slots, group_jobs)):
                 job.cached_tokens = int(self.state.cached[slot])
-                if j in first.failed:
+                if isinstance(first.failed.get(j), DeadEnd):  # its constraint left no first token
+                    job.tokens, job.note = [], str(first.failed[j])
+                    job.logprobs, job.top = ([], None if first.top is None else []) if token_logprobs else (None, None)
+                    self._close(job, "stop")
+                elif j in first.failed:
                     self._close(job, "error", first.failed[j], admitting=True)
                 elif first.finished[j]:  # ended at its first token: the slot stayed free
                     job.tokens = [int(first.token[j])] if first.token[j] >= 0 else []

@@ -28,7 +28,7 @@ from ..cache.cross import FirstStepStore, run_first_steps
 from ..cache.prefill import PromptCache, run_from, run_prompts
 from ..cache.prefix import PrefixStore
 from ..families.vision import PromptImages, check_images
-from ..logits.constraints import Grammars
+from ..logits.constraints import Grammars, dead_ends
 from ..logits.processors import RowSettings, apply
 from ..logits.selection import LogProbs, SamplingRows, logprobs, pick
 from ..runtime.encoders import EncoderOutputs
@@ -205,20 +205,25 @@ def _ends(tokens: np.ndarray, eos: np.ndarray, count: np.ndarray, limit: np.ndar
 
 def _select(ctx: Context, scores: np.ndarray, rows: RowSettings, processes: bool, history: np.ndarray,
             length: np.ndarray, prompt_length: np.ndarray, seeds: np.ndarray, draws: np.ndarray,
-            keep_scores: bool = False) -> tuple[np.ndarray, LogProbs | None]:
+            keep_scores: bool = False) -> tuple[np.ndarray, LogProbs | None, dict]:
     """The next token of each row from its logits [n, V] (a copy the step owns: the processors
     work in it, unless `keep_scores`), and its log-probabilities when the context asks: the
     processors, the warpers of sampling rows, then greedy or a seeded draw. history [n, W] holds
-    each row's `length` tokens (prompt first)."""
+    each row's `length` tokens (prompt first). Also the constrained rows whose processed scores
+    hold no token ({index: DeadEnd}: their token is meaningless)."""
     processed = scores
     of_processed = ctx.token_logprobs and ctx.logprobs_of == "processed"
     if processes or ctx.processors:  # `scores` are this step's own copy; raw log-probabilities still read them
         processed = apply(scores, rows, history, length, ctx.processors, prompt_length,
                           inplace=not keep_scores and not (ctx.token_logprobs and not of_processed))
+    dead = dead_ends(processed, rows.constraints) if processes else {}  # before the warpers write into them
+    if dead:  # their token is dropped: drawn from zeros rather than from -inf everywhere (nan, warnings)
+        processed = processed.copy() if processed is scores else processed
+        processed[list(dead)] = 0
     tokens, lp = pick(processed, SamplingRows.of(rows), seeds, draws, of_processed, ctx.top_logprobs)
     if ctx.token_logprobs and not of_processed:
         lp = logprobs(scores, tokens, ctx.top_logprobs)
-    return tokens, lp
+    return tokens, lp, dead
 
 
 def select_rows(ctx: Context, scores: np.ndarray, rows: RowSettings, processes: bool, history: np.ndarray | None,
@@ -229,11 +234,11 @@ def select_rows(ctx: Context, scores: np.ndarray, rows: RowSettings, processes: 
     processors would have written into them). Returns the tokens (the pad token for a failed
     row: it still runs as a padding row until released), the log-probabilities and the failed
     rows {index: exception}. A token outside the vocabulary (scores that left nothing to
-    draw) fails its row too."""
+    draw) fails its row too; a constrained row whose scores hold no token fails with DeadEnd
+    (constraints.dead_ends: the scheduler ends it as a stop)."""
     try:
-        tokens, lp = _select(ctx, scores, rows, processes, history, length, prompt_length, seeds, draws,
-                             keep_scores=True)
-        failed = {}
+        tokens, lp, failed = _select(ctx, scores, rows, processes, history, length, prompt_length, seeds, draws,
+                                     keep_scores=True)
     except Exception:  # noqa: BLE001 - redone row by row below, and only the culprits fail
         tokens, lp, failed = _select_alone(ctx, scores, rows, processes, history, length, prompt_length, seeds, draws)
     for i in np.flatnonzero((tokens < 0) | (tokens >= scores.shape[1])).tolist():
@@ -257,11 +262,14 @@ def _select_alone(ctx: Context, scores, rows: RowSettings, processes, history, l
     for i in range(n):
         one = slice(i, i + 1)
         try:
-            token, row_lp = _select(ctx, scores[one], rows.take(np.array([i])), processes,
-                                    None if history is None else history[one], length[one], prompt_length[one],
-                                    seeds[one], draws[one], keep_scores=True)
+            token, row_lp, dead = _select(ctx, scores[one], rows.take(np.array([i])), processes,
+                                          None if history is None else history[one], length[one], prompt_length[one],
+                                          seeds[one], draws[one], keep_scores=True)
         except Exception as e:  # noqa: BLE001 - this row's own failure
             failed[i] = e
+            continue
+        if dead:
+            failed[i] = dead[0]
             continue
         tokens[i] = token[0]
         if lp is not None:
@@ -605,6 +613,8 @@ def step(ctx: Context, state: DecodeState) -> tuple[DecodeState, StepTokens]:
         if lp.top is not None:
             state.top_ids[rows, position], state.top[rows, position] = lp.top_ids, lp.top
     state.lengths[rows] = position
+    if failed:  # a row whose own selection failed gains no token (as assisted verification's rows)
+        state.lengths[rows[list(failed)]] -= 1
     state.next_input[rows] = tokens
     out = with_logprobs(_settle(state, rows, tokens, position, failed), rows, state.slots, lp)
     out.beams = stopped

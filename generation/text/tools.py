@@ -26,7 +26,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from ..logits.constraints import JSON_LAYOUT
+from ..logits.constraints import JSON_LAYOUT, GrammarBudget, schema_error
 
 FORMATS = ("hermes", "llama3_json", "mistral", "json")
 
@@ -92,6 +92,17 @@ def check_tools(tools) -> list[dict]:
             raise ToolError(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema "
                                                             "object")
     return list(tools)
+
+
+def check_tool_schemas(tools: list[dict], budget: GrammarBudget) -> None:
+    """Each tool's parameters compiled as a JSON schema within `budget`, whatever the tool_choice
+    (constraints.schema_error: keywords llguidance does not implement pass, a malformed schema does
+    not); ToolError naming tools.i.function.parameters otherwise."""
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}.function.parameters"
+        error = schema_error(tool["function"].get("parameters") or {"type": "object", "properties": {}}, budget)
+        if error:
+            raise ToolError(where, f"{where} is not a JSON schema this server compiles: {error}")
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

@@ -62,6 +62,11 @@ def test_chat_prompt_and_logprobs(fake):
     (dict(prompt=[10**6]), "prompt", "not a token id"),
     (dict(prompt="a", logprobs=9), "logprobs", "at most 5 alternatives"),
     (dict(prompt="a", settings={"max_new_tokens": 5000}), "settings.max_new_tokens", "exceed the context of 4096"),
+    # the prompt alone past the context: its own field, whatever max_tokens (it named max_tokens)
+    (dict(prompt="a" * 4096, settings={"max_new_tokens": 1}), "prompt", "the prompt is 4096 tokens; the model's "
+                                                                        "context holds 4096, a new token included"),
+    (dict(messages=[{"role": "user", "content": "a" * 4078}], settings={"max_new_tokens": 1}), "messages",
+     "the prompt is 4096 tokens"),
     (dict(prompt="a", settings={"temperature": -1}), "settings.temperature", "temperature must be a positive number"),
     (dict(prompt="a", stop_token_ids=[10**6]), "stop_token_ids", "stop_token_ids names token id"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages.0.content.0", "text parts only"),

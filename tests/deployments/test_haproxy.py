@@ -9,6 +9,7 @@ not know stops it with a message, before any HAProxy runs.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -34,8 +35,8 @@ def ray_config(folder: Path, host: str) -> Path:
     return folder / "haproxy.cfg"
 
 
-def wrapped(args, host: str, binary: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, **haproxy.environment(host, binary)}
+def wrapped(args, host: str, binary: str, fallback: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, **haproxy.environment(host, binary, fallback)}
     return subprocess.run([env["RAY_SERVE_HAPROXY_BINARY_PATH"], *map(str, args)], env=env, capture_output=True,
                           text=True, timeout=30)
 
@@ -58,6 +59,43 @@ def test_stats_and_metrics_listen_on_the_serving_host_and_the_sockets_are_privat
     assert stat.S_IMODE(config.parent.stat().st_mode) == 0o700
     again = wrapped(["-c", "-f", config], host, haproxy.real_binary())  # a reload rewrites a rewritten file
     assert again.returncode == 0 and config.read_text() == text
+
+
+# An application's backend as Ray writes it: its ingress replica, and Serve's fallback proxy as a backup.
+BACKEND = """backend http-raymuter
+    log global
+    http-reuse always
+    option httpchk GET /-/healthz
+    server SERVE_REPLICA_raymuter-Server-abc 127.0.0.1:30000 check
+    # Fallback to head node's Serve proxy when no ingress replicas are available
+    server SERVE_PROXY_ACTOR-fallback-0123abcd 127.0.0.1:8500 check backup
+"""
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_no_replica_answers_503_in_openai_s_shape_and_a_leaving_client_reaches_the_replica(tmp_path, fallback):
+    """HAProxy's own answers (502, 503: no replica could take the request; 504) are the wrapper's
+    error files, OpenAI's error body, 503 with Retry-After; the request is not spliced (HAProxy
+    then misses clients that leave); Serve's fallback route (a proxy that holds requests silently
+    until a replica is back) stays only where asked (routes that scale to zero)."""
+    config = ray_config(tmp_path / "node", "127.0.0.1")
+    assert re.search(r"^\s*option splice-request$", config.read_text(), re.M)  # guard: what Ray writes
+    assert len(re.findall(r"^\s*errorfile 50[234] ", config.read_text(), re.M)) == 3
+    config.write_text(config.read_text() + BACKEND)
+    done = wrapped(["-c", "-f", config], "127.0.0.1", haproxy.real_binary(), fallback)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = config.read_text()
+    assert "splice-request" not in text and re.search(r"^\s*option splice-response$", text, re.M)
+    files = dict(re.findall(r"^\s*errorfile (50[234]) (\S+)$", text, re.M))
+    assert set(files) == {"502", "503", "504"} and files["502"] == files["503"] != files["504"]
+    unavailable = Path(files["503"]).read_bytes().decode()
+    head, body = unavailable.split("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 503 ") and "\r\nRetry-After: 1" in head
+    assert f"\r\nContent-Length: {len(body.encode())}" in head
+    assert json.loads(body)["error"]["type"] == "server_overloaded"
+    assert Path(files["504"]).read_text().startswith("HTTP/1.1 504 ")
+    assert ("SERVE_PROXY_ACTOR-fallback" in text) == fallback
+    assert "server SERVE_REPLICA_raymuter-Server-abc 127.0.0.1:30000 check" in text
 
 
 def test_the_real_binary_gets_ray_s_arguments(tmp_path):

@@ -228,3 +228,35 @@ def test_a_malformed_constraint_is_refused_naming_its_field(body, field):
     with pytest.raises(ApiError) as caught:
         parse(CompletionRequest, dict(model="m", prompt="a", **body))
     assert caught.value.param == field, caught.value.message
+
+
+def test_a_client_closing_an_n_choice_stream_closes_every_choice_cleanly():
+    """n > 1 streams merged: closed after the first event (the client left), each choice's stream
+    closes after its pump has stopped (closing one a pump was still reading raised 'aclose():
+    asynchronous generator is already running' in the route, and the replica logged it)."""
+    import asyncio
+
+    from deployments.http.edge import merged_streams
+
+    closed = []
+
+    async def choice(i):
+        try:
+            for k in range(1000):
+                await asyncio.sleep(0.001)
+                yield f"{i}.{k}"
+        finally:
+            closed.append(i)
+
+    async def run():
+        streams = [choice(i) for i in range(3)]
+        firsts = [await s.__anext__() for s in streams]
+        merged = merged_streams(firsts, streams)
+        got = [await merged.__anext__() for _ in range(4)]
+        await merged.aclose()
+        for stream in streams:
+            await stream.aclose()  # raised RuntimeError before
+        return got
+
+    got = asyncio.run(run())
+    assert [item for _, item in got[:3]] == ["0.0", "1.0", "2.0"] and sorted(closed) == [0, 1, 2]

@@ -271,6 +271,26 @@ def test_a_client_that_goes_away_frees_its_slot(serve_apps):
     assert check_client_gone_frees_slots(serve_apps.fake)["choices"][0]["text"] == "ko"
 
 
+def test_twenty_alternatives_a_token_by_default(serve_apps):
+    """As OpenAI and vLLM take: top_logprobs and logprobs up to 20 (--max-logprobs 20)."""
+    with httpx.Client(timeout=60) as client:
+        chat = client.post(serve_apps.real + "/v1/chat/completions", json=dict(
+            model="tiny", messages=[{"role": "user", "content": "The list"}], max_tokens=2, logprobs=True,
+            top_logprobs=20))
+        completion = client.post(serve_apps.real + "/v1/completions", json=dict(
+            model="tiny", prompt="The list", max_tokens=2, logprobs=20))
+    assert chat.status_code == completion.status_code == 200, (chat.text, completion.text)
+    tokens = chat.json()["choices"][0]["logprobs"]["content"]
+    assert tokens and all(len(t["top_logprobs"]) == 20 for t in tokens)
+    # /v1/completions keys the alternatives by their text (OpenAI's legacy shape): tokens that decode alike share one
+    assert all(5 < len(top) <= 20 for top in completion.json()["choices"][0]["logprobs"]["top_logprobs"])
+
+
+def test_clients_that_leave_whole_answers_free_their_slots(serve_apps):
+    """Through HAProxy (its client's close reaches the ingress) and the ingress to the decoder."""
+    check_abandoned_whole_answers_free_slots(serve_apps.fake)
+
+
 def check_client_gone_frees_slots(url: str, model: str = "fake", streams: int = 4, **long) -> dict:
     """`streams` streams (4: each slot of the fake-engine app at `url`) that go away after their
     first event: every slot is free again; the answer to a new 2-token request. `long`: the
@@ -285,6 +305,32 @@ def check_client_gone_frees_slots(url: str, model: str = "fake", streams: int = 
             time.sleep(0.1)
         assert running(client, url) == 0
         return client.post(url + "/v1/completions", json=dict(model=model, prompt="ok", max_tokens=2)).json()
+
+
+def check_abandoned_whole_answers_free_slots(url: str, model: str = "fake", count: int = 4, leave_after: float = 1.0,
+                                             headers: dict | None = None, **long) -> None:
+    """`count` whole (non-streamed) answers sent at once by one client whose timeout
+    (`leave_after` seconds) closes their connections, as a user's timeout does: every slot is free
+    again within a few seconds, and the rows made at most a fraction of their tokens. `long`: the
+    body (default: 2000 tokens). Through HAProxy, a body sent apart from its headers (as httpx
+    sends it) once went to the replica spliced, and HAProxy missed most of the closes."""
+    body = {"model": model, "prompt": "ab", "max_tokens": 2000, **long}
+
+    async def leave():
+        async with httpx.AsyncClient(timeout=leave_after, headers=headers) as client:
+            return await asyncio.gather(*(client.post(url + "/v1/completions", json=body) for _ in range(count)),
+                                        return_exceptions=True)
+
+    with httpx.Client(timeout=60, headers=headers) as client:
+        before = metric(client.get(url + "/metrics").text, "raymuter:generation_tokens_total")
+        left = asyncio.run(leave())
+        assert all(isinstance(e, httpx.ReadTimeout) for e in left), left  # none ended before its client left
+        deadline = time.time() + 5
+        while time.time() < deadline and running(client, url) > 0:
+            time.sleep(0.05)
+        assert running(client, url) == 0
+        made = metric(client.get(url + "/metrics").text, "raymuter:generation_tokens_total") - before
+        assert made < count * body["max_tokens"] / 2, made
 
 
 def running(client, url) -> float:

@@ -10,6 +10,7 @@ costs 10-15 s on 2 cores: the two below check everything that needs a running se
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -19,7 +20,6 @@ import stat
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -29,8 +29,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def environment() -> dict[str, str]:
-    """This checkout first on the import path; not the session Ray's HAProxy ports or wrapper."""
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_SERVE_", "RAYMUTER_HAPROXY_"))}
+    """This checkout first on the import path; not the session Ray's ports, HAProxy files or wrapper."""
+    from deployments import instance
+
+    own = {*instance.PORT_VARIABLES, *instance.NO_SHARED_PORTS}
+    inherited = {k: v for k, v in os.environ.items()
+                 if not k.startswith(("RAY_SERVE_", "RAYMUTER_HAPROXY_")) and k not in own}
     return {**inherited, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
@@ -50,35 +54,54 @@ def ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@contextmanager
-def serving(*args):
-    """`raymuter serve --engine fake --num-cpus 4 ARGS`, launched with SIGINT ignored; yields the
-    process and its URL once it prints it. Whatever of its process tree is left at the end is killed."""
-    process = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--engine", "fake", "--num-cpus", "4",
+@contextlib.contextmanager
+def serving(*args, engine: str = "fake", launch_only: bool = False):
+    """`raymuter serve --engine ENGINE --num-cpus 4 ARGS`, launched with SIGINT ignored; yields the
+    process and its URL once it prints it (`launch_only`: the process at once; wait_for_url
+    waits). What it printed until then is its `printed`. Whatever of its process tree is left at
+    the end is killed."""
+    process = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--engine", engine, "--num-cpus", "4",
                                 *map(str, args)], cwd=ROOT, env=environment(), stderr=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, text=True, start_new_session=True, preexec_fn=ignore_sigint)
     seen = set()
     try:
-        url, deadline, lines = None, time.time() + 120, []
-        while url is None and time.time() < deadline:
-            line = process.stderr.readline()
-            lines.append(line)
-            if not line and process.poll() is not None:
-                break
-            found = re.search(r"serving '(.+)' at (http://\S+)/v1", line)
-            if found:
-                url = found.group(2)
-        assert url is not None, "no URL printed:\n" + "".join(lines)
-        seen.update(process_tree(process.pid))
-        yield process, url
+        if launch_only:
+            yield process
+        else:
+            url = wait_for_url(process)
+            seen.update(process_tree(process.pid))
+            yield process, url
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(psutil.Error):
+                seen.update(process_tree(process.pid))  # HAProxy's reloads since
+            process.terminate()  # its own stop removes its run folder
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
         for p in seen:  # Ray's processes that left the group
             try:
                 p.kill()
             except psutil.Error:
                 pass
+
+
+def wait_for_url(process, timeout: float = 180) -> str:
+    """The URL `raymuter serve` prints once it serves; what it printed until then: process.printed."""
+    url, deadline, lines = None, time.time() + timeout, []
+    while url is None and time.time() < deadline:
+        line = process.stderr.readline()
+        lines.append(line)
+        if not line and process.poll() is not None:
+            break
+        found = re.search(r"serving '(.+)' at (http://\S+)/v1", line)
+        if found:
+            url = found.group(2)
+    lines.append(process.stderr.readline())  # the curl line
+    process.printed = "".join(lines)
+    assert url is not None, "no URL printed:\n" + process.printed
+    return url
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
@@ -153,13 +176,203 @@ def test_on_loopback_nothing_listens_beyond_it_and_sigint_stops_it_though_ignore
         haproxy = [p for p in tree if p.name() == "haproxy"]
         assert haproxy, "no HAProxy in the process tree"
         command = haproxy[0].cmdline()
-        config = Path(command[command.index("-f") + 1]).read_text()
+        config_path = Path(command[command.index("-f") + 1])
+        config = config_path.read_text()
         admin = Path(re.search(r"^\s*stats socket (\S+)", config, re.M).group(1))
         assert stat.S_IMODE(admin.stat().st_mode) == 0o600
         assert stat.S_IMODE(admin.parent.stat().st_mode) == 0o700  # Ray's metrics socket beside it is 666
         stats_port = int(re.search(r"^listen stats\n\s*bind 127\.0\.0\.1:(\d+)$", config, re.M).group(1))
         assert httpx.get(f"http://127.0.0.1:{stats_port}/stats", timeout=10).status_code == 200
+        run_folder = config_path.parents[1]  # the instance's own: HAProxy's files (under the node's id), Ray's session
+        assert run_folder.name.startswith("raymuter-") and (run_folder / "ray").is_dir()
         assert_stops(process, signal.SIGINT, url)
+        assert not run_folder.exists()  # nothing of it is left in the temporary folder
+
+
+def answers(url: str, key: str) -> int | str:
+    """The status of GET url/v1/models with `key` where the application answered (OpenAI's model
+    list or error body), else what answered: "not the application" (a metrics or stats page) or
+    the kind of failure (not HTTP, no answer)."""
+    try:
+        out = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=5)
+    except httpx.HTTPError as e:
+        return type(e).__name__
+    try:
+        body = out.json()
+    except ValueError:
+        return "not the application"
+    return out.status_code if isinstance(body, dict) and ("data" in body or "error" in body) else "not the application"
+
+
+def test_two_instances_share_no_port_and_each_answers_only_its_own_key():
+    """Two `raymuter serve` started at once on one host with different keys: no port of one's
+    process tree is one of the other's (Serve's fallback proxy once bound 127.0.0.1:8500 in both,
+    with SO_REUSEPORT, and the kernel split one's clients between the two applications); on every
+    port of each, the other's key never gets the model list. Then one's ingress replica is
+    killed: while it restarts its port answers its own key 503 (Retry-After) or 200, never the
+    other's 200, and the other instance goes on."""
+    keys = {"a": "key-a", "b": "key-b"}
+    with contextlib.ExitStack() as stack:
+        ports = {name: free_port() for name in keys}
+        launched = {name: stack.enter_context(serving("--port", ports[name], "--api-key", keys[name], launch_only=True))
+                    for name in keys}
+        urls = {name: wait_for_url(process) for name, process in launched.items()}
+        sockets = {name: settled_sockets(launched[name], ports[name])[1] for name in keys}
+        numbers = {name: {port for _, port, _ in found} for name, found in sockets.items()}
+        assert numbers["a"] and numbers["b"] and not numbers["a"] & numbers["b"], (sockets["a"], sockets["b"])
+        for own, other in (("a", "b"), ("b", "a")):
+            serving_ports = []
+            for port in sorted(numbers[own]):
+                address = f"http://127.0.0.1:{port}"
+                assert answers(address, keys[other]) != 200, (own, port)  # never the other's clients
+                if answers(address, keys[own]) == 200:
+                    serving_ports.append(port)
+                    assert answers(address, keys[other]) == 401
+            assert ports[own] in serving_ports  # guard: the probe reached the application
+
+        ingress = [p for p in process_tree(launched["a"].pid) if "ServeReplica:raymuter:Ingress" in p.name()]
+        assert ingress, "no ingress replica in a's tree"
+        ingress[0].kill()
+        seen, deadline = [], time.time() + 60
+        while time.time() < deadline:
+            with_other = answers(urls["a"], keys["b"])
+            assert with_other in (401, 503), with_other
+            got = httpx.get(urls["a"] + "/v1/models", headers={"Authorization": f"Bearer {keys['a']}"}, timeout=15)
+            seen.append(got.status_code)
+            assert got.status_code in (200, 503), got.text
+            if got.status_code == 503:
+                assert got.headers["retry-after"] == "1" and got.json()["error"]["type"] == "server_overloaded"
+            if seen[-3:] == [200, 200, 200] and 503 in seen:
+                break
+            assert answers(urls["b"], keys["b"]) == 200  # the other instance is untouched
+            time.sleep(0.1)
+        assert 503 in seen and seen[-1] == 200, seen  # answered while down, and serves again
+
+
+def test_the_default_layout_frees_slots_left_whole_and_answers_503_while_its_engine_restarts():
+    """`raymuter serve` on the default model as a user starts it (the routes and the decoder in
+    one replica, the batching loop in a child process): whole answers whose client's timeout
+    closed them free their slots at once; the engine process killed under load answers its held
+    requests and every new one 503 with Retry-After until a new one serves, and so does the
+    replica itself killed; the printed curl line carries the key by name."""
+    from test_serve import check_abandoned_whole_answers_free_slots
+
+    port, key = free_port(), "key-a"
+    with serving("--port", port, "--api-key", key, engine="onnx") as (process, url):
+        assert f'-H "Authorization: Bearer $RAYMUTER_API_KEY"' in process.printed
+        headers = {"Authorization": f"Bearer {key}"}
+        check_abandoned_whole_answers_free_slots(url, "raymuter-default", count=8, leave_after=0.5,
+                                                 prompt="The list type", max_tokens=480, ignore_eos=True,
+                                                 headers=headers)
+        tree = process_tree(process.pid)
+        engine = [p for p in tree if "spawn_main" in " ".join(p.cmdline())]
+        server = [p for p in tree if "ServeReplica:raymuter:Server" in p.name()]
+        assert len(engine) == 1 and len(server) == 1, [p.name() for p in tree]
+        for victim in (engine[0], server[0]):
+            assert_answers_503_until_it_serves(url, headers, victim)
+
+
+def test_behind_serve_s_own_proxy_clients_that_leave_whole_answers_free_their_slots():
+    """`--proxy ray` (Serve's Python proxy in front, actor calls behind): as through HAProxy."""
+    from test_serve import check_abandoned_whole_answers_free_slots
+
+    with serving("--port", free_port(), "--proxy", "ray") as (process, url):
+        assert not [p for p in process_tree(process.pid) if p.name() == "haproxy"]
+        check_abandoned_whole_answers_free_slots(url, "raymuter-default")
+
+
+def assert_answers_503_until_it_serves(url: str, headers: dict, victim: psutil.Process) -> None:
+    """Requests held when `victim` dies and every one sent until it serves again: 503 with
+    Retry-After in OpenAI's error shape, never a 500 and never silence (each within 10 s)."""
+    import threading
+
+    body = dict(model="raymuter-default", prompt="The list type", max_tokens=400, ignore_eos=True)
+    held = []
+
+    def hold():
+        held.append(httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30))
+
+    holders = [threading.Thread(target=hold) for _ in range(4)]
+    for thread in holders:
+        thread.start()
+    time.sleep(0.3)
+    victim.kill()
+    seen, deadline = [], time.time() + 90
+    while time.time() < deadline:
+        out = httpx.post(url + "/v1/completions", json=dict(body, max_tokens=4), headers=headers, timeout=10)
+        seen.append(out.status_code)
+        assert out.status_code in (200, 503), out.text
+        if out.status_code == 503:
+            assert out.headers["retry-after"] == "1" and out.json()["error"]["type"] == "server_overloaded"
+        elif 503 in seen or len(seen) > 20:
+            break
+        time.sleep(0.1)
+    for thread in holders:
+        thread.join(timeout=60)
+    assert [r.status_code for r in held if r.status_code != 200] and \
+        all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in held if r.status_code != 200), \
+        [(r.status_code, r.text[:200]) for r in held]
+    assert seen[-1] == 200, seen
+
+
+def test_a_start_that_cannot_finish_is_one_line_exit_1_and_leaves_nothing_in_tmp(tmp_path):
+    """--start-timeout too short for the application: one line naming what it waited for and
+    where Ray's logs were kept, exit code 1, no traceback, and the run folder (Ray's session,
+    HAProxy's files) removed."""
+    temporary = Path(f"/tmp/t{os.getpid() % 100000}")  # short enough for the run folder's sockets
+    temporary.mkdir()
+    try:
+        env = {**environment(), "TMPDIR": str(temporary), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+        done = subprocess.run([sys.executable, "-m", "deployments.cli", "serve", "--engine", "fake", "--num-cpus", "4",
+                               "--port", str(free_port()), "--start-timeout", "1"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 1, done.stderr
+        errors = [line for line in done.stderr.splitlines() if line.startswith("raymuter: error:")]
+        assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+        found = re.fullmatch(r"raymuter: error: start-up failed: not running after \d+ s \(--start-timeout\): "
+                             r"waiting for .+ \(Ray's logs: (\S+)\)", errors[0])
+        assert found, errors[0]
+        logs = Path(found.group(1))
+        assert logs.is_relative_to(tmp_path / "cache" / "raymuter" / "logs") and any(logs.iterdir())
+        assert list(temporary.iterdir()) == []  # the run folder is gone
+    finally:
+        subprocess.run(["rm", "-rf", str(temporary)])
+
+
+def test_start_up_progress_names_what_it_waits_for(monkeypatch, capsys):
+    """wait_running over Serve's status: a line every PROGRESS_SECONDS naming the deployments
+    not running yet; a failed deployment or the deadline is StartFailed naming it."""
+    from types import SimpleNamespace as N
+
+    from ray.serve._private.common import DeploymentStatus, ReplicaState
+    from ray.serve.schema import ApplicationStatus, ProxyStatus
+
+    from deployments import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    starting = N(status=ApplicationStatus.DEPLOYING, message="", deployments={
+        "Decoder": N(status=DeploymentStatus.UPDATING, replica_states={ReplicaState.STARTING: 1}),
+        "Ingress": N(status=DeploymentStatus.HEALTHY, replica_states={ReplicaState.RUNNING: 1})})
+    states = iter([N(proxies={}, applications={"raymuter": starting})] * 2 +
+                  [N(proxies={}, applications={"raymuter": N(status=ApplicationStatus.RUNNING)})])
+    cli.wait_running("raymuter", time.monotonic() + 60, time.monotonic(), status=lambda: next(states))
+    said = capsys.readouterr().err
+    assert "[raymuter] still starting" in said and "waiting for Decoder (1 starting)\n" in said, said
+    failed = N(proxies={}, applications={"raymuter": N(status=ApplicationStatus.DEPLOY_FAILED,
+                                                       message="Traceback ...\nValueError: model folder 'x' has no onnx")})
+    try:
+        cli.wait_running("raymuter", time.monotonic() + 60, time.monotonic(), status=lambda: failed)
+        raise AssertionError("no StartFailed")
+    except cli.StartFailed as e:
+        assert str(e) == "the application failed to deploy: ValueError: model folder 'x' has no onnx"
+    try:
+        cli.wait_running("raymuter", time.monotonic() - 1, time.monotonic() - 5, status=lambda: N(
+            proxies={"n": ProxyStatus.STARTING}, applications={"raymuter": starting}))
+        raise AssertionError("no StartFailed")
+    except cli.StartFailed as e:
+        assert str(e) == ("not running after 5 s (--start-timeout): waiting for Decoder (1 starting); "
+                          "the HTTP proxy (starting)")
 
 
 def test_sigterm_stops_it():

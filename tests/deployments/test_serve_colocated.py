@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from deployments.local_handle import LocalHandle
-from test_serve import alone, check_client_gone_frees_slots, check_handles, metric, sse
+from test_serve import alone, check_abandoned_whole_answers_free_slots, check_client_gone_frees_slots, check_handles, metric, sse
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -93,6 +93,7 @@ def test_bad_requests_get_their_4xx_naming_the_field(colocated):
 
 def test_a_client_that_goes_away_frees_its_slot(colocated):
     assert check_client_gone_frees_slots(colocated["colocated-fake"])["choices"][0]["text"] == "ko"
+    check_abandoned_whole_answers_free_slots(colocated["colocated-fake"])
 
 
 def test_metrics_has_the_routes_and_the_decoders(colocated):

@@ -6,7 +6,9 @@ log-probabilities) in every cache mode, and the constraint changed transformers'
 constrained row beside unconstrained ones gives each what it gives alone; sampled rows are
 seeded and always valid; for random JSON schemas every output of a fixture and of the default
 model parses and validates; a bad schema, regex or grammar is a SettingError naming
-structured_outputs; a constraint unmet within the budget ends by length.
+structured_outputs; a constraint unmet within the budget ends by length. A constraint over the
+grammar budget is refused when it is checked, quickly, naming the budget's field and value; one
+that leaves its row no token midway ends that row alone ("stop", with why), the others as alone.
 """
 
 from __future__ import annotations
@@ -214,6 +216,9 @@ def test_a_constraint_unmet_within_the_budget_ends_by_length(models):
     ({"json": {"type": "nonsense"}}, "structured_outputs.json: .*nonsense"),
     ({"regex": "("}, "structured_outputs.regex: .*unclosed group"),
     ({"grammar": "start: foo"}, 'structured_outputs.grammar: .*unknown name: "foo"'),
+    ({"grammar": "root ::= ("}, "structured_outputs.grammar: the GBNF grammar does not parse: Expected '\\)'"),
+    ({"grammar": "root ::= [a-"}, "structured_outputs.grammar: the GBNF grammar does not parse: Unexpected end"),
+    ({"grammar": "root ::= foo"}, "structured_outputs.grammar: the GBNF grammar does not parse: Rule 'foo' not found"),
 ])
 def test_a_bad_constraint_names_the_setting(models, value, message):
     ctx = generation.context(models("llama-optimum"), max_new_tokens=4)
@@ -346,3 +351,92 @@ def test_random_schemas_give_outputs_that_validate(models, which):
             jsonschema.validate(json.loads(text), schema)
 
     check()
+
+
+def alternatives(count: int, gbnf: bool = False) -> str:
+    """A grammar of `count` literal alternatives: Lark's, or GBNF's (which llguidance converts)."""
+    return ("root ::= " if gbnf else "start: ") + " | ".join(f'"w{i}"' for i in range(count))
+
+
+@pytest.mark.parametrize("value, limit", [
+    ({"regex": "x{1000000}"}, "initial_lexer_fuel is 50000"),
+    ({"regex": "(x{1000}){1000}"}, "initial_lexer_fuel is 50000"),
+    ({"grammar": alternatives(6000)}, "max_grammar_size is 4096"),
+    ({"grammar": alternatives(6000, gbnf=True)}, "max_grammar_size is 4096"),
+    ({"grammar": alternatives(2500)}, "max_items_in_row is 2000"),  # within the size: its probe step meets the row
+], ids=["x1000000", "x1000x1000", "lark-6000", "gbnf-6000", "lark-2500"])
+def test_a_constraint_over_the_budget_is_refused_quickly_naming_the_limit(models, value, limit):
+    import time
+
+    ctx = generation.context(models("llama-optimum"), max_new_tokens=4)
+    started = time.perf_counter()
+    with pytest.raises(SettingError, match="over the grammar budget") as e:
+        job(ctx, structured_outputs=value)
+    assert time.perf_counter() - started < 1.0  # before: x{1000000} compiled, and its first step took 0.5 s
+    assert e.value.setting == "structured_outputs" and f"grammar_budget.{limit}" in str(e.value)
+
+
+@pytest.mark.parametrize("gbnf", [False, True], ids=["lark", "gbnf"])
+def test_600_alternatives_are_within_the_budget_and_generate(models, gbnf):
+    from generation.text.tokenizer import model_tokenizer
+
+    model = models("llama-optimum")
+    ctx = generation.context(model, max_new_tokens=8, structured_outputs={"grammar": alternatives(600, gbnf)})
+    text = model_tokenizer(model).decode(generation.generate(ctx, [PROMPTS[0]])[0])
+    assert re.fullmatch(r"w\d+", text) and int(text[1:]) < 600, text
+
+
+def test_the_budget_is_the_contexts_and_checked_by_field(models):
+    model = models("llama-optimum")
+    small = generation.context(model, max_new_tokens=4, grammar_budget={"max_grammar_size": 500})
+    with pytest.raises(SettingError, match="grammar_budget.max_grammar_size is 500"):
+        job(small, structured_outputs={"grammar": alternatives(600)})
+    job(generation.context(model, max_new_tokens=4), structured_outputs={"grammar": alternatives(600)})
+    roomy = generation.context(model, max_new_tokens=4, grammar_budget={"initial_lexer_fuel": 1_000_000})
+    job(roomy, structured_outputs={"regex": "x{30000}"})  # llguidance's default fuel takes it
+    with pytest.raises(SettingError, match="grammar_budget.initial_lexer_fuel is 50000"):
+        job(generation.context(model, max_new_tokens=4), structured_outputs={"regex": "x{30000}"})
+    with pytest.raises(SettingError, match="grammar_budget.fuel is not a budget field") as e:
+        generation.context(model, grammar_budget={"fuel": 1})
+    assert e.value.setting == "grammar_budget"
+    with pytest.raises(SettingError, match=r"grammar_budget.seconds must be a number in \(0, 3600\], not 0"):
+        constraints.GrammarBudget.of({"seconds": 0})
+
+
+def test_a_constraint_that_leaves_no_token_ends_its_row_alone(models):
+    """Midway, a row's constraint meets a limit of its budget (a rule of 2500 alternatives after two
+    letters: its probe step at the check passes the first) or the processors forbid all it allows
+    (min_new_tokens and a complete choice: only eos may follow): the row ends there, "stop", with
+    its tokens so far and why; the rows beside it (greedy, sampled, prompt lookup) get what they get
+    alone. Before, the greedy row went on with token 0 to its budget and the sampled one failed."""
+    from generation.assisted.prompt_lookup import PromptLookup
+    from generation.core.scheduler import Scheduler
+    from generation.text.tokenizer import model_tokenizer
+
+    model = models("llama-optimum")
+    tokenizer = model_tokenizer(model)
+    ctx = generation.context(model, max_new_tokens=12)
+    wide = {"grammar": "start: /[a-c]/ /[a-c]/ (" + alternatives(2500).removeprefix("start: ") + ")"}
+    complete = dict(structured_outputs={"choice": ["yes"]}, min_new_tokens=6)
+    rows = [dict(structured_outputs=wide), dict(complete, do_sample=True), dict(), dict(do_sample=True),
+            dict(complete, prompt_lookup_num_tokens=3),
+            dict(prompt_lookup_num_tokens=3)]
+    scheduler = Scheduler(ctx, slots=8, capacity=64, lookup=PromptLookup())
+    jobs = [scheduler.job(PROMPTS[i % 3], seed=i, settings=s) for i, s in enumerate(rows)]
+    for one in jobs:
+        scheduler.add(one)
+    while scheduler.busy:
+        scheduler.step()
+    budget = jobs[0]
+    assert budget.reason == "stop" and budget.error is None and "met a limit of the grammar budget" in budget.note
+    assert re.fullmatch("[a-c]{2}", tokenizer.decode(budget.tokens)), budget.tokens  # what it had: a valid prefix
+    for done in (jobs[1], jobs[4]):
+        assert done.reason == "stop" and tokenizer.decode(done.tokens) == "yes"
+        assert "only eos may follow" in done.note
+    for i in (2, 3, 5):
+        alone = Scheduler(ctx, slots=2, capacity=64, lookup=PromptLookup())
+        one = alone.job(PROMPTS[i % 3], seed=i, settings=rows[i])
+        alone.add(one)
+        while alone.busy:
+            alone.step()
+        assert jobs[i].reason == one.reason == "length" and jobs[i].tokens == one.tokens and jobs[i].note is None
