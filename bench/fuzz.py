@@ -52,6 +52,15 @@ def start_server(model: str | None, api_key: str | None, extra: list[str] = (),
     raise SystemExit("raymuter serve did not start")
 
 
+def stop_server(process: subprocess.Popen) -> None:
+    """Ctrl-C to the server start_server started; its process group killed after a minute."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -76,11 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.call(command)
     finally:
         if process is not None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+            stop_server(process)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fuzz import start_server  # noqa: E402
+from fuzz import start_server, stop_server  # noqa: E402
 
 
 def serving_processes(pid: int) -> dict[str, "psutil.Process"]:
@@ -106,11 +104,7 @@ def main(argv: list[str] | None = None) -> int:
               ", ".join(f"{n} {last - first:+.1f}" for n, first, last in zip(names, half, readings[-1])))
         return 0
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        stop_server(process)
 
 
 if __name__ == "__main__":
