@@ -22,6 +22,7 @@ tool_choice "required" or a named function holds the output to calls of the give
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -97,12 +98,22 @@ def check_tools(tools) -> list[dict]:
 def check_tool_schemas(tools: list[dict], budget: GrammarBudget) -> None:
     """Each tool's parameters compiled as a JSON schema within `budget`, whatever the tool_choice
     (constraints.schema_error: keywords llguidance does not implement pass, a malformed schema does
-    not); ToolError naming tools.i.function.parameters otherwise."""
+    not); ToolError naming tools.i.function.parameters otherwise. An agent sends the same tools
+    every turn: each schema's verdict is kept (_schema_error, by its JSON text)."""
     for i, tool in enumerate(tools):
         where = f"tools.{i}.function.parameters"
-        error = schema_error(tool["function"].get("parameters") or {"type": "object", "properties": {}}, budget)
+        parameters = tool["function"].get("parameters") or {"type": "object", "properties": {}}
+        try:
+            error = _schema_error(json.dumps(parameters, sort_keys=True), budget)
+        except (TypeError, ValueError):  # not JSON text (a handle's Python objects): checked as they are
+            error = schema_error(parameters, budget)
         if error:
             raise ToolError(where, f"{where} is not a JSON schema this server compiles: {error}")
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_error(parameters: str, budget: GrammarBudget) -> str:
+    return schema_error(json.loads(parameters), budget)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
