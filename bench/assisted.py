@@ -66,7 +66,7 @@ class Counting:
 def run(ctx, prompts, seeds, counting: list, every: bool = False):
     """generate() with its candidate generator counted; `every`: without the cost rule (every
     candidate verified)."""
-    module = importlib.import_module("generation.core.generate")
+    module = importlib.import_module("generation.engine.generate")
     original = module.candidates_for
 
     def wrapped(c):

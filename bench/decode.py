@@ -19,7 +19,7 @@ project's targets (PASS/FAIL) and whole-prompt vs pieces ratios.
     PYTHONPATH=. python bench/decode.py             # tiny + small, B=1,8: ~7 min on 2 cores
     PYTHONPATH=. python bench/decode.py --models small --batch 1 --systems in_place,genai
 
-Models: "tiny" = the test fixtures (tests/model_builders.py), "small" = the ~125M Llama of
+Models: "tiny" = the test fixtures (tests/model_builders/text.py), "small" = the ~125M Llama of
 bench/models.py, built once into $RAYMUTER_BENCH_MODELS (default ~/.cache/raymuter/bench-models).
 """
 from __future__ import annotations

@@ -55,7 +55,7 @@ SLOW = {"small": {"transformers"}}  # systems that run --slow-repeats times on t
 def model_dirs(name: str) -> dict[str, Path]:
     """{'hf', 'optimum', 'genai'} folders of model `name`, built (and cached) when missing."""
     if name == "tiny":
-        paths = bench_models._model_builders().ensure_test_models()
+        paths = bench_models.builders().text.ensure_test_models()
         return {"hf": paths["hf/llama"], "optimum": paths["llama-optimum"], "genai": paths["llama-genai"]}
     root = Path(os.environ.get("RAYMUTER_BENCH_MODELS") or Path.home() / ".cache" / "raymuter" / "bench-models")
     if name == "small":

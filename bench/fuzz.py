@@ -1,4 +1,4 @@
-"""A longer schema fuzz than the test suite's (tests/deployments/test_fuzz.py): schemathesis over the served
+"""A longer schema fuzz than the test suite's (tests/deployments/http/test_fuzz.py): schemathesis over the served
 OpenAPI document, every phase (examples, coverage, fuzzing, stateful), positive and negative
 data, every route; no 5xx, no answer slower than --max-response-time, answers as documented.
 

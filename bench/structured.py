@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import generation  # noqa: E402
 from decode_systems import model_dirs  # noqa: E402
-from generation.core.scheduler import Scheduler  # noqa: E402
+from generation.engine.scheduler import Scheduler  # noqa: E402
 from generation.logits import constraints, processors  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "note"],

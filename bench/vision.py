@@ -24,7 +24,7 @@ bench's small Llama (vocab 32000, hidden 768, 12 layers, 12 heads, 4 KV heads, i
 2048), M-RoPE sections [8, 12, 12]; vision 12 blocks 640 wide, 10 heads, patch 14, temporal
 patch 2, spatial merge 2 (Qwen2-VL-2B: 32 blocks 1280 wide); default random init; Qwen2-VL's
 image processor defaults (a 448 x 448 image: 1024 patches, 256 image tokens). Exported as
-tests/vision_builders.py exports the tiny one (onnx-community layout, any-grid vision encoder).
+tests/model_builders/vision.py exports the tiny one (onnx-community layout, any-grid vision encoder).
 
     PYTHONPATH=. python bench/vision.py                      # ~1 min once the model is built
     PYTHONPATH=. python bench/vision.py --image 640x480 --new 64 --repeats 5
@@ -32,7 +32,6 @@ tests/vision_builders.py exports the tiny one (onnx-community layout, any-grid v
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -40,18 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
+from models import builders  # bench/models.py
+
 ROOT = Path(__file__).resolve().parent.parent
 IDS = dict(image=31990, video=31991, vision_start=31992, vision_end=31993)
-
-
-def _vision_builders():
-    mod = sys.modules.get("vision_builders")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("vision_builders", ROOT / "tests" / "vision_builders.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["vision_builders"] = mod
-        spec.loader.exec_module(mod)
-    return mod
 
 
 def small_config():
@@ -95,7 +86,7 @@ def build(root: Path, progress=print) -> dict[str, Path]:
         t0 = time.time()
         tmp = base / ".onnx.building"
         shutil.rmtree(tmp, ignore_errors=True)
-        _vision_builders().export_qwen2vl(paths["hf"], tmp)
+        builders().vision.export_qwen2vl(paths["hf"], tmp)
         shutil.rmtree(paths["onnx"], ignore_errors=True)
         tmp.rename(paths["onnx"])
         progress(f"[bench-models] qwen2vl-small/onnx {time.time() - t0:6.1f}s")
@@ -120,7 +111,7 @@ class Timer:
 
 
 def run_raymuter(model, ctx, image, text, config):
-    from generation.core.generate import generate
+    from generation.engine.generate import generate
     from generation.families.images import qwen2vl_pixels
     from generation.families.vision import PromptImages, VisionTokens, encode_images, rope_positions, split_features
 

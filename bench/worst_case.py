@@ -4,7 +4,7 @@ A batch of 8 rows of the ~125M model (bench/models.py, onnxruntime-genai build, 
 with a long prompt (--prompt tokens) and room to generate, steps through the decode-state
 verbs (`step`, or `assisted.verify` where a row asks for prompt lookup, as the batcher does).
 "plain" is 8 greedy rows with nothing on; every other line is 7 of those plain rows and one
-row with the named settings at the caps of generation/core/limits.py ("worst case": all of them at
+row with the named settings at the caps of generation/params/limits.py ("worst case": all of them at
 once). Its prompt is the model's own greedy text, which (random weights) falls into a loop: the
 n-gram and prompt-lookup matchers find a match at every position, and prompt lookup's
 candidates are kept (their costliest input). A prompt-lookup row first runs alone for a few
@@ -45,11 +45,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 import generation  # noqa: E402
 from decode_systems import model_dirs  # noqa: E402
 from generation.assisted import verify as assisted
-from generation.core import limits  # noqa: E402
+from generation.params import limits  # noqa: E402
 from generation.assisted.budget import CostAware  # noqa: E402
 from generation.assisted.prompt_lookup import PromptLookup  # noqa: E402
-from generation.core.settings import SettingError  # noqa: E402
-from generation.core.stops import StopMatcher  # noqa: E402
+from generation.params.settings import SettingError  # noqa: E402
+from generation.core.stop_strings import StopMatcher  # noqa: E402
 from generation.logits.constraints import Grammars  # noqa: E402
 from generation.text.tokenizer import model_tokenizer  # noqa: E402
 

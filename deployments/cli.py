@@ -216,18 +216,16 @@ def _generative_text(model: str | None, variant: str | None) -> bool:
     encoder-decoder, vision or embedding model)."""
     if model is None:
         return True
-    from generation import families
-    from generation.core.embed import is_embedding_folder
-    from generation.runtime.model import resolve_folder
+    from generation.front import is_embedding_model, model_folder, model_kind
 
-    folder = resolve_folder(model, variant)
-    return families.kind(str(folder)) == "text" and not is_embedding_folder(folder)
+    folder = model_folder(model, variant)
+    return model_kind(str(folder)) == "text" and not is_embedding_model(folder)
 
 
 def grammar_budget_of(items: list[str]) -> dict:
     """--grammar-budget FIELD=VALUE[,FIELD=VALUE], repeated -> AppConfig.grammar_budget, checked
     (generation.logits.constraints.GrammarBudget) before Ray starts."""
-    from generation.logits.constraints import GrammarBudget
+    from generation.front import GrammarBudget
 
     out: dict = {}
     for item in items:
@@ -258,12 +256,12 @@ def check_models(args) -> None:
     read. No model is loaded here."""
     if args.engine != "onnx":
         return
-    from generation.runtime.model import resolve_folder
+    from generation.front import model_folder
 
     if args.model is not None:
-        resolve_folder(args.model, args.variant)
+        model_folder(args.model, args.variant)
     if args.draft is not None:
-        resolve_folder(args.draft)
+        model_folder(args.draft)
 
 
 def check_port(host: str, port: int) -> None:

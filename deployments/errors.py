@@ -7,14 +7,16 @@ from __future__ import annotations
 class RequestError(ValueError):
     """A request the serving layer refuses: `field` names the GenerateRequest's field that was
     wrong ("prompt", "messages.0.content.1", "settings.top_k"; HTTP 400), None where no field is
-    to blame. Always given by the raiser, never read back from the message."""
+    to blame; `predicate` what the message says of it after its name, where the engine front
+    gave one (generation.front.Refused: an OpenAI route then puts its own name for the field
+    before it). Always given by the raiser, never read back from the message."""
 
-    def __init__(self, message: str, field: str | None):
+    def __init__(self, message: str, field: str | None, predicate: str | None = None):
         super().__init__(message)
-        self.field = field
+        self.field, self.predicate = field, predicate
 
     def __reduce__(self):  # crosses Ray's process boundary intact
-        return type(self), (str(self), self.field)
+        return type(self), (str(self), self.field, self.predicate)
 
 
 class Overloaded(RuntimeError):

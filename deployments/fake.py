@@ -17,9 +17,9 @@ import queue
 import threading
 import time
 
-from generation.core.settings import SettingError
+from generation import SettingError
 
-from .services.batching import QueueFull, Request
+from generation.front import QueueFull, Request
 
 EOS = ord(".")
 FAIL = 1  # a prompt holding this token fails inside the loop, as an engine bug would (a 500)
@@ -113,7 +113,7 @@ class FakeBatcher:
         request = Request(next(self._ids), list(prompt), seed, resolved, fake_count(resolved.raw))
         request.planned = fake_tokens(prompt, seed, resolved.raw)
         if prompt_logprobs is not None:  # each prompt token after the first at -0.5, its own best alternative
-            from generation.logits.prompt_logprobs import from_lists
+            from generation.front import prompt_logprobs_from_lists as from_lists
 
             rest = list(prompt[1:])
             request.prompt_top = prompt_logprobs
@@ -173,9 +173,12 @@ def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int
                    step_seconds_per_row: float = 0.0):
     """A TextGenerator over the fake engine (with a chat template: 'role: content' lines, then
     the template variable `prefix` where a request gives it in chat_template_kwargs)."""
+    from generation.front import EngineFront, InputProcessor
+
     from .services.generator import TextGenerator
 
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}{{ prefix | default('') }}")
     batcher = FakeBatcher(slots, max_waiting, step_seconds, step_seconds_per_row=step_seconds_per_row)
-    return TextGenerator(name, batcher, CharTokenizer(), 4096, template, max_logprobs=5)
+    return TextGenerator(name, EngineFront(batcher, InputProcessor(CharTokenizer(), template, None, 4096, max_logprobs=5)),
+                         max_logprobs=5)

@@ -82,6 +82,7 @@ request was refused before it ran) and the counts."""
     error: str | None = None
     status: int | None = None  # "rejected": 400 (bad input, `field` names it) or 503 (busy); "error": 400 or 500
     field: str | None = None
+    predicate: str | None = None  # what `error` says of `field` after its name (a route names the field its own way)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None  # in the last chunk: prompt tokens that came from the prefix cache
@@ -104,6 +105,7 @@ class GenerateResponse(BaseModel):
     error: str | None = None
     status: int | None = None
     field: str | None = None
+    predicate: str | None = None  # what `error` says of `field` after its name (a route names the field its own way)
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     tool_calls: list[dict] | None = None  # OpenAI's: [{"id", "type": "function", "function": {"name", "arguments"}}]
@@ -129,6 +131,7 @@ class EmbedResponse(BaseModel):
     error: str | None = None
     status: int | None = None
     field: str | None = None
+    predicate: str | None = None  # what `error` says of `field` after its name (a route names the field its own way)
 
 
 class ModelCard(BaseModel):
@@ -202,3 +205,4 @@ class Refusal(BaseModel):
     error: str
     status: int
     field: str | None = None
+    predicate: str | None = None  # what `error` says of `field` after its name (a route names the field its own way)

@@ -136,7 +136,7 @@ def generate_command(args) -> int:
     import numpy as np
 
     import generation
-    from generation.core.stops import cut_at_stop
+    from generation.core.stop_strings import cut_at_stop
     from generation.text.tokenizer import Detokenizer, load_tokenizer
 
     started = time.perf_counter()

@@ -15,7 +15,7 @@ Each task asks the model's family (`generation.families`) to prepare its batch: 
 featurize it, run the encoder once (a server can run that step in its own deployment), and give
 the decoder's prompts; then it generates with every setting of the context, beam search
 included. Whisper with timestamps, or with audio longer than its window, decodes window after
-window (`generation.families.whisper.longform`), running the encoder once per window.
+window (`generation.families.whisper.windows`), running the encoder once per window.
 Vision-language prompts run the vision encoder once per image (the family's, or the caller's
 `encode`).
 """
@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .core.context import Context
-from .core.generate import Generated, generate
+from .engine.generate import Generated, generate
 from .families import module, vl_prompts
-from .families.whisper.longform import Segment, decode_windows
+from .families.whisper.windows import Segment, decode_windows, transcript
 from .text.tokenizer import model_tokenizer
 
 
@@ -73,7 +73,7 @@ def speech_to_text(ctx: Context, audios, sampling_rate: int = 16000, language=No
     return_timestamps: each result's segments (start and end in seconds, tokens, text), as
     `generate(return_timestamps=True, return_segments=True)`; None: generation_config.json's
     return_timestamps. A clip longer than the window (30 s for real Whisper models) is decoded
-    window after window (`generation.families.whisper.longform`), which needs timestamps: None turns them on for
+    window after window (`generation.families.whisper.windows`), which needs timestamps: None turns them on for
     the batch, unless generation_config.json sets return_timestamps false, which is an error
     then, as return_timestamps=False is (as in transformers).
     encode: [n, n_mels, frames] log-mel windows -> EncoderOutputs (default: this model's encoder).
@@ -98,16 +98,8 @@ def speech_to_text(ctx: Context, audios, sampling_rate: int = 16000, language=No
 
 def timestamped(ctx: Context, segments: list[Segment]) -> TaskResult:
     """A clip's segments as a TaskResult: tokens one after another, text without timestamps."""
-    begin = ctx.model.generation_config["no_timestamps_token_id"] + 1
-    tokenizer = model_tokenizer(ctx.model) if ctx.model.tokenizer_path else None
-
-    def text(tokens):
-        return tokenizer.decode([t for t in tokens if t < begin], skip_special_tokens=True) if tokenizer else ""
-    for segment in segments:
-        segment.text = text(segment.tokens)
-    tokens = [t for s in segments for t in s.tokens]
-    logprobs = None if not ctx.token_logprobs else [p for s in segments for p in s.logprobs]
-    return TaskResult(text(tokens), tokens, logprobs, segments)
+    text, tokens, logprobs = transcript(ctx, segments)
+    return TaskResult(text, tokens, logprobs, segments)
 
 
 def image_text_to_text(ctx: Context, prompts, seeds=None, encode=None) -> list[TaskResult]:

@@ -1,43 +1,32 @@
 """Shared pytest fixtures: the tiny test models and a transformers oracle.
 
-* ``test_models`` (session): ``dict[str, Path]`` from :func:`model_builders.ensure_test_models`
+* ``test_models`` (session): ``dict[str, Path]`` from :func:`model_builders.text.ensure_test_models`
   (built once into ``$RAYMUTER_TEST_MODELS`` or ``~/.cache/raymuter/test-models``).
 * ``oracle`` (session): :class:`Oracle` -- greedy tokens and logits from ``transformers`` for the
   ``hf/<name>`` models.
 * ``load_model`` (session): ``load_model(path)`` -> ``generation.load(path, threads=1)``, once
   per path for the whole session.
+* ``prompts_of`` (session): ``prompts_of(lengths, seed)`` -> random prompts of those lengths.
 
 Nothing here imports the ``generation`` package, torch or transformers at import time.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 _HERE = Path(__file__).resolve().parent
-# Every test folder on the import path, whatever pytest collects: tests share helpers by module
-# name (`from test_assisted import grounded` in tests/deployments/test_batching.py).
-sys.path[:0] = [str(d) for d in sorted(_HERE.rglob("*")) if d.is_dir() and any(d.glob("test_*.py"))
-                and str(d) not in sys.path]
+# tests/ (the `model_builders` package) and every test folder on the import path, whatever pytest
+# collects: tests share helpers by module name (`from test_assisted import grounded` in
+# tests/generation/front/test_batching.py).
+_FOLDERS = [_HERE] + [d for d in sorted(_HERE.rglob("*")) if d.is_dir() and any(d.glob("test_*.py"))]
+sys.path[:0] = [str(d) for d in _FOLDERS if str(d) not in sys.path]
 
-
-def _load_model_builders():
-    """Import tests/model_builders.py as ``model_builders`` whatever the pytest import mode."""
-    mod = sys.modules.get("model_builders")
-    if mod is not None:
-        return mod
-    spec = importlib.util.spec_from_file_location("model_builders", _HERE / "model_builders.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["model_builders"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-model_builders = _load_model_builders()
+from model_builders.embedding import ensure_embedding_models  # noqa: E402  (after the path above)
+from model_builders.text import ensure_test_models  # noqa: E402
 
 
 class Oracle:
@@ -117,7 +106,7 @@ def test_models(pytestconfig) -> dict[str, Path]:
     capman = pytestconfig.pluginmanager.getplugin("capturemanager")
     disabled = getattr(capman, "global_and_fixture_disabled", None)
     with disabled() if disabled is not None else contextlib.nullcontext():
-        return model_builders.ensure_test_models()
+        return ensure_test_models()
 
 
 @pytest.fixture(scope="session")
@@ -128,22 +117,20 @@ def oracle(test_models) -> Oracle:
 @pytest.fixture(scope="session")
 def s2s(test_models) -> dict[str, Path]:
     """The encoder-decoder fixtures beside the decoder-only ones (``ensure_test_models(seq2seq=True)``)."""
-    return model_builders.ensure_test_models(seq2seq=True)
+    return ensure_test_models(seq2seq=True)
 
 
 @pytest.fixture(scope="session")
 def embedding_models(test_models) -> dict[str, Path]:
-    """The embedding fixtures (embedding_builders: feature-extraction exports of the tiny Qwen2
+    """The embedding fixtures (model_builders.embedding: feature-extraction exports of the tiny Qwen2
     and Llama with sentence-transformers configs), built on demand."""
-    import embedding_builders
-
-    return embedding_builders.ensure_embedding_models(test_models)
+    return ensure_embedding_models(test_models)
 
 
 @pytest.fixture(scope="session")
 def vision_paths() -> dict[str, Path]:
     """The vision-language fixtures (built on demand: ``ensure_test_models(vision=True)``)."""
-    return model_builders.ensure_test_models(vision=True)
+    return ensure_test_models(vision=True)
 
 
 def _hf_vision(path, model_class: str, processor_class: str):
@@ -176,6 +163,22 @@ def qwen2vl_hf(vision_paths):
 def idefics3_hf(vision_paths):
     """(transformers Idefics3 model, its processor) of the tiny fixture, once per session."""
     return _hf_vision(vision_paths["hf/idefics3"], "Idefics3ForConditionalGeneration", "AutoProcessor")
+
+
+@pytest.fixture(scope="session")
+def prompts_of():
+    """``prompts_of(lengths, seed)`` -> ``list[list[int]]``: random prompts of token ids 3-999 (no
+    pad, bos or eos), one of each length, drawn from ``numpy.random.default_rng(seed)``.
+    ``lengths`` may be a count instead: that many prompts of 1 to 19 tokens, each length drawn
+    from the same generator just before the prompt's ids."""
+    import numpy as np
+
+    def prompts_of(lengths, seed: int) -> list[list[int]]:
+        rng = np.random.default_rng(seed)
+        if isinstance(lengths, int):
+            return [rng.integers(3, 1000, int(rng.integers(1, 20))).tolist() for _ in range(lengths)]
+        return [rng.integers(3, 1000, n).tolist() for n in lengths]
+    return prompts_of
 
 
 @pytest.fixture(scope="session")
@@ -252,22 +255,20 @@ def serve_apps(test_models):
     serve.run(build({**ServeApps.REAL, "model": str(apps.real_model)}), name="real", route_prefix="/real")
     serve.run(build(ServeApps.FAKE), name="fake", route_prefix="/fake")
     serve.run(build(ServeApps.GUARDED), name="guarded", route_prefix="/guarded")
-    s2s = model_builders.ensure_test_models(seq2seq=True)
+    s2s = ensure_test_models(seq2seq=True)
     apps.s2s = s2s
     serve.run(build(dict(model=str(s2s["marian-optimum"]), name="marian", slots=4, threads=1,
                          settings={"max_new_tokens": 12})), name="translate", route_prefix="/translate")
     serve.run(build(dict(model=str(s2s["whisper-optimum"]), name="whisper", slots=4, threads=1)), name="speech",
               route_prefix="/speech")
     apps.translate, apps.speech = apps.url + "/translate", apps.url + "/speech"
-    apps.vl = model_builders.ensure_test_models(vision=True)
+    apps.vl = ensure_test_models(vision=True)
     serve.run(build(dict(model=str(apps.vl["qwen2vl-onnx"]), name="qwen", slots=4, threads=1,
                          settings={"max_new_tokens": 10})), name="vision", route_prefix="/vision")
     serve.run(build(dict(model=str(apps.vl["idefics3-onnx"]), name="smol", slots=4, threads=1,
                          settings={"max_new_tokens": 10})), name="smolvlm", route_prefix="/smolvlm")
     apps.vision, apps.smolvlm = apps.url + "/vision", apps.url + "/smolvlm"
-    import embedding_builders
-
-    apps.embedding_models = embedding_builders.ensure_embedding_models(test_models)
+    apps.embedding_models = ensure_embedding_models(test_models)
     serve.run(build(dict(model=str(apps.embedding_models["qwen2-embed"]), name="embed", threads=1)), name="embed",
               route_prefix="/embed")
     apps.embed = apps.url + "/embed"

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-import model_builders as mb
+from model_builders import common, text
 
 PROMPT = [1, 17, 345, 9, 88, 512, 3]  # 7 tokens
 FP32_TOL = 1e-4
@@ -112,7 +112,7 @@ def forward(path, name, ids):
     return dict(zip([o.name for o in sess.get_outputs()], out))
 
 
-def onnx_greedy(path, name, prompt, steps, eos=mb.EOS_ID):
+def onnx_greedy(path, name, prompt, steps, eos=common.EOS_ID):
     """Append-mode greedy loop with a growing KV cache (present -> past)."""
     sess = session(path)
     past = empty_past(sess, KV_HEADS[name])
@@ -135,15 +135,15 @@ def onnx_greedy(path, name, prompt, steps, eos=mb.EOS_ID):
 # files and configs
 # ------------------------------------------------------------------------------------------
 def test_all_keys_present(test_models):
-    assert set(test_models) == set(mb.MODEL_DIRS)
+    assert set(test_models) == set(text.MODEL_DIRS)
     for k, p in test_models.items():
         assert p.is_dir(), k
 
 
-@pytest.mark.parametrize("key", [k for k in mb.MODEL_DIRS if not k.endswith("-genai")])
+@pytest.mark.parametrize("key", [k for k in text.MODEL_DIRS if not k.endswith("-genai")])
 def test_hf_layout_files(test_models, key):
     d = test_models[key]
-    for f in ("config.json", "generation_config.json") + mb.TOKENIZER_FILES:
+    for f in ("config.json", "generation_config.json") + common.TOKENIZER_FILES:
         assert (d / f).is_file(), f"{key}: missing {f}"
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["vocab_size"] == VOCAB
@@ -161,13 +161,13 @@ def test_hf_models(test_models, oracle, name):
     assert hidden == 64 and cfg.num_hidden_layers == N_LAYERS and cfg.num_attention_heads == 4
     if name != "gpt2":
         assert cfg.num_key_value_heads == 2 and cfg.tie_word_embeddings is False
-    assert cfg.initializer_range == mb.INIT_RANGE
+    assert cfg.initializer_range == common.INIT_RANGE
     # the N(0, 0.1) perturbation: no parameter is all zeros or all ones
     for pname, p in oracle.model(name).named_parameters():
         assert not ((p == 0).all() or (p == 1).all()), pname
 
 
-@pytest.mark.parametrize("key", list(mb.MODEL_DIRS))
+@pytest.mark.parametrize("key", list(text.MODEL_DIRS))
 def test_tokenizer(test_models, key):
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer.from_file(str(test_models[key] / "tokenizer.json"))
@@ -181,7 +181,7 @@ def test_tokenizer(test_models, key):
 def test_genai_files(test_models):
     for key in ("llama-genai", "qwen2-genai"):
         d = test_models[key]
-        for f in ("model.onnx", "model.onnx.data", "genai_config.json") + mb.TOKENIZER_FILES:
+        for f in ("model.onnx", "model.onnx.data", "genai_config.json") + common.TOKENIZER_FILES:
             assert (d / f).is_file(), f"{key}: missing {f}"
         assert not (d / "config.json").exists()  # as the genai builder writes it
         gc = json.loads((d / "genai_config.json").read_text())
@@ -197,7 +197,7 @@ def test_ir_versions(test_models):
     files = sorted(root.rglob("*.onnx"))
     assert len(files) == 9
     for f in files:
-        assert onnx.load(str(f), load_external_data=False).ir_version <= mb.MAX_IR_VERSION, f
+        assert onnx.load(str(f), load_external_data=False).ir_version <= common.MAX_IR_VERSION, f
 
 
 # ------------------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ def test_genai_generator(test_models, oracle, key, name):
     while not gen.is_done():
         gen.generate_next_token()
     got = list(gen.get_sequence(0))[len(PROMPT):]
-    if got and got[-1] == mb.EOS_ID:
+    if got and got[-1] == common.EOS_ID:
         got = got[:-1]
     assert got == oracle.greedy(name, PROMPT, GREEDY_STEPS)
 
@@ -328,10 +328,10 @@ def test_genai_generator(test_models, oracle, key, name):
 # ------------------------------------------------------------------------------------------
 def test_cache_is_warm_and_stable(test_models):
     t0 = time.time()
-    again = mb.ensure_test_models()
+    again = text.ensure_test_models()
     assert time.time() - t0 < 5
     assert again == test_models
-    assert mb.cache_key() == test_models["hf/llama"].parent.parent.name
+    assert text.cache_key() == test_models["hf/llama"].parent.parent.name
     manifest = json.loads((test_models["hf/llama"].parent.parent / "manifest.json").read_text())
-    assert manifest["models"] == mb.MODEL_DIRS
-    assert manifest["versions"] == mb.package_versions()
+    assert manifest["models"] == text.MODEL_DIRS
+    assert manifest["versions"] == common.package_versions()

@@ -1,7 +1,7 @@
 """The HTTP edge of the ingress, free of Ray's deployments: bodies read within their limit,
 errors in OpenAI's shape for every status (FastAPI's own 404, 405 and 422 included), server
 errors logged with a request id and never shown, and the OpenAPI document with the request and
-response schema of every route.
+response schema of every route (body_of, answers: what each route in routes/ declares).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .openai import ApiError, check_json, validation_error
+from .openai import ApiError
+from .validation import check_json, validation_error
 
 logger = logging.getLogger("ray.serve")  # into the replica's log, with Serve's request id
 RETRY_AFTER_SECONDS = 1
@@ -99,7 +100,7 @@ def install_error_handlers(api: FastAPI) -> None:
 async def read_json(request: Request, limit: int) -> dict:
     """The body as a JSON object, read no further than `limit` bytes (413 beyond it, before
     reading a body whose declared length is over it); strict JSON (no NaN or Infinity); no
-    deeper than openai_api.MAX_DEPTH and valid Unicode throughout (check_json)."""
+    deeper than validation.MAX_DEPTH and valid Unicode throughout (check_json)."""
     check_length(request, limit)
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -162,6 +163,8 @@ def answers(model, *statuses: int, stream: bool = False, text: bool = False) -> 
     return out
 
 
+# What a route that reads a body may answer besides 200.
+ERRORS = (400, 401, 404, 413, 500, 503)
 _REASONS = {400: "bad request: param names the field", 401: "missing or wrong API key", 404: "unknown model",
             413: "body over the limit", 422: "unprocessable", 500: "server error: the log has the request id",
             503: "busy or restarting: retry after Retry-After seconds"}
@@ -177,75 +180,3 @@ def openapi_document(api: FastAPI, request_models: list) -> dict:
                                     ref_template="#/components/schemas/{model}")
     doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas.get("$defs", {}))
     return doc
-
-
-class LastPiece(str):
-    """The last piece of an EventStream's body."""
-
-
-class EventStream(StreamingResponse):
-    """A StreamingResponse whose last piece (a LastPiece) ends the body in the same message:
-    one write to the socket for a stream's last event, its usage, [DONE] and the end of the
-    chunked body, where Starlette's makes one for each and one more for the end."""
-
-    async def stream_response(self, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        ended = False
-        async for chunk in self.body_iterator:
-            last = isinstance(chunk, LastPiece)
-            if not isinstance(chunk, (bytes, memoryview)):
-                chunk = chunk.encode(self.charset)
-            if not ended:
-                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-            ended = ended or last
-        if not ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def client_gone(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read: what the server
-    passes on next is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def merged_streams(firsts: list, streams: list):
-    """(choice index, chunk or ApiError) from the choices' streams as they come. One stream (n=1,
-    the common case) is read directly: no task and queue between the decoder and the client."""
-    import asyncio
-
-    if len(streams) == 1:
-        try:
-            yield 0, firsts[0]
-            async for chunk in streams[0]:
-                yield 0, chunk
-        except ApiError as e:
-            yield 0, e
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, first, stream):
-        try:
-            await queue.put((i, first))
-            async for chunk in stream:
-                await queue.put((i, chunk))
-        except ApiError as e:
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
-    open_ = len(tasks)
-    try:
-        while open_:
-            i, item = await queue.get()
-            if item is None:
-                open_ -= 1
-                continue
-            yield i, item
-    finally:  # the client left (or every choice ended): the pumps stop before their streams are closed
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -28,8 +28,7 @@ class EmbeddingService:
     @classmethod
     def from_model(cls, source: str | Path, name: str | None = None, threads: int | None = None,
                    provider: str | None = None, variant: str | None = None) -> "EmbeddingService":
-        from generation.core.embed import load_embedder
-        from generation.text.tokenizer import model_tokenizer
+        from generation.front import load_embedder, model_tokenizer
 
         from .generator import fingerprint
 
@@ -47,7 +46,7 @@ class EmbeddingService:
         raise RequestError(f"model: '{self.name}' is an embedding model: POST /v1/embeddings", "model")
 
     async def embed(self, request: EmbedRequest) -> EmbedResponse:
-        from generation.core.embed import embed
+        from generation.front import embed
 
         if request.dimensions is not None and request.dimensions > self.embedder.hidden_size:
             raise RequestError(f"dimensions: this model's embeddings have {self.embedder.hidden_size} dimensions; "
@@ -84,9 +83,14 @@ class EmbeddingService:
                          else None)
 
     def detokenize(self, ids: list[int]) -> str:
-        from .generator import detokenized
+        from generation.front import Refused, detokenized
 
-        return detokenized(self.tokenizer, self.tokenizer.get_vocab_size(), ids)
+        from .generator import request_error
+
+        try:
+            return detokenized(self.tokenizer, self.tokenizer.get_vocab_size(), ids)
+        except Refused as e:
+            raise request_error(e) from None
 
     def close(self) -> None:
         pass

@@ -1,5 +1,5 @@
 """The encoder and vision replicas' cache (deployments/services/encoder.py, vision.py), in a module of its
-own so that neither replica's module imports the other's."""
+own so that neither replica's module imports the other's (their common shape: encoding.py)."""
 
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ class _picker:
         self.draws = state.draws[rows[self.sampling]]
 
     def __call__(self, logits: np.ndarray, j: int):
-        from ..core.rng import derived_seeds, uniforms
+        from ..logits.rng import derived_seeds, uniforms
         from ..logits.selection import final_scores, softmax
 
         if not self.sampling.size:

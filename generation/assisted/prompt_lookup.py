@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core import limits
-from ..core.settings import check_integer
+from ..params import limits
+from ..params.settings import check_integer
 
 
 def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram, num_tokens: np.ndarray

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.context import Context
-from ..core.rng import derived_seeds, uniforms
-from ..core.state import DecodeState, StepTokens, _ends, select_rows, step, with_logprobs
+from ..core.context import Context, assisted_refusal
+from ..core.state import DecodeState, StepTokens, ends, select_rows, step, with_logprobs
 from ..logits.processors import NEG_INF, apply
+from ..logits.rng import derived_seeds, uniforms
 from ..logits.selection import LogProbs, SamplingRows, final_scores, softmax
 
 
@@ -269,7 +269,7 @@ def _commit(state: DecodeState, rows: np.ndarray, target: np.ndarray, kept: np.n
             break
         tokens = target[now, j]
         broke: dict = {}
-        is_eos, finished = _ends(tokens, state.eos[rows[now]], lengths[now] + 2 + j, state.limit[rows[now]],
+        is_eos, finished = ends(tokens, state.eos[rows[now]], lengths[now] + 2 + j, state.limit[rows[now]],
                                  [stops[i] for i in now] if stops else (), broke)
         out = StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
         out.token[rows[now]] = np.where(is_eos, -1, tokens)
@@ -308,19 +308,18 @@ def candidates_for(ctx: Context):
     (budget.py), else None."""
     s = ctx.settings
     if ctx.draft is not None:
-        if s.num_beams > 1:
-            raise ValueError(f"draft: assisted decoding needs num_beams=1, not {s.num_beams}")
+        refusal = assisted_refusal(ctx.model, "draft", s.num_beams)
+        if refusal is not None:
+            raise ValueError(refusal)
         from .draft import Draft
 
         return Draft(ctx.draft, s.num_assistant_tokens, s.num_assistant_tokens_schedule,
                      speculative=not ctx.token_logprobs)
     if s.prompt_lookup_num_tokens is None:
         return None
-    if s.num_beams > 1:
-        raise ValueError(f"prompt_lookup_num_tokens={s.prompt_lookup_num_tokens} needs num_beams=1, not {s.num_beams}")
-    if ctx.model.is_seq2seq:
-        raise ValueError("prompt_lookup_num_tokens: assisted decoding runs decoder-only models; "
-                         "this is an encoder-decoder model")
+    refusal = assisted_refusal(ctx.model, "prompt_lookup_num_tokens", s.num_beams)
+    if refusal is not None:
+        raise ValueError(refusal)
     from .budget import CostAware
     from .prompt_lookup import PromptLookup
 

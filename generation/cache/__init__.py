@@ -1,8 +1,14 @@
-"""The KV cache of a running batch: one contract, three modes.
+"""The KV cache of a running batch: one contract, four modes (in_place, append, grow: a
+decoder-only model's; seq2seq: an encoder-decoder's decoder, with its cross-attention cache).
 
-Every mode implements the same verbs over `slots` rows:
+Every mode implements the step verbs (base.STEP_VERBS), checked when a cache is made (`new_cache`
+refuses a mode missing one), over `slots` rows:
   token_input                  [B] int64: the token each slot feeds at the next decode (the
                                state writes its chosen tokens here; it is the bound input)
+  prefill(slots, prompts, steps, pad, apart)
+                               run fresh prompts into free slots and return their last logits
+                               [n, V]: by default apart from the batch (`apart(prompts)`) and
+                               inserted; the in_place cache runs them straight into its buffer
   insert(slot, cache, length)  put a prefilled row's cache ([heads, length, head_dim] per
                                cache input) into a free slot
   decode(lengths, span=None)   run one token per slot (lengths [B] = valid cache rows of each
@@ -10,11 +16,13 @@ Every mode implements the same verbs over `slots` rows:
                                token's keys and values land at row `lengths[b]` of slot b.
                                `span`: the slots from it on are free, and their logits are
                                not read (the in_place cache runs the leading rows only)
-  release(slot)                forget a slot's rows
-  copy_rows(dst, src, length)  slots dst take the first `length` cache rows of slots src (as
-                               they were before the call): beam search's reorder
   decode_steps(lengths, count) decode as a generator over up to `count` steps, for loops that
                                make many tokens in a row (the in_place cache makes it lean)
+  copy_rows(dst, src, length)  slots dst take the first `length` cache rows of slots src (as
+                               they were before the call): beam search's reorder
+  release(slot)                forget a slot's rows
+The modes that verify candidates (append, grow) also implement base.VERIFY_VERBS; assisted
+decoding asks for them when its context is made (core/context.py refuses a mode without them):
   verify(lengths, ids, rows, widths)
                                run several tokens per row at once (ids [B, S], the first
                                `widths[b]` real; rows: the slots that count) and return their
@@ -23,17 +31,14 @@ Every mode implements the same verbs over `slots` rows:
                                a prefix through `rewind` (assisted decoding's verification)
   rewind(lengths)              every slot keeps only its first lengths[b] cache rows
   verifies_row_by_row          whether verify runs each row with candidates alone (its cost,
-                               for budget.py) or every slot as wide as the widest
-  prefill(slots, prompts, steps, pad, apart)
-                               run fresh prompts into free slots and return their last logits
-                               [n, V]: by default apart from the batch (`apart(prompts)`) and
-                               inserted; the in_place cache runs them straight into its buffer
-The state around the cache (lengths, tokens, stops) lives in `generation.core.state`; the cache holds only
-buffers and does not advance lengths itself.
+                               for assisted/budget.py) or every slot as wide as the widest
+The state around the cache (lengths, tokens, stops) lives in `generation.core.state`; the cache
+holds only buffers and does not advance lengths itself.
 
-Modules: base.py (BaseCache, the contract's verbs checked when a cache is made, the bound step
-inputs of the buffer modes), in_place.py, append.py, grow.py (the decoder-only modes), cross.py (an
-encoder-decoder decoder's first step and its cache), prefill.py (prompts through the decoder).
+Modules: base.py (BaseCache, the contract's verb lists, the bound step inputs of the buffer
+modes), in_place.py, append.py, grow.py (the decoder-only modes), cross.py (an encoder-decoder
+decoder's first step and its cache), prefill.py (prompts through the decoder, apart from the
+batch), prefix.py (computed prompt prefixes, reused by later prompts).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
-"""The base every KV cache mode builds on, apart from the modes themselves so that the
-encoder-decoder cache (seq2seq.py) and the decoder-only ones (cache.py) both extend it without
+"""The base every KV cache mode builds on: the contract's verbs (STEP_VERBS, VERIFY_VERBS: the
+package docstring says what each does) and `missing_verbs`, which `new_cache` checks a mode
+against when it is made; BaseCache's shared verbs; `insert_prompts`; and CacheInputs, the bound
+per-token inputs of the buffer modes. Apart from the modes so that the encoder-decoder cache
+(cross.py) and the decoder-only ones (in_place.py, append.py, grow.py) all extend it without
 importing each other."""
 
 from __future__ import annotations

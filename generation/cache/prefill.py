@@ -35,14 +35,15 @@ class PromptCache:
     cached: np.ndarray | None = None  # [n] tokens of each prompt taken from a prefix cache
 
 
-def _run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: list[int], pad: int,
+def run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: list[int], pad: int,
               max_position: int, past: dict[str, np.ndarray] | None = None, offset: int = 0,
               embed=None, images=None, on_logits=None):
     """Run `prompts` from token `offset` in steps of `widths`; past holds the first `offset`
     tokens of each row. Returns (last logits [n, V] of rows whose prompt ended here, presents).
     A graph that takes inputs_embeds embeds each piece with `embed`, the image features of
     `images` (vision.PromptImages, one row per prompt) in place of its image tokens.
-    `on_logits(logits [n, width, V], offset)` sees every piece's logits before they go."""
+    `on_logits(logits [n, width, V], offset)` sees every piece's logits before they go (prompt
+    log-probabilities read them: logits/prompt_logprobs.py)."""
     n = len(prompts)
     lengths = np.array([len(p) for p in prompts])
     if past is None:
@@ -83,7 +84,7 @@ def run_from(session, graph: DecoderGraph, prompt: list[int], offset: int, past:
     [1, heads, offset, head_dim] per input: a cached prefix), in `steps`: (last logits [1, V],
     presents [1, heads, len(prompt), head_dim] per cache input). embed, images: as run_prompts'
     (a vision-language prompt's embedding and its PromptImages, one row)."""
-    return _run_rows(session, graph, [prompt], prompt_widths(len(prompt) - offset, steps), pad, max_position,
+    return run_rows(session, graph, [prompt], prompt_widths(len(prompt) - offset, steps), pad, max_position,
                      past, offset, embed=embed, images=images)
 
 
@@ -116,17 +117,17 @@ def run_prompts(session, graph: DecoderGraph, mode: str, steps: str, prompts: li
         if graph.has_group_query_attention and len(group) > 1 and len(widths) > 1:
             # GroupQueryAttention: the first piece batched, the later ones row by row
             first = widths[0]
-            group_last, presents = _run_rows(session, graph, group_prompts, [first], pad, max_position)
+            group_last, presents = run_rows(session, graph, group_prompts, [first], pad, max_position)
             keep(group, group_last, presents)
             for j, b in enumerate(group):
                 if lengths[b] > first:
                     row_past = {name: np.ascontiguousarray(array[j:j + 1]) for name, array in presents.items()}
-                    row_last, row_presents = _run_rows(session, graph, [prompts[b]], pieces(int(lengths[b]) - first),
+                    row_last, row_presents = run_rows(session, graph, [prompts[b]], pieces(int(lengths[b]) - first),
                                                        pad, max_position, row_past, first)
                     keep([b], row_last, row_presents)
         else:
             group_images = None if images is None else images.take(group)
-            group_last, presents = _run_rows(session, graph, group_prompts, widths, pad, max_position,
+            group_last, presents = run_rows(session, graph, group_prompts, widths, pad, max_position,
                                              embed=embed, images=group_images)
             keep(group, group_last, presents)
     return PromptCache(rows, lengths, last)

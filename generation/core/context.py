@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..logits.constraints import GrammarBudget
+from ..params.settings import SettingError, Settings, make_settings, model_settings, shown
 from ..runtime.graph import CACHE_MODES
 from ..runtime.model import Model
-from .settings import SettingError, Settings, make_settings, model_settings, shown
 
 PROMPT_STEPS = ("whole", "pieces")
 LOGPROBS_OF = ("processed", "raw")
@@ -112,19 +112,33 @@ def _check_verify(cache_mode: str, asked: str | None) -> None:
                                   f"({CACHES[cache_mode].__name__}) has no {', '.join(missing)}")
 
 
+def assisted_refusal(model: Model, how: str, num_beams: int = 1, draft: Model | None = None) -> str | None:
+    """Why assisted decoding cannot run here, or None: the one statement of what it supports
+    (decoder-only text models, one beam), for a draft model and for prompt lookup alike. `how`:
+    the setting that asks for it ("draft", "prompt_lookup_num_tokens"), which the message names."""
+    what = "assisted decoding with a draft" if how == "draft" else "prompt lookup"
+    if model.is_seq2seq or (draft is not None and draft.is_seq2seq):
+        return f"{how}: {what} runs decoder-only models"
+    if getattr(model, "vision_session", None) is not None:
+        return f"{how}: {what} runs text models; this one reads images"
+    if num_beams > 1:
+        return f"{how}: {what} runs decoder-only text models with num_beams=1, not {num_beams}"
+    return None
+
+
 def _draft_context(model: Model, draft, cache_mode: str | None, prompt_steps: str) -> Context:
-    """The draft's context: greedy, no processors, no eos (its tokens only propose)."""
+    """The draft's context: greedy, no processors, no eos (its tokens only propose). A draft
+    named by its folder loads as the model did (`model.loader`: generation.load, its family too)."""
     if not isinstance(draft, Model):
         from ..runtime.model import load
 
-        draft = load(draft, threads=1)
+        draft = (model.loader or load)(draft, threads=1)
     if draft.vocab_size != model.vocab_size:
         raise ValueError(f"draft: the draft model has {draft.vocab_size} token ids, the model {model.vocab_size}; "
                          "a draft needs the model's tokenizer")
-    if draft.is_seq2seq or model.is_seq2seq:
-        raise ValueError("draft: assisted decoding with a draft runs decoder-only models")
-    if getattr(model, "vision_session", None) is not None:
-        raise ValueError("draft: assisted decoding with a draft runs text models; this one reads images")
+    refusal = assisted_refusal(model, "draft", draft=draft)
+    if refusal is not None:
+        raise ValueError(refusal)
     return context(draft, cache_mode=cache_mode, prompt_steps=prompt_steps, do_sample=False, eos_token_id=[],
                    repetition_penalty=1.0, no_repeat_ngram_size=0, bad_words_ids=None, sequence_bias=None,
                    min_length=0, min_new_tokens=None, suppress_tokens=None, begin_suppress_tokens=None,

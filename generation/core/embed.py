@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime.graph import ORT_TYPES
-from ..runtime.model import ModelError, _read_json, _session, default_threads, resolve_folder
+from ..runtime.model import ModelError, default_threads, open_session, read_json, resolve_folder
 from ..runtime.onnx_graph import read_output_names
 
 POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
@@ -88,7 +88,7 @@ def pooling_of(folder: Path) -> tuple[str, bool]:
     for entry in entries if isinstance(entries, list) else []:
         kind = str(entry.get("type", ""))
         if kind.endswith("Pooling"):
-            settings = _read_json(folder / entry.get("path", "") / "config.json", required=True)
+            settings = read_json(folder / entry.get("path", "") / "config.json", required=True)
             for name in UNSUPPORTED_MODES:
                 if settings.get(name):
                     raise ModelError(f"{folder}: sentence-transformers pooling {name} is not supported "
@@ -119,9 +119,9 @@ def load_embedder(source: str | os.PathLike, *, variant: str | None = None, prov
     if path is None:
         raise ModelError(f"{folder} has no feature-extraction graph (onnx/model.onnx or model.onnx giving "
                          f"{' or '.join(HIDDEN_OUTPUTS)} and no logits; optimum: --task feature-extraction)")
-    config = _read_json(folder / "config.json", required=True)
+    config = read_json(folder / "config.json", required=True)
     pooling, normalize = pooling_of(folder)
-    session, used = _session(path, provider, threads or default_threads())
+    session, used = open_session(path, provider, threads or default_threads())
     inputs = {i.name: ORT_TYPES.get(i.type, np.int64) for i in session.get_inputs()}
     for needed in ("input_ids", "attention_mask"):
         if needed not in inputs:

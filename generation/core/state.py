@@ -27,15 +27,14 @@ from ..cache.base import insert_prompts
 from ..cache.cross import FirstStepStore, run_first_steps
 from ..cache.prefill import PromptCache, run_from, run_prompts
 from ..cache.prefix import PrefixStore
-from ..families.vision import PromptImages, check_images
 from ..logits.constraints import Grammars, dead_ends
 from ..logits.processors import RowSettings, apply
 from ..logits.selection import LogProbs, SamplingRows, logprobs, pick
+from ..params.settings import SettingError, Settings
 from ..runtime.encoders import EncoderOutputs
 from ..search.beam import BeamGroup, advance_groups, beam_min_keep, new_group
 from .context import Context
-from .settings import SettingError, Settings
-from .stops import StopMatcher
+from .stop_strings import StopMatcher
 
 
 @dataclass(slots=True)
@@ -72,14 +71,37 @@ class Prefix:
     encoder_ids: list  # per row: the "encoder input" of the encoder_ settings (the prompt, or the source)
 
 
+@dataclass(frozen=True)
+class LiveView:
+    """What a step reads of the live rows, derived from the state's other fields: rebuilt in one
+    place (`DecodeState.refresh`, when rows enter or leave or advance), so a step does no per-row
+    Python work."""
+
+    rows: np.ndarray  # flatnonzero(live)
+    settings: RowSettings  # the state's settings.take(rows)
+    settings_version: int  # the settings.version `settings` was taken at
+    processes: bool  # a processor before the warpers is on for a live row
+    greedy: bool  # no live row samples
+    steps_to_limit: int  # steps before the first live row reaches its limit
+    single_eos: int | None  # the one eos id every live row has, if so
+    no_eos: bool  # no live row has an eos id
+    any_stops: bool  # a live row has stop strings
+    fast: bool  # every slot live, greedy, unprocessed, at most one eos id: the lean step applies
+
+
+def _viewed(name: str) -> property:
+    return property(lambda state: getattr(state.view, name), doc=f"`view.{name}` (LiveView)")
+
+
 @dataclass
 class DecodeState:
     """The rows of a running batch, one per slot.
 
     `tokens[b, :lengths[b] + 1]` is slot b's prompt and new tokens; the cache holds the first
     `lengths[b]`, and the last one is the next step's input. A row stops at an eos token or when
-    it holds `limit[b]` tokens. The fields after `next_input` are derived from the others and
-    refreshed when rows enter or leave, so a step does no per-row Python work.
+    it holds `limit[b]` tokens. `view` (a LiveView, also read as `live_rows`, `live_settings`,
+    `processes`, `greedy`, `steps_to_limit`, `single_eos`, `no_eos`, `any_stops`, `fast`) is
+    derived from the others and rebuilt by `refresh` when rows enter, leave or advance.
     """
 
     cache: object
@@ -98,22 +120,23 @@ class DecodeState:
     logprob: np.ndarray | None = None  # [B, capacity] float32: each token's log-probability
     top_ids: np.ndarray | None = None  # [B, capacity, k]
     top: np.ndarray | None = None  # [B, capacity, k]
-    live_rows: np.ndarray = None  # flatnonzero(live)
-    live_settings: RowSettings = None  # settings.take(live_rows)
-    processes: bool = False  # a processor before the warpers is on for a live row
-    greedy: bool = True  # no live row samples
-    steps_to_limit: int = 0  # steps before the first live row reaches its limit
-    single_eos: int | None = None  # the one eos id every live row has, if so
-    no_eos: bool = False  # no live row has an eos id
-    fast: bool = False  # every slot live, greedy, unprocessed, at most one eos id: the lean step applies
-    any_stops: bool = False  # a live row has stop strings
+    view: LiveView | None = None  # the live rows as a step reads them (refresh)
     lean: bool = True  # the context allows the lean step (no log-probabilities, no custom processors)
     groups: dict = field(default_factory=dict)  # first slot -> BeamGroup: beam searches (their slots are used, not live)
     beam_settings: tuple | None = None  # (key, RowSettings) of the groups' rows, taken once per change
     # cached prompt prefixes (cache/prefix.py; an encoder-decoder's first steps, cache/cross.py), shared by the rows
     prefix: PrefixStore | FirstStepStore | None = None
     cached: np.ndarray = None  # [B] the prompt tokens of each slot's last admission that came from `prefix`
-    _settings_of: int = -1  # the settings.version live_settings was taken at
+
+    live_rows = _viewed("rows")
+    live_settings = _viewed("settings")
+    processes = _viewed("processes")
+    greedy = _viewed("greedy")
+    steps_to_limit = _viewed("steps_to_limit")
+    single_eos = _viewed("single_eos")
+    no_eos = _viewed("no_eos")
+    any_stops = _viewed("any_stops")
+    fast = _viewed("fast")
 
     @property
     def eos(self) -> np.ndarray:
@@ -128,22 +151,26 @@ class DecodeState:
         return np.flatnonzero(~self.used)
 
     def refresh(self) -> None:
-        """Recompute the derived fields after rows entered or left."""
-        rows = np.flatnonzero(self.live)
-        if (self.live_settings is None or self._settings_of != self.settings.version
-                or not np.array_equal(rows, self.live_rows)):  # a step that ended no row keeps them (and their tables)
-            self.live_settings, self._settings_of = self.settings.take(rows), self.settings.version
-            self.processes = self.live_settings.processes()
-        self.live_rows = rows
-        self.greedy = not self.settings.do_sample[rows].any()
-        self.steps_to_limit = int((self.limit[rows] - self.lengths[rows] - 1).min()) if rows.size else 0
+        """Rebuild `view` after rows entered, left or advanced (the one place it is built)."""
+        rows, old = np.flatnonzero(self.live), self.view
+        if (old is None or old.settings_version != self.settings.version
+                or not np.array_equal(rows, old.rows)):  # a step that ended no row keeps them (and their tables)
+            taken = self.settings.take(rows)
+            processes = taken.processes()
+        else:
+            taken, processes = old.settings, old.processes
+        greedy = not self.settings.do_sample[rows].any()
         eos = self.eos[rows]
-        self.no_eos = bool((eos < 0).all())
+        no_eos = bool((eos < 0).all())
         shared = rows.size and (eos == eos[:1]).all() and eos[0, 0] >= 0 and (eos[0, 1:] < 0).all()
-        self.single_eos = int(eos[0, 0]) if shared else None
-        self.any_stops = any(self.stops[r] is not None for r in rows.tolist())
-        self.fast = (rows.size == self.slots and self.greedy and not self.processes and self.lean
-                     and (self.no_eos or self.single_eos is not None) and not self.any_stops)
+        single_eos = int(eos[0, 0]) if shared else None
+        any_stops = any(self.stops[r] is not None for r in rows.tolist())
+        fast = (rows.size == self.slots and greedy and not processes and self.lean
+                and (no_eos or single_eos is not None) and not any_stops)
+        self.view = LiveView(
+            rows=rows, settings=taken, settings_version=self.settings.version, processes=processes, greedy=greedy,
+            steps_to_limit=int((self.limit[rows] - self.lengths[rows] - 1).min()) if rows.size else 0,
+            single_eos=single_eos, no_eos=no_eos, any_stops=any_stops, fast=fast)
 
 
 def new_state(ctx: Context, slots: int | None = None, capacity: int | None = None,
@@ -166,7 +193,7 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
         prompt_length=np.zeros(slots, np.int64), limit=np.zeros(slots, np.int64),
         live=np.zeros(slots, bool), used=np.zeros(slots, bool),
         seeds=np.zeros(slots, np.uint64), draws=np.zeros(slots, np.uint64),
-        settings=RowSettings(slots, ctx.model.vocab_size, Grammars.of(ctx)), next_input=cache.token_input, stops=[None] * slots,
+        settings=_new_rows(ctx, slots), next_input=cache.token_input, stops=[None] * slots,
         lean=not (ctx.token_logprobs or ctx.processors), cached=np.zeros(slots, np.int64))
     if ctx.token_logprobs:
         state.logprob = np.full((slots, capacity), np.nan, np.float32)
@@ -180,10 +207,11 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
     return state
 
 
-def _ends(tokens: np.ndarray, eos: np.ndarray, count: np.ndarray, limit: np.ndarray, stops: list,
+def ends(tokens: np.ndarray, eos: np.ndarray, count: np.ndarray, limit: np.ndarray, stops: list,
           failed: dict | None = None):
-    """(is_eos, finished) for rows that now hold `count` tokens, the last being `tokens`;
-    `stops` are the rows' StopMatchers (or None), which see every token but an eos. A row in
+    """Which rows a step's tokens end: (is_eos, finished) [n] bool for rows that now hold `count`
+    tokens, the last being `tokens` [n] (eos [n, E] -1 padded, limit [n]: a row ends at an eos
+    token or at its limit); `stops` are the rows' StopMatchers (or None), which see every token but an eos. A row in
     `failed` (index -> exception) is finished; a matcher that raises adds its row there (or
     raises, without `failed`)."""
     is_eos = (tokens[:, None] == eos).any(axis=1)
@@ -280,8 +308,14 @@ def _select_alone(ctx: Context, scores, rows: RowSettings, processes, history, l
     return tokens, lp, failed
 
 
+def _new_rows(ctx: Context, n: int) -> RowSettings:
+    """Empty settings of `n` rows for the context's model: its grammars, its family's timestamp
+    processor (`model.hooks`)."""
+    return RowSettings(n, ctx.model.vocab_size, Grammars.of(ctx), ctx.model.hooks.timestamps)
+
+
 def _row_settings(ctx: Context, prompts, settings: list[Settings], limit: np.ndarray, encoder_ids) -> RowSettings:
-    rows = RowSettings(len(prompts), ctx.model.vocab_size, Grammars.of(ctx))
+    rows = _new_rows(ctx, len(prompts))
     for j, (prompt, s) in enumerate(zip(prompts, settings)):
         rows.set_row(j, s, len(prompt), int(limit[j]), encoder_ids=encoder_ids[j])
     return rows
@@ -302,10 +336,11 @@ def _encoder_ids(ctx: Context, prompts, encoder) -> list:
 
 def prompt_inputs(model, prompts, encoder) -> tuple:
     """(embed, images) for run_prompts: a vision-language decoder's embedding and the checked
-    PromptImages of its prompts (None, None for a model that takes input_ids)."""
+    prompt inputs of its prompts, as its family's hooks check them (`hooks.prompt_inputs`: a
+    vision-language family's PromptImages); (None, None) for a model that takes input_ids."""
     if not model.graph.has_inputs_embeds and encoder is None:
         return None, None
-    return model.embed if model.graph.has_inputs_embeds else None, check_images(model, prompts, encoder)
+    return model.embed if model.graph.has_inputs_embeds else None, model.hooks.prompt_inputs(model, prompts, encoder)
 
 
 def _stop_matchers(ctx: Context, prompts, settings: list[Settings], failed: dict) -> list:
@@ -356,7 +391,7 @@ def _first_tokens(ctx: Context, prompts, seeds, settings, max_new, last_logits, 
     tokens, lp, failed = select_rows(ctx, last_logits, rows, rows.processes(), history, lengths, lengths, seeds,
                                      np.zeros(len(prompts), np.uint64))
     stops = _stop_matchers(ctx, prompts, settings, failed)
-    is_eos, finished = _ends(tokens, rows.eos, lengths + 1, limit, stops, failed)
+    is_eos, finished = ends(tokens, rows.eos, lengths + 1, limit, stops, failed)
     first = StepTokens(np.where(is_eos, -1, tokens), finished, bool(finished.any()), failed=failed)
     first.token[list(failed)] = -1
     first = with_logprobs(first, np.arange(len(prompts)), len(prompts), lp)
@@ -481,7 +516,8 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
     token is chosen (the caller's search does that). Sets `state.cached` of the slots."""
     if isinstance(state.prefix, FirstStepStore) and isinstance(encoder, EncoderOutputs):
         found = _cached_first_steps(ctx, state.prefix, prompts, encoder)
-    elif isinstance(state.prefix, PrefixStore) and (encoder is None or isinstance(encoder, PromptImages)):
+    elif isinstance(state.prefix, PrefixStore) and (encoder is None
+                                                    or isinstance(encoder, ctx.model.hooks.prompt_types)):
         found = _cached_prompts(ctx, state.prefix, prompts, encoder)
     else:
         state.cached[slots] = 0
@@ -512,12 +548,12 @@ def _cached_first_steps(ctx: Context, store: FirstStepStore, prompts: list[list[
                        cached=np.array([0 if f is None else len(p) for f, p in zip(found, prompts)], np.int64))
 
 
-def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]],
-                    images: PromptImages | None = None) -> PromptCache:
+def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]], images=None) -> PromptCache:
     """`_prompt_cache` of decoder-only prompts through `store`: a prompt with a cached prefix runs
     only the rest of it from the prefix's rows (as a later piece of the prompt runs), the others
     run together as always; every prompt's full blocks are then kept. A vision-language prompt
-    is named by its images too (`PromptImages.prefix_key`), and its rows keep its M-RoPE delta."""
+    is named by its images too (`images`: its family's prompt inputs, one of `hooks.prompt_types`,
+    by their `prefix_key`), and its rows keep its M-RoPE delta."""
     model = ctx.model
     keyed = prompts if images is None else [images.take([j]).prefix_key(p) for j, p in enumerate(prompts)]
     found = [store.lookup(k) for k in keyed]
@@ -655,8 +691,8 @@ def _greedy_steps(state: DecodeState, max_steps: int) -> tuple[DecodeState, Step
         if eos in chosen:
             break
     lengths += len(trace)
-    state.steps_to_limit -= len(trace)
     state.tokens[rows[:, None], start[:, None] + np.arange(len(trace))] = np.array(trace).T
+    state.refresh()  # the rows advanced: steps_to_limit is that much smaller
     if state.steps_to_limit > 0 and eos not in trace[-1]:
         return state, StepTokens(tokens.copy(), np.zeros(len(tokens), bool))
     return state, _settle(state, rows, tokens, lengths)
@@ -668,7 +704,7 @@ def _settle(state: DecodeState, rows: np.ndarray, tokens: np.ndarray, position: 
     its own: `failed`, by index into `rows`)."""
     out = StepTokens(np.full(state.slots, -1, np.int64), np.zeros(state.slots, bool))
     failed = {} if failed is None else failed
-    is_eos, finished = _ends(tokens, state.eos[rows], position + 1, state.limit[rows],
+    is_eos, finished = ends(tokens, state.eos[rows], position + 1, state.limit[rows],
                              [state.stops[r] for r in rows.tolist()] if state.any_stops else (), failed)
     out.token[rows] = np.where(is_eos, -1, tokens)
     out.finished[rows] = finished

@@ -1,8 +1,8 @@
 """Export the default model's checkpoint to the two ONNX layouts the engine serves.
 
 - `onnx/decoder_model_merged.onnx`: the transformers.js layout (`use_cache_branch` and one If
-  node over a no-past and a with-past graph, `torch.onnx.export(dynamo=True)`), as the
-  `llama-merged` test fixture (tests/model_builders.py).
+  node over a no-past and a with-past graph, `torch.onnx.export(dynamo=True)`); the
+  `llama-merged` and `gpt2-grow` test fixtures are made by the same code (tests/model_builders/text.py).
 - `genai/`: an onnxruntime-genai build (`onnxruntime_genai.models.builder -p fp32 -e cpu`,
   GroupQueryAttention, the `in_place` cache mode), with the tokenizer and configs beside it.
 
@@ -29,10 +29,13 @@ GENAI_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
                "config.json", "generation_config.json")
 
 
-def export_decoder(model, path: Path, *, past: bool) -> None:
-    """`torch.onnx.export(dynamo=True)` of a Llama, Optimum names: input_ids, attention_mask,
-    position_ids, [past_key_values.N.key/.value] -> logits, present.N.key/.value.
-    `past=False` gives the first-step graph (no past inputs) of the merged decoder."""
+def export_decoder(model, path: Path, *, past: bool, position_ids: bool = True) -> None:
+    """`torch.onnx.export(dynamo=True)` of a decoder-only model (a Llama; GPT-2 for a test
+    fixture), Optimum names: input_ids, attention_mask, [position_ids],
+    [past_key_values.N.key/.value] -> logits, present.N.key/.value.
+    `past=False` gives the first-step graph (no past inputs) of the merged decoder;
+    `position_ids=False` a graph whose positions follow from the past length (the `gpt2-grow`
+    test fixture)."""
     import torch
     from transformers import DynamicCache
 
@@ -52,8 +55,13 @@ def export_decoder(model, path: Path, *, past: bool) -> None:
             layers = o.past_key_values.layers
             return (o.logits, *[t for i in range(n_layers) for t in (layers[i].keys, layers[i].values)])
 
+    class NoPositions(Wrapper):
+        def forward(self, input_ids, attention_mask, *pkv):
+            return super().forward(input_ids, attention_mask, None, *pkv)
+
     cfg = model.config
-    kv, hd = cfg.num_key_value_heads, cfg.head_dim
+    kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # (GPT-2's names)
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     g = torch.Generator().manual_seed(0)
     B, T, P = 2, 4, (3 if past else 0)
     ids = torch.randint(3, cfg.vocab_size, (B, T), generator=g)
@@ -65,14 +73,19 @@ def export_decoder(model, path: Path, *, past: bool) -> None:
     sl = torch.export.Dim("sequence_length", min=1, max=1024)
     pl = torch.export.Dim("past_sequence_length", min=0, max=1024)
     tl = torch.export.Dim("total_sequence_length", min=1, max=2048)
+    inputs, shapes = [ids, mask], [{0: bs, 1: sl}, {0: bs, 1: tl}]
+    if position_ids:
+        inputs.append(pos)
+        shapes.append({0: bs, 1: sl})
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         prog = torch.onnx.export(
-            Wrapper(), (ids, mask, pos, *pkv), None, dynamo=True, opset_version=18, optimize=True, verbose=False,
-            input_names=["input_ids", "attention_mask", "position_ids"]
+            Wrapper() if position_ids else NoPositions(), (*inputs, *pkv), None, dynamo=True, opset_version=18,
+            optimize=True, verbose=False,
+            input_names=["input_ids", "attention_mask"] + (["position_ids"] if position_ids else [])
             + ([f"past_key_values.{n}" for n in names] if past else []),
             output_names=["logits"] + [f"present.{n}" for n in names],
-            dynamic_shapes=({0: bs, 1: sl}, {0: bs, 1: tl}, {0: bs, 1: sl}) + ((tuple({0: bs, 2: pl} for _ in pkv),) if past else ()))
+            dynamic_shapes=(*shapes, *((tuple({0: bs, 2: pl} for _ in pkv),) if past else ())))
     prog.save(str(path), external_data=False)
 
 

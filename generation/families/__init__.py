@@ -1,5 +1,7 @@
 """Model families: one place decides what a model folder is (`detect`, run by `load`: a model's
-`family`), and each family is a module of this package with one contract:
+`family`), and each family is a module of this package with one contract, the `Family` protocol
+of contract.py (KIND, detect, prepare, encode, HOOKS; its docstring tables what each family
+answers):
 
     KIND                           what a server runs for it: "text" (a decoder), "encoder-decoder"
                                    (an encoder deployment beside the decoder) or "vision" (a vision
@@ -9,6 +11,8 @@
     prepare(ctx, inputs, ...)      a request's inputs into a Prepared: the decoder's prompts and
                                    what `generate(encoder=...)` takes
     encode(model, inputs)          the family's encoder over what its preprocessing gives
+    HOOKS                          what the family adds to the engine's layers below it
+                                   (generation.runtime.hooks.Hooks), put on the Model by `load`
 
     whisper    Whisper: audio in (whisper/: audio, timestamps, long-form windows)
     vit_gpt2   vision-encoder-decoder captioners (a ViT encoder, a GPT-2 decoder)
@@ -17,9 +21,13 @@
     qwen2_vl   Qwen2-VL (a vision encoder beside the decoder, M-RoPE positions)
     text       decoder-only text models (Llama, Qwen2, GPT-2, ...; onnxruntime-genai folders)
 
-The vision-language families share vision.py (features in inputs_embeds), images.py and
-vl_prompts.py (prompts from parts or chats), each family module giving its own preprocessing,
-encoder and positions. This module imports none of them until asked, so `load` can call it.
+The vision-language families share vision.py (features in inputs_embeds, and the prompt-image
+hooks every decoder-only family gives), images.py and vl_prompts.py (prompts from parts or
+chats), each family module giving its own preprocessing, encoder and positions. This module
+imports none of them until asked.
+
+`load` is `generation.load`: the layers below the families load a folder without asking what it
+is (`runtime.model.load`); here the model then gets its family and that family's hooks.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..runtime.model import Model
+from ..runtime.model import load as load_folder
 
 # Detection order: the first family whose detect() claims a folder is its family.
 FAMILIES = ("whisper", "vit_gpt2", "seq2seq", "idefics3", "qwen2_vl", "text")
@@ -55,6 +66,18 @@ def detect(config: dict, files) -> str:
     one) and these file names."""
     files = [str(f) for f in files]
     return next(name for name in FAMILIES if module(name).detect(config, files))
+
+
+def load(source, *, variant: str | None = None, provider: str | None = None, threads: int | None = None,
+         spin_wait: bool = True, fuse: bool = True) -> Model:
+    """`generation.load`: the decoder of `source` (a folder or a hub id) loaded as
+    `runtime.model.load` does (its options), with its family (`model.family`, by `detect`) and
+    that family's hooks (`model.hooks`, the module's HOOKS) on it."""
+    model = load_folder(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait, fuse=fuse)
+    model.family = detect(model.config, folder_files(model.folder))
+    model.hooks = module(model.family).HOOKS
+    model.loader = load
+    return model
 
 
 def family(model):

@@ -40,6 +40,7 @@ from ..runtime.model import preprocessor_config
 from ..text.tokenizer import model_tokenizer
 from . import has_vision_encoder
 from .images import channel_layout, describe, load_image, pil_uint8, rescale_normalize
+from .vision import PROMPT_IMAGES
 from .vl_prompts import Images, folder_json, prepare_chat, prepare_parts
 
 MAX_IMAGE_SIZE = 4096  # transformers' cap on either edge after the first resize
@@ -248,6 +249,7 @@ def encode_frames(model, pixel_values: np.ndarray) -> np.ndarray:
 
 # -- the family's contract (generation.families) -----------------------------------------------
 KIND = "vision"
+HOOKS = PROMPT_IMAGES  # image features in the prompt: vision.py
 
 
 def detect(config: dict, files: list[str]) -> bool:

@@ -12,10 +12,11 @@ from ..text.tokenizer import model_tokenizer
 from . import has_vision_encoder
 from .images import qwen2vl_pixels, qwen2vl_video_pixels
 from .videos import video_processor_config
-from .vision import VisionTokens, encode_images, rope_positions
+from .vision import PROMPT_IMAGES, VisionTokens, encode_images, rope_positions
 from .vl_prompts import Images, prepare_chat, prepare_parts
 
 KIND = "vision"
+HOOKS = PROMPT_IMAGES  # image (and video) features in the prompt, M-RoPE positions: vision.py
 VIDEOS = True  # takes videos (videos.takes_videos)
 
 

@@ -4,10 +4,12 @@ decoder prompted with decoder_start_token_id."""
 from __future__ import annotations
 
 from ..runtime.encoders import EncoderOutputs, encode_cached, encode_text
+from ..runtime.hooks import Hooks
 from ..text.tokenizer import model_tokenizer
 from . import Prepared
 
 KIND = "encoder-decoder"
+HOOKS = Hooks()  # its encoder's outputs join as EncoderOutputs (the default)
 
 
 def detect(config: dict, files: list[str]) -> bool:

@@ -4,8 +4,10 @@ token ids, a text tokenized with the model's tokenizer; no encoder."""
 from __future__ import annotations
 
 from . import Prepared
+from .vision import PROMPT_IMAGES
 
 KIND = "text"
+HOOKS = PROMPT_IMAGES  # a text model's prompts take no images; asked, it says so (vision.check_images)
 
 
 def detect(config: dict, files: list[str]) -> bool:
@@ -16,7 +18,7 @@ def detect(config: dict, files: list[str]) -> bool:
 def prepare(ctx, prompts) -> Prepared:
     """Texts (tokenized as transformers' tokenizer call does, special tokens added) or token id
     lists, as the decoder's prompts."""
-    from ..core.inputs import check_prompts
+    from ..params.inputs import check_prompts
     from ..text.tokenizer import model_tokenizer
 
     if not isinstance(prompts, (list, tuple)) or not prompts:

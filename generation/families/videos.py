@@ -18,7 +18,7 @@ A video is given as
   send. (transformers' read_video_pyav keeps the first `stream.frames` frames, the container's
   count: every frame where the count is right; we decode every frame whatever it says.)
 
-Limits, for every kind: MAX_VIDEO_FRAMES frames (generation.core.limits; Qwen2VLVideoProcessor's
+Limits, for every kind: MAX_VIDEO_FRAMES frames (generation.params.limits; Qwen2VLVideoProcessor's
 max_frames) and MAX_VIDEO_BYTES bytes of RGB frames, checked frame by frame while decoding.
 
 Preprocessing is Qwen2-VL's (`qwen2_vl.preprocess`, `images.qwen2vl_video_pixels`) with the
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.limits import MAX_VIDEO_FRAMES
+from ..params.limits import MAX_VIDEO_FRAMES
 from . import module
 
 MAX_VIDEO_BYTES = 256 * 2**20  # RGB bytes of one video's frames (frames * height * width * 3): 43 frames of 1080p

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..runtime.hooks import Hooks
+
 
 @dataclass
 class PromptImages:
@@ -279,3 +281,25 @@ def check_images(model, prompts: list[list[int]], images) -> "PromptImages | Non
         if positions is not None and positions.shape != (3, len(prompt)):
             raise ValueError(f"positions of prompt {i} have shape {positions.shape}, expected (3, {len(prompt)})")
     return images
+
+
+def join_images(encoders: list) -> PromptImages:
+    """The jobs' PromptImages as one batch's (the scheduler admits them together); a text-only job
+    (None) beside image ones gets no features (index positions). ValueError for inputs that are
+    no PromptImages, as check_images says it."""
+    for e in encoders:
+        if e is not None and not isinstance(e, PromptImages):
+            raise ValueError(f"encoder= of a decoder-only model must be vision.PromptImages, not {type(e).__name__}")
+    some = next(e for e in encoders if e is not None)
+    encoders = [e or PromptImages([np.zeros((0, 1), np.float32)], [None], some.image_token_id) for e in encoders]
+    videos = None
+    if any(e.video_features is not None for e in encoders):
+        videos = [v for e in encoders for v in (e.video_features or [np.zeros((0, 1), np.float32)] * len(e))]
+    token = next((e.video_token_id for e in encoders if e.video_token_id is not None), None)
+    return PromptImages([f for e in encoders for f in e.features], [p for e in encoders for p in e.positions],
+                        some.image_token_id, videos, token)
+
+
+# The hooks of every decoder-only family (text, idefics3, qwen2_vl): prompts with images, their
+# features in the embeddings and their positions (generation.runtime.hooks)
+PROMPT_IMAGES = Hooks(join=join_images, prompt_inputs=check_images, prompt_types=(PromptImages,))

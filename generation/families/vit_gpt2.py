@@ -9,12 +9,14 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime.encoders import EncoderOutputs, encode_pixels
+from ..runtime.hooks import Hooks
 from ..runtime.model import preprocessor_config
 from . import Prepared
 from .images import vit_pixels
 from .seq2seq import decoder_start
 
 KIND = "encoder-decoder"
+HOOKS = Hooks()  # its encoder's outputs join as EncoderOutputs (the default)
 
 
 def detect(config: dict, files: list[str]) -> bool:

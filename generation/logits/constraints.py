@@ -4,7 +4,7 @@ numpy interface and no torch: the engine needs nothing else).
 
 A row's constraint is its setting `structured_outputs`, vLLM's field: one of {"json": schema},
 {"json_object": true}, {"regex": pattern}, {"choice": [strings]} or {"grammar": Lark text (GBNF
-is converted)}, normalized to a hashable (kind, text) pair (`core.settings`). Each row with one holds
+is converted)}, normalized to a hashable (kind, text) pair (`params.settings`). Each row with one holds
 an llguidance matcher (`RowConstraint`) that follows the row's generated tokens: before a mask is
 computed it is brought to them, consuming the new ones and rolling back past tokens that are no
 longer the row's (a beam that took another beam's history, candidates that were not accepted),
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from ..core.settings import SettingError
+from ..params.settings import SettingError
 
 FIELD = "structured_outputs"
 NEG_INF = np.float32(-np.inf)

@@ -19,8 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..core.settings import SettingError, Settings
-from ..families.whisper.timestamps import apply_timestamp_rules, timestamp_history
+from ..params.settings import SettingError, Settings
 from .constraints import RowConstraint, constrain
 
 NEG_INF = np.float32(-np.inf)
@@ -284,23 +283,18 @@ def suppress(scores: np.ndarray, mask: np.ndarray, when: np.ndarray | None = Non
     return out
 
 
-def _token_table(lists: Sequence[Sequence[int]]) -> np.ndarray:
-    width = max([1] + [len(x) for x in lists])
-    table = np.full((len(lists), width), -1, np.int64)
-    for i, ids in enumerate(lists):
-        table[i, :len(ids)] = list(ids)
-    return table
-
-
 class RowSettings:
     """The settings of `n` rows as arrays, for `apply` and the warpers of `selection`.
 
     Rows enter with `set_row` (which builds that row's fixed masks) and are read through
     `take(rows)`; a table is allocated only once some row uses it."""
 
-    def __init__(self, n: int, vocab: int, grammars=None):
+    def __init__(self, n: int, vocab: int, grammars=None, timestamps=None):
         self.n, self.vocab = n, vocab
         self.grammars = grammars  # constraints.Grammars: the matchers of structured_outputs rows
+        # the model family's processor of rows with timestamp_rules (its hooks' `timestamps`:
+        # (scores, rules [n, 3], history, length, prompt_length), in place), None: it has none
+        self.timestamps = timestamps
         self.version = 0  # counts set_row calls: a view taken before one is stale
         f32, i64 = np.float32, np.int64
         self.do_sample = np.zeros(n, bool)
@@ -320,7 +314,7 @@ class RowSettings:
         self.remove_invalid = np.zeros(n, bool)
         self.decay_start, self.decay_factor = np.full(n, -1, i64), np.ones(n, np.float64)
         self.begin_index = np.full(n, -1, i64)
-        self.timestamp_rules = np.full((n, 3), -1, i64)  # Whisper's (no_timestamps, eos, max_initial); -1: off
+        self.timestamp_rules = np.full((n, 3), -1, i64)  # (no_timestamps, eos, max_initial): Settings'; -1: off
         self.eos = np.full((n, 1), -1, i64)
         self.limit = np.zeros(n, i64)
         self.lookup_tokens = np.zeros(n, i64)  # prompt_lookup_num_tokens (0: off); assisted.py
@@ -386,6 +380,9 @@ class RowSettings:
         self._set_mask("begin_mask", i, s.begin_suppress_tokens)
         first = prompt_length + (1 if prompt_length == 1 and s.forced_bos_token_id is not None else 0)
         self.begin_index[i] = first if s.begin_suppress_tokens else -1
+        if s.timestamp_rules is not None and self.timestamps is None:
+            raise SettingError("timestamp_rules", "timestamp_rules: this batch was made without a timestamp "
+                                                  "processor (the model's family decodes no timestamps)")
         self.timestamp_rules[i] = s.timestamp_rules or (-1, -1, -1)
         self.untempered[i] = s.untempered_logprobs
         self.constraints[i] = None
@@ -459,20 +456,6 @@ class RowSettings:
                     or (self.timestamp_rules[:, 0] >= 0).any() or any(self.constraints))
 
 
-def timestamps(scores: np.ndarray, rules: np.ndarray, history: np.ndarray, length: np.ndarray,
-               prompt_length: np.ndarray, inplace: bool = False) -> np.ndarray:
-    """WhisperTimeStampLogitsProcessor on the rows whose `rules` [n, 3] (no_timestamps_token_id,
-    eos, max_initial_timestamp_index or -1) are on (first entry >= 0; one model's, so alike);
-    each row's new tokens are history[i, prompt_length[i]:length[i]]."""
-    out = scores if inplace else scores.copy()
-    on = np.flatnonzero(rules[:, 0] >= 0)
-    no_timestamps, eos, max_initial = rules[on[0]].tolist()
-    states = np.stack([timestamp_history(history[i, prompt_length[i]:length[i]].tolist(), no_timestamps + 1)
-                       for i in on.tolist()])
-    out[on] = apply_timestamp_rules(out[on], states, no_timestamps, eos, None if max_initial < 0 else max_initial)
-    return out
-
-
 def row_views(history: np.ndarray, length: np.ndarray, prompt_length: np.ndarray, vocab: int) -> list[dict]:
     """The row maps a custom processor's `state` reads: prompt, generated (last first), vocab."""
     return [{"prompt": history[i, :p].tolist(), "generated": history[i, p:int(n)][::-1].tolist(), "vocab": vocab}
@@ -515,7 +498,7 @@ def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np
     if rows.begin_mask is not None:
         suppress(out, rows.begin_mask, length == rows.begin_index, inplace=True)
     if (rows.timestamp_rules[:, 0] >= 0).any():  # where Whisper's generate puts them: before the user's
-        timestamps(out, rows.timestamp_rules, history, length, prompt_length, inplace=True)
+        rows.timestamps(out, rows.timestamp_rules, history, length, prompt_length)
     if custom:
         views = row_views(history, length, prompt_length, rows.vocab)
         for state, process in custom:

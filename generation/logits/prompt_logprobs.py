@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cache.prefill import _run_rows
+from ..cache.prefill import run_rows
 from .selection import logprobs
 
 PIECE = 128  # prompt positions per run
@@ -101,7 +101,7 @@ def _pass_group(ctx, prompts, tops, store, out, where) -> None:
                 found.top_ids[offset:offset + width], found.top[offset:offset + width] = lp.top_ids, lp.top
 
     widths = [min(PIECE, longest - start) for start in range(0, longest, PIECE)]
-    _, past = _run_rows(model.session, model.graph, [list(p) for p in prompts], widths, ctx.settings.pad_token_id,
+    _, past = run_rows(model.session, model.graph, [list(p) for p in prompts], widths, ctx.settings.pad_token_id,
                         ctx.max_position, on_logits=read)
     if store is not None:
         for b, prompt in enumerate(prompts):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.rng import uniforms
+from .rng import uniforms
 
 NEG_INF = np.float32(-np.inf)
 
@@ -262,21 +262,6 @@ def final_scores(scores: np.ndarray, rows: SamplingRows) -> np.ndarray:
     return scores
 
 
-def choose(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """Next token of each row from its final scores: argmax for greedy rows, a seeded draw for
-    sampling rows (seeds, draws [n] uint64: the rows' random state)."""
-    tokens = scores.argmax(axis=1)
-    sampling = np.flatnonzero(rows.do_sample)
-    if sampling.size:
-        tokens[sampling] = sample(scores[sampling], uniforms(seeds[sampling], draws[sampling]))
-    return tokens
-
-
-def select(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """`choose(final_scores(scores))`: the next token of each row from its processed scores."""
-    return choose(final_scores(scores, rows), rows, seeds, draws)
-
-
 def _pack(flat: np.ndarray, n: int, m: int, ids: np.ndarray | None, values: np.ndarray):
     """The entries `flat` (ascending flat indices into [n, m]) of each row, in order, as [n, width]
     arrays: ids (the column, or `ids` at it; -1 padded) and values (-inf padded)."""
@@ -333,8 +318,10 @@ def top_k_candidates(scores: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.
 
 def pick(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.ndarray,
          want_logprobs: bool = False, top: int = 0) -> tuple[np.ndarray, "LogProbs | None"]:
-    """`choose(final_scores(scores))`, and the log-probabilities of the final scores at the chosen
-    tokens when asked, without building the final scores over the whole vocabulary: sampling rows
+    """The next token of each row from its processed scores (argmax for greedy rows, a seeded draw
+    from the final scores for sampling rows: seeds, draws [n] uint64, the rows' random state), and
+    the log-probabilities of the final scores at the chosen tokens when asked, without building
+    the final scores over the whole vocabulary: sampling rows
     with top_k run their warpers on their top_k candidates only (`top_k_candidates`).
     renormalize_logits changes neither the tokens nor the log-probabilities, so it is skipped."""
     n, vocab = scores.shape

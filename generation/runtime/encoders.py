@@ -36,6 +36,13 @@ class EncoderOutputs:
         return len(self.hidden)
 
 
+def join_outputs(outputs: list[EncoderOutputs]) -> EncoderOutputs:
+    """The rows of several EncoderOutputs as one batch's, in order (an encoder-decoder's jobs
+    admitted together; every job has its own)."""
+    ids = None if outputs[0].source_ids is None else [i for e in outputs for i in e.source_ids]
+    return EncoderOutputs([h for e in outputs for h in e.hidden], ids)
+
+
 def encode_text(model, sources: list[list[int]]) -> EncoderOutputs:
     """Run a text encoder over `sources` (token id lists of any lengths, padded together)."""
     encoder = model.encoder
@@ -81,7 +88,7 @@ def encode_cached(contents: list, lookup, store, encode) -> tuple[list, int]:
 
 def encode_audio_cached(model, windows, lookup, store) -> tuple[EncoderOutputs, int]:
     """Whisper's encoder over log-mel `windows` [n, n_mels, frames] (one row each, as
-    `longform.run_encoder` hands them to its `encode`), through `encode_cached`: a window's
+    `windows.run_encoder` hands them to its `encode`), through `encode_cached`: a window's
     content is its (shape, bytes), its value its hidden states. Returns the outputs and how many
     windows ran through the encoder."""
     windows = np.ascontiguousarray(windows, np.float32)

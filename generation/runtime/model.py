@@ -23,11 +23,13 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from .fusion import fused_decoder
 from .graph import DecoderGraph, GraphError, read_graph
+from .hooks import Hooks
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,11 @@ class Model:
     first_step_session: object = None  # an unmerged decoder pair: decoder_model.onnx (no past), step 0
     embed_session: object = None  # vision-language models: embed_tokens.onnx, run at every step
     vision_session: object = None  # and vision_encoder.onnx, run once per image
-    family: str = "text"  # generation.families: what the folder is, decided at load
+    family: str = "text"  # generation.families: what the folder is, decided by generation.load
+    hooks: Hooks = field(default_factory=Hooks)  # what its family adds to the engine's layers (runtime/hooks.py)
+    # the load that made it (generation.load: with its family), so a draft model named by its
+    # folder loads the same way (core/context.py); None: runtime.model.load
+    loader: Callable | None = field(default=None, compare=False, repr=False)
     fused_from: Path | None = None  # the decoder file whose fused rewrite this is (generation.runtime.fusion)
 
     @property
@@ -109,7 +115,9 @@ class Model:
         return None
 
 
-def _read_json(path: Path, required: bool) -> dict:
+def read_json(path: Path, required: bool) -> dict:
+    """The JSON object in `path`; {} for a missing file that is not `required`. ModelError for a
+    missing required file, invalid JSON or a value that is not an object."""
     if not path.exists():
         if required:
             raise ModelError(f"{path.name} is missing from {path.parent}")
@@ -223,7 +231,7 @@ def _provider(provider: str | None) -> str:
     return "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
 
 
-def _session(path: Path, provider: str | None, threads: int, spin_wait: bool = True, head: bool = False):
+def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool = True, head: bool = False):
     """An onnxruntime session of `path` and the provider it got. head: a decoder's LM head runs
     only at the positions its `logits_positions` input names, where the graph allows
     (runtime.head; the reason logged where not)."""
@@ -300,14 +308,13 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
     fuse: run an Optimum / transformers.js Llama, Qwen2 or Mistral decoder as its fused rewrite
     (generation.runtime.fusion: built once, cached under $RAYMUTER_CACHE, checked against the
     source); False runs the file as exported.
+
+    The model's family is not looked at here: `generation.load` (generation.families.load) loads
+    through this and then gives the model its family and that family's hooks.
     """
     if not isinstance(fuse, bool):
         raise ModelError(f"fuse must be true or false, not {fuse!r}")
-    from ..families import detect, folder_files
-
-    model = _load(source, variant, provider, threads, spin_wait, fuse)
-    model.family = detect(model.config, folder_files(model.folder))
-    return model
+    return _load(source, variant, provider, threads, spin_wait, fuse)
 
 
 def _load(source, variant: str | None, provider: str | None, threads: int | None, spin_wait: bool,
@@ -321,14 +328,14 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
         if variant not in (None, "fp32"):
             raise ModelError(f"variant '{variant}' does not apply to {folder}: an onnxruntime-genai build has "
                              "one decoder, named by genai_config.json")
-        decoder_path, config, present_names = _genai_decoder(folder, _read_json(genai_path, True))
-        config.update(_read_json(folder / "config.json", required=False))
+        decoder_path, config, present_names = _genai_decoder(folder, read_json(genai_path, True))
+        config.update(read_json(folder / "config.json", required=False))
         if not decoder_path.exists():
             raise ModelError(f"{decoder_path.name}, named by genai_config.json, is missing from {folder}")
     else:
-        config = _text_fields(_read_json(folder / "config.json", required=True))
+        config = _text_fields(read_json(folder / "config.json", required=True))
         decoder_path = None if config.get("is_encoder_decoder") else find_decoder(folder, variant)
-    generation_config = _read_json(folder / "generation_config.json", required=False)
+    generation_config = read_json(folder / "generation_config.json", required=False)
     threads = threads or default_threads()
     tokenizer = folder / "tokenizer.json"
     tokenizer_path = tokenizer if tokenizer.exists() else None
@@ -338,7 +345,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     if fuse and not genai_path.exists():
         def load_source():  # asked for only when the cache has no answer for this file yet
             nonlocal source
-            session, used = _session(decoder_path, provider, threads, spin_wait, head=True)
+            session, used = open_session(decoder_path, provider, threads, spin_wait, head=True)
             source = session, used, read_graph(decoder_path, session, _config_dims(config), present_names)
             return source[0], source[2]
         fused = fused_decoder(decoder_path, config, _provider(provider), load_source)
@@ -347,7 +354,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
         session, used, graph = source
     else:
         source = None  # the source's weights are not kept beside the fused graph's
-        session, used = _session(path, provider, threads, spin_wait, head=True)
+        session, used = open_session(path, provider, threads, spin_wait, head=True)
         graph = read_graph(path, session, _config_dims(config), present_names)
     model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,
                   generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path,
@@ -376,10 +383,10 @@ def _load_vision_parts(model: Model, variant: str | None, provider: str | None, 
     if embed is None:
         raise ModelError(f"{model.decoder_path.name} takes inputs_embeds, but there is no embed_tokens{suffix}.onnx "
                          f"in {folder} (or onnx/) to make them")
-    model.embed_session, _ = _session(embed, provider, threads)
+    model.embed_session, _ = open_session(embed, provider, threads)
     vision = _find(folder, "vision_encoder", suffix) or _find(model.decoder_path.parent, "vision_encoder", suffix)
     if vision is not None:
-        model.vision_session, _ = _session(vision, provider, threads)
+        model.vision_session, _ = open_session(vision, provider, threads)
 
 
 def _find(folder: Path, stem: str, suffix: str) -> Path | None:
@@ -405,9 +412,9 @@ def _load_seq2seq(folder: Path, variant: str | None, provider: str | None, threa
         raise ModelError(f"{folder}: no decoder for the encoder: expected decoder_model_merged{suffix}.onnx, "
                          f"or decoder_model{suffix}.onnx with decoder_with_past_model{suffix}.onnx")
     decoder_path = merged or with_past
-    encoder_session, used = _session(encoder_path, provider, threads)
-    session, _ = _session(decoder_path, provider, threads)
-    first_session = None if merged is not None else _session(first, provider, threads)[0]
+    encoder_session, used = open_session(encoder_path, provider, threads)
+    session, _ = open_session(decoder_path, provider, threads)
+    first_session = None if merged is not None else open_session(first, provider, threads)[0]
     try:
         graph = read_graph(decoder_path, session, _config_dims(config))
     except GraphError as e:

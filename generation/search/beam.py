@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.rng import uniforms
-from ..core.settings import Settings
 from ..logits.processors import apply
+from ..logits.rng import uniforms
 from ..logits.selection import SamplingRows, log_softmax, top_k_candidates, warp
+from ..params.settings import Settings
 
 LOST = np.float32(-1e9)  # transformers' score of a beam or hypothesis that must not be chosen
 FLOOR = np.finfo(np.float32).min  # a removed token's score, in place of -inf
@@ -236,11 +236,13 @@ def _search_steps(state, members: list[tuple[BeamGroup, tuple]]) -> dict:
         tokens = state.tokens[slot, g.prompt_length:g.cur].tolist()
         return tokens, None if logprob is None else logprob[slot, g.prompt_length:g.cur].tolist()
 
-    source, token, token_logprob = _step(
-        beams, processed, phys, [g.settings for g in groups], eos, np.array([part[3] for _, part in members]),
-        np.array([g.cur for g in groups]), np.array([g.prompt_length for g in groups]),
-        np.array([g.limit for g in groups]), width, prefix, step_logprob,
-        np.concatenate([g.seed for g in groups]), np.concatenate([g.draws for g in groups]))
+    source, token, token_logprob = _step(beams, _StepInputs(
+        processed=processed, phys=phys, beams=width, eos=eos, sampled=np.array([part[3] for _, part in members]),
+        cur=np.array([g.cur for g in groups]), prompt_length=np.array([g.prompt_length for g in groups]),
+        limit=np.array([g.limit for g in groups]),
+        length_penalty=np.array([g.settings.length_penalty for g in groups], np.float64),
+        early_stopping=[g.settings.early_stopping for g in groups], prefix=prefix, step_logprob=step_logprob,
+        seeds=np.concatenate([g.seed for g in groups]), draws=np.concatenate([g.draws for g in groups])))
     out = {}
     for p, g in enumerate(groups):
         one = slice(p, p + 1)
@@ -308,41 +310,76 @@ def _hypothesis(entry, score: float, settings: Settings) -> Hypothesis:
     return Hypothesis(new, score, logprobs)
 
 
-def _step(state: _Beams, processed: np.ndarray, phys: np.ndarray, settings: list[Settings], eos: np.ndarray,
-          sampled: np.ndarray, cur: np.ndarray, prompt_length: np.ndarray, limit: np.ndarray, beams: int, prefix,
-          step_logprob, seeds: np.ndarray, draws: np.ndarray):
+@dataclass
+class _StepInputs:
+    """What one step of `_step` reads, per prompt P of B beams: `processed` [rows, V] scores,
+    `phys` [P, B] each beam's row of them, eos [P, E] (-1 padded), sampled [P], the rows' token
+    count `cur`, prompt_length and limit [P], length_penalty [P] and early_stopping (P values) of
+    each prompt's settings, its random state (seeds, draws [P]); prefix(row) -> (new tokens,
+    their log-probabilities or None) of a row so far, and step_logprob [rows, V] or None."""
+
+    processed: np.ndarray
+    phys: np.ndarray
+    beams: int
+    eos: np.ndarray
+    sampled: np.ndarray
+    cur: np.ndarray
+    prompt_length: np.ndarray
+    limit: np.ndarray
+    length_penalty: np.ndarray
+    early_stopping: list
+    prefix: object
+    step_logprob: np.ndarray | None
+    seeds: np.ndarray
+    draws: np.ndarray
+
+
+def _step(state: _Beams, step: _StepInputs):
     """One step of every live prompt, in place on `state`; returns the source row, the token and
-    its log-probability of each next beam, [P * B] in beam order. `phys` [P, B]: each beam's row
-    of `processed`; eos [P, E] and sampled [P] per prompt; prefix(row) -> (new tokens, their
-    log-probabilities or None) of a row so far.
+    its log-probability of each next beam, [P * B] in beam order.
     Written after transformers' _get_top_k_continuations, _get_running_beams_for_next_iteration,
     _update_finished_beams and _check_early_stop_heuristic."""
-    count, vocab = len(cur), processed.shape[1]
-    eos_count = (eos >= 0).sum(axis=1)
-    keep = int(np.max(np.maximum(2, 1 + eos_count))) * beams
-    accumulated = (processed[phys.reshape(-1)].reshape(count, beams, vocab)
-                   + state.running[:, :, None]).reshape(count, beams * vocab)
-    pick = _best(accumulated, keep)
-    if sampled.any():
-        where = np.flatnonzero(sampled)
-        pick[where] = _sample_without_replacement(accumulated[where], keep, seeds[where], draws[where])
-    top_scores = np.take_along_axis(accumulated, pick, axis=1)  # [P, K]
-    source_beam, token = pick // vocab, pick % vocab
-    source_row = np.take_along_axis(phys, source_beam, axis=1)
-    ends = (token[:, :, None] == eos[:, None, :]).any(axis=2) & (eos[:, None, :] >= 0).any(axis=2)
-    ends |= (cur + 1 >= limit)[:, None]
-
+    keep = int(np.max(np.maximum(2, 1 + (step.eos >= 0).sum(axis=1)))) * step.beams  # K candidates
+    source_row, token, top_scores, ends = _candidates(state, step, keep)
     # the next running beams: the best B that do not end
     running_scores = top_scores + ends.astype(np.float32) * LOST
-    next_pick = _topk_desc(running_scores, beams)
+    next_pick = _topk_desc(running_scores, step.beams)
     next_running = np.take_along_axis(running_scores, next_pick, axis=1)
+    _keep_finished(state, step, source_row, token, top_scores, ends)
+    state.running = np.where(state.live[:, None], next_running, state.running)
+    _check_early_stop(state, step, ends)
+    next_source = np.take_along_axis(source_row, next_pick, axis=1).reshape(-1)
+    next_token = np.take_along_axis(token, next_pick, axis=1).reshape(-1)
+    next_logprob = None if step.step_logprob is None else step.step_logprob[next_source, next_token]
+    return next_source, next_token, next_logprob
 
-    # finished hypotheses: candidates among the first B that end
-    new_length = (cur + 1 - prompt_length).astype(np.float64)
-    lp = np.array([s.length_penalty for s in settings], np.float64)
-    early = [s.early_stopping for s in settings]
-    just_finished = ends & (np.arange(keep) < beams)[None, :]
-    scored = top_scores / (new_length ** lp).astype(np.float32)[:, None]
+
+def _candidates(state: _Beams, step: _StepInputs, keep: int):
+    """The best `keep` = K of each prompt's B * V continuations (or K drawn without replacement,
+    for beam sampling): their source rows, tokens and scores [P, K], and whether each ends (an
+    eos token, or the prompt's last new token)."""
+    count, vocab, beams = len(step.cur), step.processed.shape[1], step.beams
+    accumulated = (step.processed[step.phys.reshape(-1)].reshape(count, beams, vocab)
+                   + state.running[:, :, None]).reshape(count, beams * vocab)
+    pick = _best(accumulated, keep)
+    if step.sampled.any():
+        where = np.flatnonzero(step.sampled)
+        pick[where] = _sample_without_replacement(accumulated[where], keep, step.seeds[where], step.draws[where])
+    top_scores = np.take_along_axis(accumulated, pick, axis=1)  # [P, K]
+    source_beam, token = pick // vocab, pick % vocab
+    source_row = np.take_along_axis(step.phys, source_beam, axis=1)
+    ends = (token[:, :, None] == step.eos[:, None, :]).any(axis=2) & (step.eos[:, None, :] >= 0).any(axis=2)
+    ends |= (step.cur + 1 >= step.limit)[:, None]
+    return source_row, token, top_scores, ends
+
+
+def _keep_finished(state: _Beams, step: _StepInputs, source_row, token, top_scores, ends) -> None:
+    """The candidates among the first B that end become hypotheses scored sum / new_length **
+    length_penalty; each live prompt keeps its best B hypotheses (in place on `state`)."""
+    beams = step.beams
+    new_length = (step.cur + 1 - step.prompt_length).astype(np.float64)
+    just_finished = ends & (np.arange(ends.shape[1]) < beams)[None, :]
+    scored = top_scores / (new_length ** step.length_penalty).astype(np.float32)[:, None]
     # (transformers also bars new hypotheses once a prompt with early_stopping=True has B of them;
     # here such a prompt has stopped already)
     scored = scored + (~state.improvable)[:, None].astype(np.float32) * LOST
@@ -350,42 +387,44 @@ def _step(state: _Beams, processed: np.ndarray, phys: np.ndarray, settings: list
     merged_scores = np.concatenate([state.finished_scores, scored], axis=1)
     merged_flags = np.concatenate([state.finished_flags, just_finished], axis=1)
     best = _topk_desc(merged_scores, beams)
-    new_finished = []
-    for p in range(count):
-        kept = []
-        for j in best[p].tolist():
-            if not state.live[p]:
-                kept = state.finished[p]
-                break
-            if j < beams:
-                kept.append(state.finished[p][j])
-            elif just_finished[p, j - beams]:
-                c, row = j - beams, int(source_row[p, j - beams])
-                new, lps = prefix(row)
-                new = new + [int(token[p, c])]
-                if step_logprob is not None:
-                    lps = lps + [float(step_logprob[row, token[p, c]])]
-                kept.append((new, lps))
-            else:
-                kept.append(None)
-        new_finished.append(kept)
+    new_finished = [_kept_hypotheses(state, step, p, best[p], just_finished, source_row, token)
+                    for p in range(len(step.cur))]
     live = state.live
     state.finished_scores = np.where(live[:, None], np.take_along_axis(merged_scores, best, axis=1), state.finished_scores)
     state.finished_flags = np.where(live[:, None], np.take_along_axis(merged_flags, best, axis=1), state.finished_flags)
     state.finished = new_finished
-    state.running = np.where(live[:, None], next_running, state.running)
 
-    # can a prompt still improve?
-    length_now = cur + 1
-    never = np.array([e == "never" for e in early]) & (lp > 0)
-    hypothetical = np.where(never, limit - prompt_length, length_now - prompt_length).astype(np.float64)
+
+def _kept_hypotheses(state: _Beams, step: _StepInputs, p: int, best: np.ndarray, just_finished, source_row,
+                     token) -> list:
+    """Prompt p's hypotheses after the step: `best` indexes its B old ones, then its K candidates."""
+    if not state.live[p]:
+        return state.finished[p]
+    kept = []
+    for j in best.tolist():
+        if j < step.beams:
+            kept.append(state.finished[p][j])
+        elif just_finished[p, j - step.beams]:
+            c, row = j - step.beams, int(source_row[p, j - step.beams])
+            new, lps = step.prefix(row)
+            new = new + [int(token[p, c])]
+            if step.step_logprob is not None:
+                lps = lps + [float(step.step_logprob[row, token[p, c]])]
+            kept.append((new, lps))
+        else:
+            kept.append(None)
+    return kept
+
+
+def _check_early_stop(state: _Beams, step: _StepInputs, ends) -> None:
+    """Whether each prompt goes on: it stops when no running beam can beat its worst hypothesis
+    (at the current length; with early_stopping "never" and a positive length_penalty, at the
+    longest), when it has B hypotheses with early_stopping True, or when every candidate ended."""
+    lp = step.length_penalty
+    never = np.array([e == "never" for e in step.early_stopping]) & (lp > 0)
+    hypothetical = np.where(never, step.limit - step.prompt_length, step.cur + 1 - step.prompt_length).astype(np.float64)
     best_possible = state.running[:, 0] / (hypothetical ** lp).astype(np.float32)
     worst = np.where(state.finished_flags, state.finished_scores.min(axis=1, keepdims=True), LOST)
     state.improvable &= (best_possible[:, None] > worst).any(axis=1)
-    exists_open = ~(state.finished_flags.all(axis=1) & np.array([e is True for e in early]))
-    state.live = live & state.improvable & exists_open & ~ends.all(axis=1)
-
-    next_source = np.take_along_axis(source_row, next_pick, axis=1).reshape(-1)
-    next_token = np.take_along_axis(token, next_pick, axis=1).reshape(-1)
-    next_logprob = None if step_logprob is None else step_logprob[next_source, next_token]
-    return next_source, next_token, next_logprob
+    exists_open = ~(state.finished_flags.all(axis=1) & np.array([e is True for e in step.early_stopping]))
+    state.live = state.live & state.improvable & exists_open & ~ends.all(axis=1)

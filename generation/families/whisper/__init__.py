@@ -6,15 +6,21 @@
                    through the encoder, the decoder prompts (`prepare`)
     audio.py       the audio front end: files, bytes or arrays to 16 kHz samples, log-mel features
     timestamps.py  the timestamp rules a window's tokens follow, and segments from its tokens
-    longform.py    a clip decoded window after window (timestamps, audio longer than a window)
+    windows.py     Whisper windows: a clip decoded window after window, the one seek loop (timestamps, audio longer than a window)
 
-The family's contract (generation.families) is below; its modules are imported when called, so
-that importing timestamps.py (the logits processors do) loads nothing else.
+The family's contract (generation.families.contract) is below; its modules are imported when
+called, but for timestamps.py, whose rules are the family's hooks: the timestamp rule ids a
+timestamped window's rows hold, and the logits processor that applies them (the engine's layers
+call both through `model.hooks`, and name no family).
 """
 
 from __future__ import annotations
 
+from ...runtime.hooks import Hooks
+from .timestamps import timestamp_processor, timestamp_rule_ids
+
 KIND = "encoder-decoder"
+HOOKS = Hooks(timestamp_rules=timestamp_rule_ids, timestamps=timestamp_processor)
 
 
 def detect(config: dict, files: list[str]) -> bool:

@@ -22,7 +22,7 @@ import math
 import zlib
 from dataclasses import dataclass
 
-from ...core.settings import SettingError, check_number
+from ...params.settings import SettingError, check_number
 
 CONDITION_TYPES = ("first-segment", "all-segments")
 

@@ -11,14 +11,14 @@ import numpy as np
 
 from ...cache.cross import run_first_steps
 from ...core.context import Context
-from ...core.inputs import check_seeds
-from ...core.settings import SettingError
+from ...params.inputs import check_seeds
+from ...params.settings import SettingError
 from ...runtime.encoders import EncoderOutputs, encode_audio
 from ...runtime.model import preprocessor_config
 from .. import Prepared
 from ..seq2seq import decoder_start
 from . import audio
-from .longform import ClipWindows, check_decoder_length, clip_windows, run_encoder, window_frames
+from .windows import ClipWindows, check_decoder_length, clip_windows, run_encoder, window_frames
 from .options import WhisperOptions, whisper_options
 from .prompt import init_tokens
 

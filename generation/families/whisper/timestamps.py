@@ -26,7 +26,7 @@ FRAME_PRECISION = 0.01  # seconds per log-mel frame
 
 def timestamp_history(generated: list[int], begin: int) -> np.ndarray:
     """What the rules read of a row's new tokens (oldest first): [count, last, penultimate, last
-    timestamp], -1 where there is none (what processors.timestamps reads per row)."""
+    timestamp], -1 where there is none (what `timestamp_processor` reads per row)."""
     stamps = [t for t in generated if t >= begin]
     return np.array([len(generated), generated[-1] if generated else -1,
                      generated[-2] if len(generated) > 1 else -1, stamps[-1] if stamps else -1], np.int64)
@@ -74,9 +74,24 @@ def apply_timestamp_rules(scores: np.ndarray, history: np.ndarray, no_timestamps
     return out
 
 
+def timestamp_processor(scores: np.ndarray, rules: np.ndarray, history: np.ndarray, length: np.ndarray,
+                        prompt_length: np.ndarray) -> np.ndarray:
+    """WhisperTimeStampLogitsProcessor, in place on `scores` [n, V], on the rows whose `rules` [n, 3]
+    (no_timestamps_token_id, eos, max_initial_timestamp_index or -1) are on (first entry >= 0; one
+    model's, so alike); each row's new tokens are history[i, prompt_length[i]:length[i]]. The
+    family's `timestamps` hook: processors.apply runs it where Whisper's generate puts it."""
+    on = np.flatnonzero(rules[:, 0] >= 0)
+    no_timestamps, eos, max_initial = rules[on[0]].tolist()
+    states = np.stack([timestamp_history(history[i, prompt_length[i]:length[i]].tolist(), no_timestamps + 1)
+                       for i in on.tolist()])
+    scores[on] = apply_timestamp_rules(scores[on], states, no_timestamps, eos, None if max_initial < 0 else max_initial)
+    return scores
+
+
 def timestamp_rule_ids(model) -> tuple[int, int, int]:
     """The model's (no_timestamps_token_id, eos, max_initial_timestamp_index or -1): what a
-    timestamped row's `Settings.timestamp_rules` holds (processors.timestamps applies them)."""
+    timestamped row's `Settings.timestamp_rules` holds (`timestamp_processor` applies them). The
+    family's `timestamp_rules` hook."""
     config = model.generation_config
     no_timestamps, eos = config.get("no_timestamps_token_id"), config.get("eos_token_id", config.get("bos_token_id"))
     if not isinstance(no_timestamps, int):

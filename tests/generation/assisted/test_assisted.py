@@ -76,7 +76,7 @@ class Spy:
 @pytest.fixture
 def spy(monkeypatch):
     """Route generate()'s candidate generator through a Spy; `spy.last` is the last one made."""
-    module = importlib.import_module("generation.core.generate")
+    module = importlib.import_module("generation.engine.generate")
     made = []
 
     def wrapped(ctx):
@@ -189,7 +189,7 @@ def test_rows_keep_different_counts_in_every_mode(models, folder, mode, monkeypa
     ctx = generation.context(models[folder], max_new_tokens=24, cache_mode=mode)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [15, 16, 17, 18], [19, 20]]
     plain = generation.generate(ctx, prompts, seeds=[0] * 5)
-    module = importlib.import_module("generation.core.generate")
+    module = importlib.import_module("generation.engine.generate")
     for k in (1, 2, 4, 8):
         scripted = Scripted(plain, k)
         monkeypatch.setattr(module, "candidates_for", lambda ctx: scripted)
@@ -307,7 +307,7 @@ def logged(monkeypatch, wrong=False):
     """Route generate()'s draft through a recorder of its (accepted, counts); with `wrong`, the
     draft's candidate j of row b is replaced by token 1 when (b + j + step) % 3 == 2, so rows
     keep part of what the draft proposed and its cache must roll back."""
-    module = importlib.import_module("generation.core.generate")
+    module = importlib.import_module("generation.engine.generate")
     original, made = module.candidates_for, []
 
     def wrapped(ctx):
@@ -505,7 +505,7 @@ def test_a_draft_slot_reused_by_a_row_sharing_a_prefix(drafts, folder, mode):
     plain = generation.generate(generation.context(target, max_new_tokens=12), prompts, seeds=[0, 0])
     ctx = generation.compile(generation.context(target, max_new_tokens=12, draft=drafts[folder], draft_cache_mode=mode,
                                                 num_assistant_tokens=3), 1)
-    module = importlib.import_module("generation.core.generate")
+    module = importlib.import_module("generation.engine.generate")
     made = []
     original = module.candidates_for
 

@@ -15,7 +15,7 @@ import pytest
 
 import generation
 from generation.cache.prefix import BLOCK, PrefixStore
-from generation.core.scheduler import Scheduler
+from generation.engine.scheduler import Scheduler
 
 MODES = [("llama-optimum", "append"), ("llama-genai", "in_place"), ("gpt2-grow", "grow")]
 SYSTEM = [int(t) for t in np.random.default_rng(0).integers(3, 900, 40)]  # 2.5 blocks

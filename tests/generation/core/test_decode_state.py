@@ -15,11 +15,6 @@ MODES = [("llama-genai", "in_place"), ("llama-genai", "grow"), ("llama-optimum",
          ("llama-optimum", "grow"), ("gpt2-grow", "grow")]
 
 
-def prompts_of(lengths, seed=1):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 1000, n).tolist() for n in lengths]
-
-
 @pytest.fixture(scope="module")
 def models(test_models, load_model):
     return {f: load_model(test_models[f]) for f in {f for f, _ in MODES}}
@@ -70,10 +65,10 @@ def run_schedule(ctx, prompts, seeds, arrivals, slots, cancel=None, verb="insert
 @pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("verb,steps", [("insert", "whole"), ("admit", "whole"), ("admit", "pieces")])
-def test_inserted_rows_equal_rows_alone(models, folder, mode, do_sample, verb, steps):
+def test_inserted_rows_equal_rows_alone(models, folder, mode, do_sample, verb, steps, prompts_of):
     ctx = generation.context(models[folder], max_new_tokens=24, cache_mode=mode, do_sample=do_sample,
                              temperature=0.8, top_k=40, prompt_steps=steps)
-    prompts = prompts_of([9, 3, 17, 1, 12, 30])
+    prompts = prompts_of([9, 3, 17, 1, 12, 30], seed=1)
     seeds = [11, 12, 13, 14, 15, 16]
     arrivals = [0, 0, 3, 5, 26, 30]  # rows join a running batch, later ones into slots freed by others
     got = run_schedule(ctx, prompts, seeds, arrivals, slots=4, verb=verb)
@@ -82,7 +77,7 @@ def test_inserted_rows_equal_rows_alone(models, folder, mode, do_sample, verb, s
 
 
 @pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
-def test_rows_in_the_lowest_slots_equal_rows_alone(models, folder, mode):
+def test_rows_in_the_lowest_slots_equal_rows_alone(models, folder, mode, prompts_of):
     """Slots filled lowest first, as the scheduler does: the steps' runs leave the free slots
     past the last used one out (in_place), and a row that joins above or in a hole below still
     makes its own tokens."""
@@ -95,12 +90,12 @@ def test_rows_in_the_lowest_slots_equal_rows_alone(models, folder, mode):
 
 
 @pytest.mark.parametrize("folder,mode", [("llama-genai", "in_place"), ("llama-optimum", "append")])
-def test_a_step_runs_the_slots_up_to_the_last_used_one(models, folder, mode):
+def test_a_step_runs_the_slots_up_to_the_last_used_one(models, folder, mode, prompts_of):
     """The free slots past the last used one are not run (their logits stay as they were); a
     free slot below a used one is run, as a padding row."""
     ctx = generation.context(models[folder], max_new_tokens=8, do_sample=False, cache_mode=mode)
     state = generation.new_state(ctx, slots=4, capacity=64)
-    state, _ = generation.admit(ctx, state, [0, 1], prompts_of([5, 9]), [0, 0])
+    state, _ = generation.admit(ctx, state, [0, 1], prompts_of([5, 9], seed=1), [0, 0])
     logits = state.cache.logits  # the decode run's bound output [slots, V]
     for used in ([0, 1], [1]):
         if used == [1]:
@@ -108,7 +103,7 @@ def test_a_step_runs_the_slots_up_to_the_last_used_one(models, folder, mode):
         logits[:] = np.nan
         state, _ = generation.step(ctx, state)
         assert np.isfinite(logits[:2]).all() and np.isnan(logits[2:]).all(), used
-    state, _ = generation.admit(ctx, state, [3], prompts_of([4]), [0])
+    state, _ = generation.admit(ctx, state, [3], prompts_of([4], seed=1), [0])
     logits[:] = np.nan
     state, _ = generation.step(ctx, state)
     assert np.isfinite(logits).all()
@@ -131,9 +126,9 @@ def test_in_place_buffers_are_mapped_when_made(models):
 
 
 @pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
-def test_cancelled_row_leaves_others_unchanged(models, folder, mode):
+def test_cancelled_row_leaves_others_unchanged(models, folder, mode, prompts_of):
     ctx = generation.context(models[folder], max_new_tokens=20, cache_mode=mode)
-    prompts = prompts_of([6, 14, 8])
+    prompts = prompts_of([6, 14, 8], seed=1)
     got = run_schedule(ctx, prompts, [0, 1, 2], arrivals=[0, 0, 2], slots=3, cancel=(1, 5))
     assert len(got[1]) == 6  # its first token from prefill, then 5 steps
     assert got[1] == alone(ctx, prompts[1], 1)[:6]
@@ -141,10 +136,10 @@ def test_cancelled_row_leaves_others_unchanged(models, folder, mode):
     assert got[2] == alone(ctx, prompts[2], 2)
 
 
-def test_admit_runs_rows_of_scattered_slots_together(models, oracle):
+def test_admit_runs_rows_of_scattered_slots_together(models, oracle, prompts_of):
     """admit into slots 3, 0, 1 of a fresh in_place state (runs [0, 1] and [3]), in pieces."""
     ctx = generation.context(models["llama-genai"], max_new_tokens=10, prompt_steps="pieces")
-    prompts = prompts_of([21, 5, 37])
+    prompts = prompts_of([21, 5, 37], seed=1)
     state = generation.new_state(ctx, slots=4, capacity=64)
     state, first = generation.admit(ctx, state, [3, 0, 1], prompts, [0, 0, 0])
     rows = [[t] for t in first.token.tolist()]
@@ -156,11 +151,11 @@ def test_admit_runs_rows_of_scattered_slots_together(models, oracle):
     assert rows == [oracle.greedy("llama", p, 10) for p in prompts]
 
 
-def test_state_buffers_are_reused_across_steps(models):
+def test_state_buffers_are_reused_across_steps(models, prompts_of):
     """A step writes into the state's arrays; it does not replace them."""
     ctx = generation.context(models["llama-genai"], max_new_tokens=8)
     state = generation.new_state(ctx, slots=2, capacity=64)
-    state = generation.insert(ctx, generation.prefill(ctx, prompts_of([5, 7]), [0, 1]), state, [0, 1])
+    state = generation.insert(ctx, generation.prefill(ctx, prompts_of([5, 7], seed=1), [0, 1]), state, [0, 1])
     arrays = (state.tokens, state.lengths, state.next_input, state.cache.buffers["past_key_values.0.key"])
     lengths = state.lengths.copy()
     same, out = generation.step(ctx, state)
@@ -171,25 +166,25 @@ def test_state_buffers_are_reused_across_steps(models):
     assert (out.token == state.tokens[[0, 1], state.lengths]).all()
 
 
-def test_prefix_row_that_ends_at_its_first_token_takes_no_slot(models):
+def test_prefix_row_that_ends_at_its_first_token_takes_no_slot(models, prompts_of):
     ctx = generation.context(models["llama-genai"], max_new_tokens=1)
     state = generation.new_state(ctx, slots=2, capacity=32)
-    prefix = generation.prefill(ctx, prompts_of([4, 6]), [0, 1])
+    prefix = generation.prefill(ctx, prompts_of([4, 6], seed=1), [0, 1])
     assert prefix.first.finished.all() and (prefix.first.token >= 0).all()
     state = generation.insert(ctx, prefix, state, [0, 1])
     assert not state.used.any()
 
 
-def test_insert_refuses_a_used_slot(models):
+def test_insert_refuses_a_used_slot(models, prompts_of):
     ctx = generation.context(models["llama-genai"], max_new_tokens=8)
     state = generation.new_state(ctx, slots=2, capacity=32)
-    state = generation.insert(ctx, generation.prefill(ctx, prompts_of([4]), [0]), state, [0])
+    state = generation.insert(ctx, generation.prefill(ctx, prompts_of([4], seed=1), [0]), state, [0])
     with pytest.raises(ValueError, match=r"slots\[0\] = 0 is not a free slot"):
-        generation.insert(ctx, generation.prefill(ctx, prompts_of([5]), [1]), state, [0])
+        generation.insert(ctx, generation.prefill(ctx, prompts_of([5], seed=1), [1]), state, [0])
 
 
 @pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])
-def test_streamed_steps_equal_the_multi_step_loop(models, folder, mode):
+def test_streamed_steps_equal_the_multi_step_loop(models, folder, mode, prompts_of):
     """generate() without on_token runs greedy steps in a tight loop (`advance`); with on_token
     it steps one at a time. Same rows, eos stops included (eos set to tokens the rows produce)."""
     prompts = prompts_of([3, 8, 1, 13, 5, 21, 2], seed=4)

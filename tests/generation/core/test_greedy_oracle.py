@@ -8,7 +8,6 @@ or in power-of-two pieces, with all rows in one batch or admitted a few at a tim
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import generation
@@ -32,14 +31,9 @@ GRAPHS = [
 ]
 
 
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 1000, n).tolist() for n in lengths]
-
-
 @pytest.fixture(scope="module")
-def prompts():
-    return prompts_of(LENGTHS)
+def prompts(prompts_of):
+    return prompts_of(LENGTHS, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +98,7 @@ def test_modes_agree_with_each_other(models, prompts):
     assert all(rows == first for rows in answers.values()), sorted(answers)
 
 
-def test_prompt_near_the_context_stops_at_the_context(models, oracle):
+def test_prompt_near_the_context_stops_at_the_context(models, oracle, prompts_of):
     """A row never outgrows max_position_embeddings (256): a 250-token prompt gets 6 tokens."""
     prompt = prompts_of([250], seed=3)[0]
     ctx = generation.context(models["llama-genai"], max_new_tokens=MAX_NEW)

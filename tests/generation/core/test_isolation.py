@@ -1,5 +1,5 @@
 """One request can never hurt another: a failure while admitting or stepping one row ends that
-request alone (deployments/services/batching.py over generation/core/state.py and assisted.py).
+request alone (generation/front/batching.py over generation/core/state.py and assisted.py).
 
 Invariants: the request whose own processors, settings or admission raise ends with
 finish_reason "error" (status 400 when a ValueError was raised while admitting it, 500
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import generation
-from deployments.services.batching import ContinuousBatcher
+from generation.front.batching import ContinuousBatcher
 from generation.core import state as engine_state
 
 MARK = 999  # a prompt that starts with this token is the one that fails
@@ -225,7 +225,7 @@ def test_prompt_lookup_rows_fail_alone_in_a_verify_step(test_models, load_model,
 def test_a_failed_model_run_ends_that_steps_rows_and_the_loop_goes_on(test_models, load_model, monkeypatch):
     model = load_model(test_models["llama-genai"])
     ctx = generation.context(model, max_new_tokens=30, eos_token_id=[])
-    from generation.core import scheduler
+    from generation.engine import scheduler
 
     real, calls = generation.step, []
 
@@ -253,7 +253,7 @@ class Fatal(BaseException):
 
 
 def test_every_request_gets_an_answer_even_when_the_loop_dies(test_models, load_model, monkeypatch):
-    from generation.core import scheduler
+    from generation.engine import scheduler
 
     model = load_model(test_models["llama-genai"])
     ctx = generation.context(model, max_new_tokens=200, eos_token_id=[])
@@ -274,7 +274,7 @@ def test_every_request_gets_an_answer_even_when_the_loop_dies(test_models, load_
 
 
 def test_settings_errors_at_submit_name_their_setting(test_models, load_model):
-    from generation.core.settings import SettingError
+    from generation.params.settings import SettingError
 
     model = load_model(test_models["llama-genai"])
     batcher = ContinuousBatcher(generation.context(model, max_new_tokens=4), slots=2, capacity=32)

@@ -1,4 +1,4 @@
-"""Every setting is bounded when settings are built (generation/core/settings.py, generation/core/limits.py).
+"""Every setting is bounded when settings are built (generation/params/settings.py, generation/params/limits.py).
 
 Invariants: a setting past its bound (2**64, the bound + 1, inf, nan, a list one entry too long)
 raises SettingError whose `setting` names it and whose message gives the allowed range; at its
@@ -20,12 +20,12 @@ from hypothesis import HealthCheck, given, settings as hyp_settings, strategies 
 from transformers.generation import logits_process as lp
 
 import generation
-from deployments.services.batching import ContinuousBatcher
-from generation.core import limits
+from generation.front.batching import ContinuousBatcher
+from generation.params import limits
 from generation.logits import processors as P
 from generation.logits import selection as S
 from generation.assisted.prompt_lookup import lookup
-from generation.core.settings import SettingError, Settings, make_settings
+from generation.params.settings import SettingError, Settings, make_settings
 
 BIG = 2**64
 VOCAB, CONTEXT = 1000, 256  # the tiny test models
@@ -163,7 +163,7 @@ def test_greedy_temperature_must_still_be_finite(ctx):
 def test_the_models_own_long_max_length_comes_down_to_its_context(model):
     """A generation_config.json that asks for more than the context (or a top_k past a small
     vocabulary) still loads: the settings say what the rows get."""
-    from generation.core.settings import model_settings
+    from generation.params.settings import model_settings
 
     base = model_settings(model.config, {"max_length": 4096, "max_new_tokens": 10**6}, CONTEXT, VOCAB)
     assert (base["max_length"], base["max_new_tokens"]) == (CONTEXT, CONTEXT)

@@ -13,14 +13,9 @@ import pytest
 from scipy import stats
 
 import generation
-from generation.core.rng import uniforms
+from generation.logits.rng import uniforms
 
 SETTINGS = dict(do_sample=True, temperature=0.7, top_k=30, top_p=0.9)
-
-
-def prompts_of(lengths, seed=2):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 1000, n).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=[("llama-genai", "in_place"), ("llama-optimum", "append"), ("gpt2-grow", "grow")],
@@ -31,8 +26,8 @@ def ctx(request, test_models, load_model):
     return generation.context(model, max_new_tokens=30, cache_mode=mode, **SETTINGS)
 
 
-def test_same_seed_same_tokens(ctx):
-    prompts = prompts_of([5, 11, 2])
+def test_same_seed_same_tokens(ctx, prompts_of):
+    prompts = prompts_of([5, 11, 2], seed=2)
     first = generation.generate(ctx, prompts, seeds=[7, 8, 9])
     assert generation.generate(ctx, prompts, seeds=[7, 8, 9]) == first
     other = generation.generate(ctx, prompts, seeds=[70, 80, 90])
@@ -40,8 +35,8 @@ def test_same_seed_same_tokens(ctx):
     assert len({tuple(r) for r in first}) == 3
 
 
-def test_row_depends_only_on_its_prompt_seed_and_settings(ctx):
-    prompt, seed = prompts_of([9])[0], 1234
+def test_row_depends_only_on_its_prompt_seed_and_settings(ctx, prompts_of):
+    prompt, seed = prompts_of([9], seed=2)[0], 1234
     alone = generation.generate(ctx, [prompt], seeds=[seed])[0]
     others = prompts_of([3, 14, 1, 22, 6], seed=5)
     for position in (0, 2, 5):
@@ -78,7 +73,7 @@ def processed_distribution(oracle, prompt):
     return torch.softmax(scores, dim=-1)[0].double().numpy()
 
 
-def test_first_token_fits_the_processed_distribution(test_models, oracle, load_model):
+def test_first_token_fits_the_processed_distribution(test_models, oracle, load_model, prompts_of):
     model = load_model(test_models["llama-genai"])
     ctx = generation.context(model, max_new_tokens=1, **SETTINGS)
     prompt = prompts_of([6], seed=11)[0]

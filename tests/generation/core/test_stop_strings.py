@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import generation
-from generation.core.stops import cut_at_stop
+from generation.core.stop_strings import cut_at_stop
 from generation.text.tokenizer import model_tokenizer
 
 PROMPT = [40, 41, 42]  # plain greedy on the tiny Llama: 'kathe n ruou repo shiingel anpo stand relo ...'

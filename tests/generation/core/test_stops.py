@@ -19,11 +19,6 @@ from generation import Settings
 MAX_NEW = 30
 
 
-def prompts_of(lengths, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 1000, n).tolist() for n in lengths]
-
-
 def cut(row, eos_ids):
     """`row` before its first eos id (the engine's and transformers' stop rule)."""
     for i, token in enumerate(row):
@@ -43,7 +38,7 @@ def llama(test_models, load_model):
 
 
 @pytest.fixture(scope="module")
-def free_running(qwen2):
+def free_running(qwen2, prompts_of):
     """400 random prompts and their first MAX_NEW greedy tokens with no eos id at all."""
     prompts = prompts_of(np.random.default_rng(0).integers(1, 8, 400), seed=0)
     ctx = generation.compile(generation.context(qwen2, max_new_tokens=MAX_NEW, eos_token_id=[]), 16)
@@ -88,7 +83,7 @@ def test_eos_rows_match_transformers(qwen2, oracle, free_running, eos_prompts):
     assert rows == [oracle.greedy("qwen2", prompts[i], MAX_NEW) for i in chosen]
 
 
-def test_eos_token_id_setting_stops_at_that_token(llama, oracle):
+def test_eos_token_id_setting_stops_at_that_token(llama, oracle, prompts_of):
     prompt = prompts_of([6], seed=11)[0]
     plain = generation.generate(generation.context(llama, max_new_tokens=16), [prompt])[0]
     assert len(plain) == 16
@@ -99,7 +94,7 @@ def test_eos_token_id_setting_stops_at_that_token(llama, oracle):
     assert rows[0] == oracle.greedy("llama", prompt, 16, eos_token_id=x)
 
 
-def test_first_token_eos_gives_an_empty_row(llama):
+def test_first_token_eos_gives_an_empty_row(llama, prompts_of):
     prompts = prompts_of([4, 6], seed=12)
     plain = generation.generate(generation.context(llama, max_new_tokens=8), prompts)
     first = plain[0][0]
@@ -182,7 +177,7 @@ def transformers_max_length(oracle, name, prompt, max_length):
     return cut(out[0, len(prompt):].tolist(), {2})
 
 
-def test_max_length_from_generation_config(test_models, tmp_path, oracle):
+def test_max_length_from_generation_config(test_models, tmp_path, oracle, prompts_of):
     folder = tmp_path / "llama-optimum"
     shutil.copytree(test_models["llama-optimum"], folder)
     config = json.loads((folder / "generation_config.json").read_text())

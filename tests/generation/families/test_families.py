@@ -31,6 +31,20 @@ FIXTURES = [  # (fixture set, folder, family, kind)
 ]
 
 
+@pytest.mark.parametrize("name", families.FAMILIES)
+def test_every_family_module_answers_the_contract(name):
+    """Each module holds the Family protocol of families/contract.py: its KIND, detect and
+    prepare, an encoder or None, and the hooks the engine's layers reach it through."""
+    from generation.runtime.hooks import Hooks
+
+    module = families.module(name)
+    assert module.KIND in families.KINDS
+    assert callable(module.detect) and callable(module.prepare)
+    assert module.encode is None or callable(module.encode)
+    assert isinstance(module.HOOKS, Hooks)
+    assert (module.HOOKS.timestamps is None) == (module.HOOKS.timestamp_rules is None)
+
+
 @pytest.fixture(scope="module")
 def folders(test_models, s2s, vision_paths):
     return {"text": test_models, "s2s": s2s, "vision": vision_paths}
@@ -48,7 +62,9 @@ def test_a_folder_is_the_family_it_was_built_as(folders, where, name, family, ki
                                          ("vision", "vit-gpt2-optimum")])
 def test_a_loaded_model_carries_its_family(folders, where, name):
     folder = folders[where][name]
-    assert generation.load(folder).family == families.source_family(folder)
+    model = generation.load(folder)
+    assert model.family == families.source_family(folder)
+    assert model.hooks is families.family(model).HOOKS  # what the engine's layers call for it
 
 
 def test_config_json_and_file_names_alone_decide(tmp_path, vision_paths):

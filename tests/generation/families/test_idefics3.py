@@ -1,9 +1,11 @@
 """Idefics3 (SmolVLM) image-text-to-text equals transformers 4.57 on the tiny random model
-(tests/vision_builders.py: frames of 32 pixels, 16 image tokens a frame, images split into up to
+(tests/model_builders/vision.py: frames of 32 pixels, 16 image tokens a frame, images split into up to
 2 x 2 frames + the global one): preprocessing and the `<image>` expansion equal
-Idefics3Processor, the ONNX vision encoder equals get_image_features, and greedy and beam
-tokens equal `generate` for prompts with 0, 1 and 2 images of different sizes, alone and in
-batches of 3 holding different numbers of images, whole or in power-of-two pieces."""
+Idefics3Processor, the ONNX vision encoder equals get_image_features (and onnx-community's 5-D
+layout of it), and tokens equal `generate` for prompts with 0, 1 and 2 images of different sizes
+through either encoder layout and through a caller's encoder.  Greedy and beam tokens alone and
+in batches of 3 holding different numbers of images, whole or in power-of-two pieces:
+test_vision_families.py, over these PROMPTS and `_hf_generate`."""
 from __future__ import annotations
 
 import io
@@ -194,27 +196,6 @@ def _context(model, **kw):
     return generation.context(model, max_new_tokens=NEW, **kw)
 
 
-def test_greedy_alone_equals_transformers(hf, model):
-    from generation.tasks import image_text_to_text
-
-    ref = _hf_generate(hf, PROMPTS)
-    assert len({tuple(r) for r in ref}) == len(ref)  # the images change the output
-    for prompt, expected in zip(PROMPTS, ref):
-        assert image_text_to_text(_context(model), [prompt], seeds=[0])[0].tokens == expected
-
-
-@pytest.mark.parametrize("steps", ["whole", "pieces"])
-def test_greedy_batch_equals_transformers(hf, model, steps):
-    """Batches of 3 prompts holding 2, 0 and 1 images (and 1, 2, 1): a row's features follow
-    those of the rows before it; 'pieces' cuts the prompts through their images."""
-    from generation.tasks import image_text_to_text
-
-    ref = _hf_generate(hf, PROMPTS)
-    for order in ([2, 0, 1], [1, 2, 3]):
-        out = image_text_to_text(_context(model, prompt_steps=steps), [PROMPTS[i] for i in order], seeds=[0, 1, 2])
-        assert [r.tokens for r in out] == [ref[i] for i in order]
-
-
 def test_onnx_community_layout_greedy_equals_transformers(hf, model5d):
     """The folder with the 5-D vision encoder: a batch of prompts with 2, 0 and 1 images."""
     from generation.tasks import image_text_to_text
@@ -223,14 +204,6 @@ def test_onnx_community_layout_greedy_equals_transformers(hf, model5d):
     order = [2, 0, 1, 3]
     out = image_text_to_text(_context(model5d), [PROMPTS[i] for i in order], seeds=[0, 1, 2, 3])
     assert [r.tokens for r in out] == [ref[i] for i in order]
-
-
-def test_beam_search_equals_transformers(hf, model):
-    from generation.tasks import image_text_to_text
-
-    batch = [PROMPTS[2], PROMPTS[0], PROMPTS[1]]
-    out = image_text_to_text(_context(model, num_beams=3), batch, seeds=[0, 1, 2])
-    assert [r.tokens for r in out] == _hf_generate(hf, batch, num_beams=3)
 
 
 def test_separate_encoder(hf, model):

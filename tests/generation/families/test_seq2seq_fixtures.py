@@ -28,7 +28,9 @@ import json
 import numpy as np
 import pytest
 
-import model_builders as mb
+from model_builders import seq2seq as mb
+from model_builders.common import TINY_VOCAB
+from model_builders.text import ensure_test_models
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -56,9 +58,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 @pytest.fixture(scope="session")
 def s2s_models(test_models) -> dict:
-    """The encoder-decoder models (:data:`model_builders.SEQ2SEQ_DIRS`): made by the same cached
+    """The encoder-decoder models (:data:`model_builders.seq2seq.SEQ2SEQ_DIRS`): made by the same cached
     build as ``test_models``, in the sibling ``<cache key>-seq2seq`` folder."""
-    paths = mb.ensure_test_models(seq2seq=True)
+    paths = ensure_test_models(seq2seq=True)
     assert {k: paths[k] for k in test_models} == test_models
     return {k: paths[k] for k in mb.SEQ2SEQ_DIRS}
 
@@ -206,7 +208,7 @@ def test_hf_folder(s2s_models, kind):
         assert (d / f).is_file(), f
     gc = json.loads((d / "generation_config.json").read_text())
     cfg = json.loads((d / "config.json").read_text())
-    assert cfg["vocab_size"] == mb.TINY_VOCAB
+    assert cfg["vocab_size"] == TINY_VOCAB
     assert gc["decoder_start_token_id"] == cfg["decoder_start_token_id"]
     assert gc["eos_token_id"] == cfg["eos_token_id"] and gc["pad_token_id"] == cfg["pad_token_id"]
     if kind in ("marian", "bart"):

@@ -1,8 +1,9 @@
 """Qwen2-VL image-text-to-text equals transformers 4.57 on the tiny random model
-(tests/vision_builders.py): preprocessing equals Qwen2VLImageProcessor, M-RoPE positions equal
-get_rope_index, the ONNX vision encoder takes any grid, and greedy and beam tokens equal
-`generate` for prompts with 0, 1 and 2 images of different sizes, alone and in batches, whole or
-in power-of-two pieces that cut through an image."""
+(tests/model_builders/vision.py): preprocessing equals Qwen2VLImageProcessor, M-RoPE positions equal
+get_rope_index, the ONNX vision encoder takes any grid, and tokens equal `generate` for prompts
+with 0, 1 and 2 images of different sizes through fewer slots than rows and through a caller's
+encoder.  Greedy and beam tokens alone and in batches, whole or in power-of-two pieces that cut
+through an image: test_vision_families.py, over these PROMPTS and `_hf_generate`."""
 from __future__ import annotations
 
 import io
@@ -187,28 +188,6 @@ def _context(model, **kw):
     return generation.context(model, max_new_tokens=NEW, **kw)
 
 
-def test_greedy_alone_equals_transformers(hf, model):
-    from generation.tasks import image_text_to_text
-
-    ref = _hf_generate(hf, PROMPTS)
-    assert len({tuple(r) for r in ref}) == len(ref)  # the images change the output
-    for prompt, expected in zip(PROMPTS, ref):
-        assert image_text_to_text(_context(model), [prompt], seeds=[0])[0].tokens == expected
-
-
-@pytest.mark.parametrize("steps", ["whole", "pieces"])
-def test_greedy_batch_equals_transformers(hf, model, steps):
-    """Batches of 3 prompts holding 2, 0 and 1 images (and 1, 2, 1): the features of a row follow
-    those of the rows before it; 'pieces' runs the 29-token prompt as 16 + 8 + 4 + 1, cutting
-    through its image."""
-    from generation.tasks import image_text_to_text
-
-    ref = _hf_generate(hf, PROMPTS)
-    for order in ([2, 0, 1], [1, 2, 3]):
-        out = image_text_to_text(_context(model, prompt_steps=steps), [PROMPTS[i] for i in order], seeds=[0, 1, 2])
-        assert [r.tokens for r in out] == [ref[i] for i in order]
-
-
 def test_more_rows_than_slots(hf, model):
     """Four prompts through two slots: later prompts are admitted with their own features."""
     import generation
@@ -217,14 +196,6 @@ def test_more_rows_than_slots(hf, model):
     ctx = generation.compile(_context(model), batch_size=2)
     out = image_text_to_text(ctx, PROMPTS, seeds=[0, 1, 2, 3])
     assert [r.tokens for r in out] == _hf_generate(hf, PROMPTS)
-
-
-def test_beam_search_equals_transformers(hf, model):
-    from generation.tasks import image_text_to_text
-
-    batch = [PROMPTS[2], PROMPTS[0], PROMPTS[1]]
-    out = image_text_to_text(_context(model, num_beams=3), batch, seeds=[0, 1, 2])
-    assert [r.tokens for r in out] == _hf_generate(hf, batch, num_beams=3)
 
 
 def test_separate_encoder_with_cached_features(hf, model):

@@ -1,6 +1,6 @@
 """Chat conversations with images (`generation.tasks.image_chat`) equal transformers 4.57
 `processor.apply_chat_template(..., tokenize=True)` + `generate` on the tiny Qwen2-VL and
-Idefics3 models (tests/vision_builders.py: Qwen2-VL-2B-Instruct's and SmolVLM's chat templates):
+Idefics3 models (tests/model_builders/vision.py: Qwen2-VL-2B-Instruct's and SmolVLM's chat templates):
 the prompt ids (placeholders expanded, the processor's special-token rule), and greedy tokens
 of a batch of 3 conversations holding 2, 0 and 1 images."""
 from __future__ import annotations

@@ -5,7 +5,7 @@ clip alone, with a given language, with translate, and with language detection; 
 prompt is the one transformers builds; files load like arrays; sampling is seeded and batch
 independent; bad audio, an unknown language and a clip longer than the window without
 timestamps say what is wrong. (The tiny fixture's window is 2 s: max_source_positions 100, 200
-mel frames.) Timestamps and long-form: test_whisper_longform.py.
+mel frames.) Timestamps and long-form: test_whisper_windows.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ types), condition_on_prev_tokens, the temperature fallback (compression_ratio_th
 logprob_threshold) and no_speech_threshold, each on clips where it changes the output.
 
 Sampling is compared exactly: transformers' `torch.multinomial` is replaced, for the test, by
-the engine's own inverse-CDF draw from its counter-based uniforms (core.rng), with the seeds the
+the engine's own inverse-CDF draw from its counter-based uniforms (logits.rng), with the seeds the
 engine gives a clip's k-th decode (`derived_seed(seed, k)`, one decode per window and try), so
 a fallback at a temperature above 0 draws the same tokens in both. (The tiny fixture's window
 is 2 s: max_source_positions 100, 200 mel frames.)
@@ -18,8 +18,8 @@ import pytest
 
 import generation
 from generation import tasks
-from generation.core.rng import derived_seed, uniforms
-from test_whisper_longform import hf_features, hf_rows
+from generation.logits.rng import derived_seed, uniforms
+from test_whisper_windows import hf_features, hf_rows
 
 EOT = 883
 PREV = 896  # <|startofprev|>
@@ -178,7 +178,7 @@ def test_no_speech_threshold_skips_windows(model, hf):
     """Every window is below logprob_threshold 0; those whose <|nospeech|> probability is above
     the median are skipped (no segment, seek past the window)."""
     from generation.families.whisper import audio
-    from generation.families.whisper.longform import clip_windows
+    from generation.families.whisper.windows import clip_windows
     from generation.families.whisper.options import WhisperOptions
     from generation.runtime.encoders import encode_audio
 

@@ -19,7 +19,7 @@ import pytest
 import generation
 from generation import tasks
 from generation.families.whisper import speech
-from test_whisper_longform import hf_features, hf_rows
+from test_whisper_windows import hf_features, hf_rows
 
 EN, ZH, DE = 885, 886, 887
 TRANSLATE, TRANSCRIBE, NO_TIMESTAMPS = 893, 894, 898

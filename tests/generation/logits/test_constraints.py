@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import generation
-from generation.core.settings import SettingError, _structured
+from generation.params.settings import SettingError, _structured
 from generation.logits import constraints
 
 MODES = [("llama-optimum", "llama", "append"), ("llama-genai", "llama", "in_place"), ("gpt2-grow", "gpt2", "grow")]
@@ -157,7 +157,7 @@ def test_a_constrained_row_beside_others_gives_what_it_gives_alone(models):
             dict(structured_outputs={"json": SCHEMA}, do_sample=True), dict(num_beams=2, structured_outputs={"choice": ["ab", "cd"]}),
             dict(prompt_lookup_num_tokens=3, structured_outputs={"regex": "([a-c] ?)+"}), dict(prompt_lookup_num_tokens=3)]
     from generation.assisted.prompt_lookup import PromptLookup
-    from generation.core.scheduler import Scheduler
+    from generation.engine.scheduler import Scheduler
 
     scheduler = Scheduler(ctx, slots=10, capacity=64, isolate=False, lookup=PromptLookup())
     jobs = [scheduler.job(PROMPTS[i % 3], seed=i, settings=s) for i, s in enumerate(rows)]
@@ -195,7 +195,7 @@ def test_sampled_rows_are_seeded_and_valid(models, structured):
 
 def test_a_constraint_unmet_within_the_budget_ends_by_length(models):
     ctx = generation.context(models("llama-optimum"), max_new_tokens=3)
-    from generation.core.scheduler import Scheduler
+    from generation.engine.scheduler import Scheduler
 
     scheduler = Scheduler(ctx, slots=2, capacity=32, isolate=False)
     job = scheduler.job(PROMPTS[0], settings=dict(structured_outputs={"regex": "[a-c]{10}"}))
@@ -228,7 +228,7 @@ def test_a_bad_constraint_names_the_setting(models, value, message):
 
 
 def job(ctx, **settings):
-    from generation.core.scheduler import Scheduler
+    from generation.engine.scheduler import Scheduler
 
     return Scheduler(ctx, slots=1, capacity=16).job([5], settings=settings)
 
@@ -238,7 +238,7 @@ REPEATING = [[68, 69, 68, 69, 70, 68, 69, 68, 69, 70, 68, 69], [5, 6, 7, 5, 6, 7
 
 def runs_of(ctx, prompts, seeds, monkeypatch):
     """(generate's rows, how many model runs its scheduler made)."""
-    from generation.core import scheduler
+    from generation.engine import scheduler
 
     count = [0]
     original = scheduler.Scheduler._run
@@ -410,7 +410,7 @@ def test_a_constraint_that_leaves_no_token_ends_its_row_alone(models):
     its tokens so far and why; the rows beside it (greedy, sampled, prompt lookup) get what they get
     alone. Before, the greedy row went on with token 0 to its budget and the sampled one failed."""
     from generation.assisted.prompt_lookup import PromptLookup
-    from generation.core.scheduler import Scheduler
+    from generation.engine.scheduler import Scheduler
     from generation.text.tokenizer import model_tokenizer
 
     model = models("llama-optimum")

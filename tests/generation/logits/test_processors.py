@@ -28,7 +28,7 @@ from transformers.generation.utils import GenerationMixin
 
 from generation.logits import processors as P
 from generation.logits import selection as S
-from generation.core.settings import make_settings
+from generation.params.settings import make_settings
 
 NEG_INF = -np.inf
 FAST = settings(max_examples=150, deadline=None)

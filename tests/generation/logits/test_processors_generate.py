@@ -30,11 +30,6 @@ CASES = [("llama-optimum", "llama", "append"), ("llama-genai", "llama", "in_plac
          ("gpt2-grow", "gpt2", "grow")]
 
 
-def prompts_of(lengths, seed=3):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 1000, n).tolist() for n in lengths]
-
-
 def repetitive_prompts():
     """Prompts that repeat themselves, so penalties and n-gram bans have work to do."""
     return [[5, 6, 7, 8, 9, 10], [20, 21], [30, 31, 32, 30, 31, 32, 30, 31, 3], [40]]
@@ -81,9 +76,9 @@ def test_many_processors_greedy_tokens_and_logprobs_equal_transformers(models, o
     dict(no_repeat_ngram_size=1, repetition_penalty=0.7),
     dict(sequence_bias={(40, 41): 5.0, (41,): -1.5, (77,): 4.0}, bad_words_ids=[[2], [77, 78]]),
 ], ids=["forced", "min_length", "ngram1", "bias"])
-def test_processor_combinations_equal_transformers(models, oracle, settings):
+def test_processor_combinations_equal_transformers(models, oracle, settings, prompts_of):
     ctx = generation.context(models("llama-optimum"), max_new_tokens=8, **settings)
-    prompts = [[40], [41, 40, 41, 40], [77, 76, 77], prompts_of([13])[0]]
+    prompts = [[40], [41, 40, 41, 40], [77, 76, 77], prompts_of([13], seed=3)[0]]
     got = generation.generate(ctx, prompts, seeds=[0] * len(prompts))
     for prompt, row in zip(prompts, got):
         assert row == oracle.greedy("llama", prompt, 8, **settings), prompt
@@ -177,9 +172,9 @@ def test_sampled_logprobs_are_those_of_transformers_processed_scores(models, ora
         assert np.isfinite(row.logprobs).all()  # a sampled token is never one the processors removed
 
 
-def test_top_logprobs_and_raw_logprobs(models, oracle):
+def test_top_logprobs_and_raw_logprobs(models, oracle, prompts_of):
     model = models("llama-optimum")
-    prompt = prompts_of([7])[0]
+    prompt = prompts_of([7], seed=3)[0]
     top = generation.context(model, max_new_tokens=6, top_logprobs=5, repetition_penalty=1.3)
     row = generation.generate(top, [prompt])[0]
     assert len(row.top_logprobs) == len(row.tokens) == len(row.logprobs)
@@ -290,9 +285,9 @@ def test_custom_processor_state_sees_prompt_and_generated_last_first(models):
     assert seen[-1] == ([5, 6], tokens[:2][::-1], 1000)
 
 
-def test_argmax_keeping_processors_leave_greedy_unchanged(models):
+def test_argmax_keeping_processors_leave_greedy_unchanged(models, prompts_of):
     model = models("llama-genai")
-    prompts = prompts_of([4, 9, 1])
+    prompts = prompts_of([4, 9, 1], seed=3)
     plain = generation.generate(generation.context(model, max_new_tokens=8), prompts)
     for settings in (dict(renormalize_logits=True), dict(temperature=0.3, top_k=3, top_p=0.5, min_p=0.2, typical_p=0.5),
                      dict(epsilon_cutoff=0.01, eta_cutoff=0.01)):

@@ -11,7 +11,17 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from generation.logits.selection import SamplingRows, sample, select, softmax, temperature, top_k, top_p
+from generation.logits.rng import uniforms
+from generation.logits.selection import (
+    SamplingRows,
+    final_scores,
+    pick,
+    sample,
+    softmax,
+    temperature,
+    top_k,
+    top_p,
+)
 
 
 def test_top_k_keeps_ties_at_the_kth_score():
@@ -66,13 +76,25 @@ def test_warpers_equal_transformers_row_by_row(seed):
         np.testing.assert_allclose(ours[row][kept], expected[kept], rtol=1e-6)
 
 
+def select(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """The selection rule over the whole vocabulary, the reference `pick` is held to: the final
+    scores (the warpers of sampling rows), then argmax for greedy rows and a seeded inverse-CDF
+    draw for sampling rows."""
+    final = final_scores(scores, rows)
+    tokens = final.argmax(axis=1)
+    sampling = np.flatnonzero(rows.do_sample)
+    if sampling.size:
+        tokens[sampling] = sample(final[sampling], uniforms(seeds[sampling], draws[sampling]))
+    return tokens
+
+
 def test_select_mixes_greedy_and_sampling_rows():
     scores = np.log(np.array([[0.1, 0.6, 0.3], [0.1, 0.6, 0.3], [0.45, 0.1, 0.45]], np.float32))
     rows = SamplingRows(do_sample=np.array([False, True, False]), temperature=np.ones(3, np.float32),
                         top_k=np.zeros(3, np.int64), top_p=np.ones(3, np.float32))
     draws = np.zeros(3, np.uint64)
-    picks = np.array([select(scores, rows, np.full(3, s, np.uint64), draws)[1] for s in range(3000)])
-    first = select(scores, rows, np.zeros(3, np.uint64), draws)
+    picks = np.array([pick(scores, rows, np.full(3, s, np.uint64), draws)[0][1] for s in range(3000)])
+    first = pick(scores, rows, np.zeros(3, np.uint64), draws)[0]
     assert first[0] == 1 and first[2] == 0  # greedy rows: argmax, first of a tie as torch.argmax
     np.testing.assert_allclose(np.bincount(picks, minlength=3) / 3000, softmax(scores[1:2])[0], atol=0.03)
 
@@ -80,7 +102,7 @@ def test_select_mixes_greedy_and_sampling_rows():
 def test_pick_equals_the_whole_vocabulary_path():
     """`pick` runs top_k rows on their candidates only; tokens and log-probabilities must be
     those of the final scores over the whole vocabulary, row by row, in a mixed batch."""
-    from generation.logits.selection import final_scores, logprobs, pick
+    from generation.logits.selection import logprobs
 
     rng = np.random.default_rng(5)
     n, vocab = 12, 5000

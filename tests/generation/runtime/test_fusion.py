@@ -216,8 +216,8 @@ def test_a_mode_only_the_export_has_names_fuse(fused):
 @pytest.fixture(scope="module")
 def quantized(test_models, tmp_path_factory):
     """{variant: (fused, as exported)} of the merged decoder's int8 and 4-bit variants (the 4-bit
-    one quantized here as transformers.js does: model_builders.quantize_q4)."""
-    from model_builders import quantize_q4
+    one quantized here as transformers.js does: model_builders.text.quantize_q4)."""
+    from model_builders.text import quantize_q4
 
     folder = tmp_path_factory.mktemp("q4") / "llama-merged"
     shutil.copytree(test_models["llama-merged"], folder, ignore=shutil.ignore_patterns("*_fp16.onnx"))

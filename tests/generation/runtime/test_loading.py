@@ -27,11 +27,6 @@ LAYOUTS = {
 }
 
 
-def prompts_of(lengths, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 1000, n).tolist() for n in lengths]
-
-
 def copy_folder(test_models, name, tmp_path):
     folder = tmp_path / name
     shutil.copytree(test_models[name], folder)
@@ -98,7 +93,7 @@ def test_variant_on_a_genai_build_is_refused(test_models):
         generation.load(test_models["llama-genai"], variant="fp16")
 
 
-def test_fp16_variant_generates_close_to_fp32(test_models, merged_fp32):
+def test_fp16_variant_generates_close_to_fp32(test_models, merged_fp32, prompts_of):
     """fp16 rounding may flip a near-tie argmax, after which the rows diverge; on 40 random
     prompts we observed 38 rows equal in all 12 tokens, all 40 equal in the first token, and a
     mean common prefix of 11.7 tokens. The bounds below leave room for a rebuilt model."""
@@ -121,7 +116,7 @@ def test_fp16_variant_generates_close_to_fp32(test_models, merged_fp32):
     assert np.mean(agree) >= 10, agree
 
 
-def test_quantized_variant_generates_its_own_tokens(test_models, merged_fp32):
+def test_quantized_variant_generates_its_own_tokens(test_models, merged_fp32, prompts_of):
     """int8 weights change the model: it still generates full rows, but not fp32's rows."""
     quantized = generation.load(test_models["llama-merged"], variant="quantized", threads=1)
     prompts = prompts_of([3, 5, 7, 9], seed=3)
@@ -189,7 +184,7 @@ def test_hub_id_offline_mentions_the_hub(monkeypatch, tmp_path):
     assert "Hugging Face hub" in message
 
 
-def test_genai_folder_without_config_json_loads_and_generates(test_models, oracle):
+def test_genai_folder_without_config_json_loads_and_generates(test_models, oracle, prompts_of):
     folder = test_models["llama-genai"]
     assert not (folder / "config.json").exists()
     model = generation.load(folder, threads=1)
@@ -199,7 +194,7 @@ def test_genai_folder_without_config_json_loads_and_generates(test_models, oracl
     assert greedy(model, [prompt], 10) == [oracle.greedy("llama", prompt, 10)]
 
 
-def test_eos_list_in_generation_config_is_honoured(test_models, tmp_path, oracle):
+def test_eos_list_in_generation_config_is_honoured(test_models, tmp_path, oracle, prompts_of):
     prompt = prompts_of([5], seed=5)[0]
     plain = oracle.greedy("llama", prompt, 16)
     assert len(plain) == 16 and 2 not in plain

@@ -1,4 +1,4 @@
-"""generation.text.tools: the tool-call format of a template family, tools through a template as
+"""generation.text.tool_calls: the tool-call format of a template family, tools through a template as
 transformers renders them, calls read out of hand-written outputs of each family, and the
 grammar that holds a constrained output to the tools' calls.
 
@@ -17,7 +17,7 @@ import json
 import pytest
 
 import generation
-from generation.text import tools as T
+from generation.text import tool_calls as T
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -1,0 +1,168 @@
+"""The ingress's calls of the decoder (and, for a request's sources, images and videos, of the
+Encoder and Vision deployments), and what a failed call means to the client.
+
+A decoder answer that refused the request becomes the ApiError it names (`refused`); a failed
+call becomes one too (`api_error_of`): 400 naming the field for the request's own fault, 503 with
+Retry-After when the decoder's queue is full or its replica is gone, 500 with only a request id
+(the details in the log) for anything else. A request whose decoder replica is lost before it
+answered is sent again, to another replica (Serve's router drops the lost one within a moment):
+at most RETRIES times, after a pause; once a streamed chunk has gone out, the loss ends the
+stream with its error (the request may have been half done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..errors import Overloaded, RequestError
+from ..schema import EmbedRequest, EmbedResponse, GenerateRequest, GenerateResponse, Refusal
+from .edge import RETRY_AFTER_SECONDS, request_id, server_error
+from .media import Media
+from .openai import ApiError
+from .to_decoder import for_request
+
+RETRIES, RETRY_SECONDS = 2, 0.5
+
+
+def busy(reason) -> ApiError:
+    return ApiError(503, f"the server is busy ({reason}); retry after {RETRY_AFTER_SECONDS} s",
+                    kind="server_overloaded")
+
+
+def refused(result, request_id_: str) -> ApiError | None:
+    """The ApiError of a decoder answer that refused or failed the request, else None."""
+    if isinstance(result, Refusal) or result.finish_reason == "rejected":
+        return busy(result.error) if result.status == 503 else ApiError(result.status or 400, result.error,
+                                                                        param=result.field, predicate=result.predicate)
+    if result.finish_reason == "error":
+        if result.status == 503:  # its engine went away (a new one is starting): the client may retry
+            return busy(result.error)
+        if result.status and result.status < 500:  # the batch refused it while admitting it: its own fault
+            return ApiError(result.status, result.error, param=result.field, predicate=result.predicate)
+        return server_error(request_id_, "the generation failed in the batch", result.error)
+    return None
+
+
+def replica_lost(error: BaseException) -> bool:
+    """The call failed because its replica (or its node) went away, not because of the request."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    return isinstance(error, (RayActorError, ActorUnavailableError, DeploymentUnavailableError))
+
+
+def api_error_of(error: BaseException, request_id_: str) -> ApiError:
+    """What a failed decoder call means to the client."""
+    from ray.exceptions import RayActorError, RayTaskError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    cause = error
+    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None and cause.cause is not cause:
+        cause = cause.cause  # an encoder's failure reaches us through the decoder call that took its reply
+    if isinstance(cause, ApiError):
+        return cause
+    if isinstance(cause, RequestError):
+        return ApiError(400, str(cause), param=cause.field)
+    if isinstance(cause, (Overloaded, BackPressureError)):
+        return busy(cause)
+    if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
+        return ApiError(503, f"the decoder replica serving this request failed ({type(cause).__name__}); "
+                             "retry: a new replica takes over", kind="server_error")
+    return server_error(request_id_, "the decoder call failed", cause)
+
+
+class DecoderCalls:
+    """The decoder by handle (a DeploymentHandle, or the colocated server's LocalHandle), with the
+    Encoder and Vision deployments that prepare a request's sources and images (None where the
+    model has none); every failure comes out as an ApiError."""
+
+    def __init__(self, decoder, encoder, vision, media: Media):
+        self.decoder, self.encoder, self.vision, self.media = decoder, encoder, vision, media
+        self._decoder_stream = decoder.options(stream=True)
+
+    async def chunks(self, request: GenerateRequest, body=None, prompt_index: int | None = None):
+        """The decoder's stream, its failures as ApiErrors (naming the OpenAI request's field
+        where `body` is one). A request whose replica is lost before its first chunk (it was
+        queued there, or its node went away) moves to another replica (RETRIES times); once a
+        chunk has gone out, the loss ends the stream with its error."""
+        images = await self.media.vision_replies(request, self.vision)
+        for attempt in range(RETRIES + 1):
+            stream = self._decoder_stream.stream.remote(request, self.encoded(request), *images)
+            sent = False
+            try:
+                while True:
+                    try:
+                        chunk = await stream.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    refusal = refused(chunk, request.request_id)
+                    if refusal is not None:
+                        raise refusal
+                    sent = True
+                    yield chunk
+            except ApiError as e:
+                raise e if body is None else for_request(e, body, prompt_index) from None
+            except Exception as e:  # noqa: BLE001
+                if sent or attempt == RETRIES or not replica_lost(e):
+                    raise api_error_of(e, request.request_id) from None
+                await asyncio.sleep(RETRY_SECONDS * (attempt + 1))  # Serve drops the lost replica meanwhile
+            finally:
+                stream.cancel()
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        """The whole generation; a replica lost before it answered: moved to another (RETRIES times)."""
+        images = await self.media.vision_replies(request, self.vision)
+        for attempt in range(RETRIES + 1):
+            try:
+                result = await self.call(self.decoder.generate.remote(request, self.encoded(request), *images),
+                                         request.request_id, raw=attempt < RETRIES)
+                break
+            except Exception as e:  # noqa: BLE001 - only a lost replica comes back raw
+                if not replica_lost(e):
+                    raise api_error_of(e, request.request_id) from None
+                await asyncio.sleep(RETRY_SECONDS * (attempt + 1))
+        refusal = refused(result, request.request_id)
+        if refusal is not None:
+            raise refusal
+        return result
+
+    async def choice(self, request: GenerateRequest, body, prompt_index: int | None):
+        """One choice of an OpenAI request's generation; a refusal names the request's field."""
+        try:
+            return await self.generate(request)
+        except ApiError as e:
+            raise for_request(e, body, prompt_index) from None
+
+    async def embed(self, request: EmbedRequest) -> EmbedResponse:
+        """Embeddings (the handle API's); a refusal is an EmbedResponse with its error, status and field."""
+        return await self.call(self.decoder.embed.remote(request), request.request_id or request_id("embd-"))
+
+    async def answer(self, response, request_id_: str):
+        """A decoder call's reply (tokenize, detokenize, transcribe), a Refusal raised as its ApiError."""
+        out = await self.call(response, request_id_)
+        if isinstance(out, Refusal):
+            raise refused(out, request_id_)
+        return out
+
+    async def call(self, response, request_id_: str, raw: bool = False):
+        """The decoder call's reply, its failure as an ApiError (`raw`: a lost replica's failure as
+        it came, for the caller to retry)."""
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()  # the decoder stops the request and frees its slot
+            raise
+        except Exception as e:  # noqa: BLE001
+            if raw and replica_lost(e):
+                raise
+            raise api_error_of(e, request_id_) from None
+
+    def encoded(self, request: GenerateRequest):
+        """An encoder-decoder model's source through the Encoder deployment (a reply the
+        decoder opens), or None for a decoder-only model."""
+        if self.encoder is None:
+            return None
+        if request.messages is not None:
+            raise ApiError(400, "messages: this encoder-decoder model takes a prompt (the source text), not chat",
+                           param="messages")
+        return self.encoder.encode_text.remote([request.prompt])

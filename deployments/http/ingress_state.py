@@ -1,0 +1,105 @@
+"""What the routes (routes/) and the ingress's Python handle API share, free of Ray's deployments:
+the decoder calls, the API key, the model card, and each request counted by route and status.
+
+A route reaches the IngressState of the replica serving it through FastAPI's dependency `replica_state`
+(the ingress deployment holds it as `.state`), as Serve reaches the replica of a class-based route.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from contextlib import contextmanager
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from ..metrics import IngressMetrics
+from ..schema import Transcription, TranscriptionRequest
+from .decoder_calls import DecoderCalls
+from .edge import read_json, request_id
+from .openai import ApiError
+from .validation import parse, validation_error
+
+
+class IngressState:
+    """The ingress's state behind its routes: `calls` (the decoder and its helpers by handle), the
+    API key (None: open), the largest body, the metrics, the model card once asked."""
+
+    def __init__(self, calls: DecoderCalls, api_key: str | None, max_body: int):
+        self.calls, self.api_key, self.max_body = calls, api_key, max_body
+        self.metrics = IngressMetrics()
+        self.openapi: dict | None = None  # the OpenAPI document once built (routes/meta.py)
+        self._card = None
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error")
+
+    async def model_card(self) -> dict:
+        """The served model as /v1/models lists it (asked of the decoder once)."""
+        if self._card is None:
+            card = await self.calls.call(self.calls.decoder.card.remote(), request_id())
+            self._card = {"id": card.id, "object": "model", "created": int(time.time()), "owned_by": "raymuter",
+                          "context_length": card.context_length, "slots": card.slots, "kind": card.kind,
+                          "fingerprint": card.fingerprint}
+        return {k: v for k, v in self._card.items() if k != "fingerprint"}
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's system_fingerprint (after model_card)."""
+        return self._card["fingerprint"]
+
+    @staticmethod
+    def check_model(model, card: dict, param: str = "model") -> None:
+        if model != card["id"]:
+            raise ApiError(404, f"{param}: '{model!s:.200}' is not served here; this server serves '{card['id']}'",
+                           param=param, kind="invalid_request_error", code="model_not_found")
+
+    async def route(self, request: Request, kind, run, prefix: str = "req-"):
+        """A JSON route: authorized, its body validated into `kind`, the model checked when
+        named, then `run(body, card, request id)`; counted in the metrics."""
+        with self.counted(request):
+            self.authorize(request)
+            body = parse(kind, await read_json(request, self.max_body))
+            card = await self.model_card()
+            if getattr(body, "model", None) is not None:
+                self.check_model(body.model, card)
+            return await run(body, card, request_id(prefix))
+
+    @contextmanager
+    def counted(self, request: Request):
+        """The request in raymuter:http_requests_total by route and status (an ApiError's, else 200)."""
+        route = request.url.path
+        try:
+            yield
+        except ApiError as e:
+            self.metrics.requests.labels(route=route, status=str(e.status)).inc()
+            raise
+        self.metrics.requests.labels(route=route, status="200").inc()
+
+    async def transcribe(self, audio: bytes, request: TranscriptionRequest | dict | None = None,
+                         filename: str = "audio") -> Transcription:
+        """Whisper over an audio file's bytes: the Encoder deployment decodes them, the decoder
+        transcribes (handle.transcribe.remote, and the audio routes)."""
+        if not isinstance(request, TranscriptionRequest):
+            try:
+                request = TranscriptionRequest.model_validate(request or {})
+            except ValidationError as e:
+                raise validation_error(e.errors(include_url=False)) from None
+        if self.calls.encoder is None:
+            card = await self.model_card()
+            raise ApiError(400, f"model: '{card['id']}' does not take audio", param="model")
+        samples = self.calls.encoder.decode_audio.remote(audio, filename)  # stays in Ray's store: the decoder opens it
+        rid = request_id("audio-")
+        return await self.calls.answer(self.calls.decoder.transcribe.remote(samples, request), rid)
+
+
+async def replica_state() -> IngressState:
+    """The IngressState of the ingress replica serving the request (a route's FastAPI dependency)."""
+    from ray import serve
+
+    return serve.get_replica_context().servable_object.state

@@ -1,0 +1,16 @@
+"""The HTTP routes, a file per route group; each route a FastAPI function that reaches the
+ingress replica's state through `ingress_state.replica_state`:
+
+    completions.py   POST /v1/completions, /v1/chat/completions
+    audio.py         POST /v1/audio/transcriptions, /v1/audio/translations
+    embeddings.py    POST /v1/embeddings
+    tokens.py        POST /tokenize, /detokenize
+    models.py        GET /v1/models, /v1/models/{id}
+    meta.py          GET /health, /version, /metrics, /openapi.json, /docs
+
+`ROUTERS` are what deployments.app's `api` includes.
+"""
+
+from . import audio, completions, embeddings, meta, models, tokens
+
+ROUTERS = (meta.router, models.router, completions.router, tokens.router, embeddings.router, audio.router)

@@ -1,0 +1,46 @@
+"""POST /v1/audio/transcriptions and /v1/audio/translations (OpenAI's): an uploaded audio file
+(a multipart form, media.py) through Whisper, answered as JSON, text, SRT or WebVTT."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse
+
+from ..answers import subtitles
+from ..edge import ERRORS, answers, body_of
+from ..ingress_state import IngressState, replica_state
+from ..media import AUDIO_FORM, audio_form, transcription_of, upload_bytes
+from ..openai import Transcription
+
+router = APIRouter()
+
+
+@router.post("/v1/audio/transcriptions", openapi_extra=body_of(None, "multipart/form-data", AUDIO_FORM),
+             responses=answers(Transcription, *ERRORS, text=True))
+async def transcriptions(request: Request, state: IngressState = Depends(replica_state)):
+    return await _audio(state, request, "transcribe")
+
+
+@router.post("/v1/audio/translations", openapi_extra=body_of(None, "multipart/form-data", AUDIO_FORM),
+             responses=answers(Transcription, *ERRORS, text=True))
+async def translations(request: Request, state: IngressState = Depends(replica_state)):
+    return await _audio(state, request, "translate")
+
+
+async def _audio(state: IngressState, request: Request, task: str):
+    with state.counted(request):
+        state.authorize(request)
+        form, upload = await audio_form(request, state.max_body)
+        card = await state.model_card()
+        state.check_model(form.get("model"), card)
+        fields, response_format = transcription_of(form, task)
+        data = await upload_bytes(upload, state.max_body)
+        result = await state.transcribe(data, fields, getattr(upload, "filename", None) or "file")
+    if response_format == "text":
+        return PlainTextResponse(result.text)
+    if response_format in ("srt", "vtt"):
+        return PlainTextResponse(subtitles(result.segments or [], response_format))
+    if response_format == "verbose_json":
+        return {"task": task, "language": result.language, "duration": result.duration, "text": result.text,
+                "segments": [s.model_dump() for s in result.segments or []]}
+    return {"text": result.text}

@@ -1,0 +1,32 @@
+"""The one shape of the encoder and vision replicas' services (encoder.py, vision.py): the model,
+loaded and checked to be of the service's kind, its metrics, and its cache by content."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..metrics import EncoderMetrics
+from .feature_cache import FeatureCache
+
+
+class EncodingService:
+    """A replica's model of family kind KIND (generation.front.load_encoder refuses another
+    kind, saying what it lacks), its metrics named ROLE, and a FeatureCache of `cache_bytes`."""
+
+    KIND: str  # "encoder-decoder" or "vision"
+    ROLE: str  # the metrics' name: "encoder" or "vision"
+
+    def __init__(self, source: str | Path, name: str | None = None, threads: int | None = None,
+                 provider: str | None = None, variant: str | None = None, cache_bytes: int = 256 * 2**20):
+        from generation.front import load_encoder
+
+        self.model = load_encoder(source, self.KIND, variant=variant, provider=provider, threads=threads)
+        self.name = name or Path(source).name
+        self.metrics = EncoderMetrics(self.name, self.ROLE)
+        self.cache = FeatureCache(cache_bytes)
+
+    def _cache_by(self, key):
+        """The (lookup, store) callbacks the engine's cached encoders take, over this replica's
+        cache, an item filed under `key(content)`."""
+        return (lambda content: self.cache.get(key(content)),
+                lambda content, value, size: self.cache.put(key(content), value, size))

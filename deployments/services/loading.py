@@ -1,0 +1,46 @@
+"""Each replica's service, loaded as the application's config (deployments.app.AppConfig) says:
+the decoder's (the fake engine for tests of the serving layer, an embedding model's
+EmbeddingService, or the TextGenerator over the model), the Encoder's and the Vision's. The
+deployments in deployments/app.py hold what these return and call it."""
+
+from __future__ import annotations
+
+
+def decoder_service(cfg, default_name: str):
+    """The service the Decoder deployment holds; `default_name`: the model id of the default model."""
+    if cfg.engine == "fake":
+        from ..fake import fake_generator
+
+        service = fake_generator(cfg.slots, cfg.step_seconds, cfg.max_waiting,
+                                 cfg.name or (default_name if cfg.model is None else "fake"),
+                                 step_seconds_per_row=cfg.step_seconds_per_row)
+        service.stream_interval = cfg.stream_interval_ms / 1000
+        return service
+    from generation.front import is_embedding_model
+
+    from .embeddings import EmbeddingService
+    from .generator import TextGenerator
+
+    model = cfg.model
+    if model is None:
+        from generation.default_model import default_model_path
+
+        model = str(default_model_path())
+    if is_embedding_model(model, cfg.variant):
+        return EmbeddingService.from_model(model, name=cfg.name, threads=cfg.threads, provider=cfg.provider,
+                                           variant=cfg.variant)
+    return TextGenerator.from_model(
+        model, name=cfg.name or (default_name if cfg.model is None else None), slots=cfg.slots,
+        capacity=cfg.capacity, max_waiting=cfg.max_waiting, prefix_cache_bytes=cfg.prefix_cache_bytes,
+        max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
+        fuse=cfg.fuse, stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft,
+        grammar_budget=cfg.grammar_budget, engine_process=cfg.engine_process, spin=cfg.spin, **cfg.settings)
+
+
+def encoding_service(kind: str, cfg):
+    """The service of an Encoder ("encoder") or Vision ("vision") replica (services/encoding.py)."""
+    if kind == "vision":
+        from .vision import VisionService as service
+    else:
+        from .encoder import EncoderService as service
+    return service(cfg.model, cfg.name, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant)

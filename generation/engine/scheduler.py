@@ -1,0 +1,468 @@
+"""The engine's one loop: jobs in, their tokens out, over one decode state of fixed slots.
+
+    scheduler = Scheduler(ctx, slots=8, capacity=4096)
+    scheduler.add(scheduler.job([1, 2, 3], seed=0, settings={"do_sample": True}))
+    while scheduler.busy:
+        updates, ended = scheduler.step()     # tokens per position; jobs that ended, with results
+
+Everything happens at a step boundary: cancelled jobs leave, waiting jobs that fit are admitted
+in arrival order (one batched prefill for the plain ones; a beam search takes num_beams slots;
+a job that does not fit waits at the head, so it is not starved by smaller ones), then one model
+run steps every row: plain rows (greedy, sampling, each with its own settings and seed) and
+beam searches (each moves only its own rows, as transformers' `_beam_search`). When no beam
+search runs, prompt-lookup rows (or every row, with a draft model) verify their candidates
+instead, and may gain several tokens. `generate` and `beam_search` run a scheduler to
+completion; the decoder deployment runs one on its thread.
+
+A failure stays with its job: a batched admission that raises is redone one job at a time, and
+a job that fails alone ends with its error (`Job.admitting`: raised while admitting it, so its
+own data is at fault when the error is a ValueError); a row whose own part of a step failed ends
+alone. A failure of the model's run ends the jobs of that run; the scheduler goes on with a
+fresh state. A constrained row whose scores its constraint leaves without a token is no failure:
+it ends with the tokens it has, reason "stop", `Job.note` saying why (constraints.DeadEnd).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..assisted.verify import verify
+from ..cache.cross import FirstStepStore
+from ..cache.prefix import PrefixStore
+from ..core.context import Context, assisted_refusal
+from ..core.state import (
+    StepTokens,
+    admit,
+    admit_beams,
+    advance,
+    new_state,
+    release,
+    row_eos_logprob,
+    row_logprobs,
+    row_tokens,
+    step,
+    with_logprobs,
+)
+from ..logits.constraints import DeadEnd, Grammars
+from ..logits.selection import LogProbs
+from ..params import limits
+from ..params.inputs import check_prompts, check_seeds
+from ..params.settings import SettingError, Settings, check_integer
+from ..search.beam import Hypothesis
+
+
+@dataclass(eq=False)
+class Job:
+    """One prompt to run, and, once it ended, what it got: `reason` is "stop" (eos or a stop
+    string), "length" (max_new tokens), "cancelled" or "error" (`error`, the exception).
+    `tokens` are its new tokens without the eos token (a beam search's: its best hypothesis;
+    `hypotheses` all it returns), with their `logprobs` and `top` alternatives when the
+    context computes them. `key` is the caller's own."""
+
+    prompt: list[int]
+    seed: int
+    settings: Settings
+    max_new: int
+    encoder: object = None  # one row of EncoderOutputs (an encoder-decoder's source) or PromptImages
+    prompt_top: int | None = None  # also the prompt's log-probabilities, with this many alternatives
+    key: object = None
+    cancelled: bool = False
+    reason: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top: list | None = None
+    hypotheses: list[Hypothesis] | None = None
+    error: BaseException | None = None
+    admitting: bool = False  # the error came while admitting the job
+    prompt_logprobs: object = None  # a prompt_logprobs.PromptLogprobs, before the first token
+    started: float | None = None  # perf_counter() when it was admitted (or ended waiting)
+    eos_logprob: float | None = None  # the log-probability of the eos token it ended at (token_logprobs)
+    cached_tokens: int = 0  # prompt tokens that came from the prefix cache (OpenAI's usage.prompt_tokens_details)
+    note: str | None = None  # why a "stop" came before its eos: its constraint left no token (constraints.DeadEnd)
+
+    @property
+    def beams(self) -> int:
+        return self.settings.num_beams
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+
+@dataclass
+class Update:
+    """One position of a step (or an admission's first tokens) for the jobs it concerns: row i
+    of `out` (a StepTokens) is `jobs[i]`'s."""
+
+    jobs: list[Job]
+    out: StepTokens
+
+    def tokens(self) -> list[tuple[Job, int, float | None, list | None]]:
+        """(job, token id, its log-probability or None, the top alternatives [(id, logprob)] or
+        None) of each job that got a token, as Python values."""
+        out = self.out
+        got = [i for i in np.flatnonzero(out.token >= 0).tolist() if i not in out.failed]
+        token = out.token[got].tolist()
+        logprob = [None] * len(got) if out.logprob is None else out.logprob[got].tolist()
+        top = [None] * len(got) if out.top is None else [
+            list(zip(ids, lps)) for ids, lps in zip(out.top_ids[got].tolist(), out.top[got].tolist())]
+        return [(self.jobs[i], t, lp, tp) for i, t, lp, tp in zip(got, token, logprob, top)]
+
+
+class Scheduler:
+    """`slots` rows of `capacity` tokens. `lookup`: the candidate generator that verifies the
+    rows of jobs with prompt_lookup_num_tokens; `assistant`: one that verifies every row's
+    candidates at every step (a draft model's; generate's, where the context asks for one). `stream=False` reports no Update (the tokens come with each job's end), so runs of
+    greedy steps need no step-by-step bookkeeping. `state`: an empty DecodeState to reuse.
+    `isolate=False`: a failed admission or model run raises out of `step` as it is (generate's
+    way: the whole call fails, naming the prompt by its index in the batch) instead of ending
+    the jobs it concerns. `prefix_cache_bytes`: keep computed prompt prefixes within that many
+    bytes (cache/prefix.py), so a prompt that starts as one seen before runs only its rest."""
+
+    def __init__(self, ctx: Context, slots: int, capacity: int, lookup=None, assistant=None, stream: bool = True,
+                 state=None, isolate: bool = True, prefix_cache_bytes: int = 0):
+        self.ctx, self.slots, self.capacity, self.isolate = ctx, slots, capacity, isolate
+        self.lookup, self.assistant, self.stream = lookup, assistant, stream
+        store = FirstStepStore if ctx.model.is_seq2seq else PrefixStore  # an encoder-decoder's: its first steps
+        self.prefix = store(prefix_cache_bytes) if prefix_cache_bytes else None
+        self.state = state if state is not None else new_state(ctx, slots, capacity, self.prefix)
+        self.waiting: deque[Job] = deque()
+        self.holder: dict[int, Job] = {}  # slot -> the job of a plain row
+        self.groups: dict[int, Job] = {}  # first slot -> the job of a beam search
+        self.steps = 0  # model runs of decode steps (admissions not counted)
+        self._admitting: list[Job] = []
+        self._ended: list[Job] = []
+
+    # -- jobs -----------------------------------------------------------------------------
+    def job(self, prompt, seed: int = 0, settings: dict | None = None, encoder=None,
+            prompt_logprobs: int | None = None, key=None, timestamps: bool = False, untempered: bool = False) -> Job:
+        """A checked Job: `settings` are generation_config fields by name over the context's;
+        `timestamps`: a window decoded with its family's timestamp rules (`timestamp_rules`);
+        `untempered`: its log-probabilities before the temperature (Whisper's fallback rates a
+        window by them).
+        Anything wrong raises SettingError naming the field. Thread-safe (reads the context only)."""
+        ctx = self.ctx
+        if ctx.model.is_seq2seq and (encoder is None or len(encoder) != 1):
+            raise ValueError("an encoder-decoder job needs its encoder outputs (one row): encoder=")
+        prompt = check_prompts(ctx, [prompt])[0]
+        seed = check_seeds([seed], 1)[0]
+        if settings is not None and not (isinstance(settings, dict) and all(isinstance(k, str) for k in settings)):
+            raise SettingError("settings", "settings must be an object of generation settings by name")
+        resolved = ctx.with_settings(**(settings or {}))
+        if timestamps:
+            resolved = replace(resolved, timestamp_rules=timestamp_rules(ctx.model))
+        if untempered:
+            resolved = replace(resolved, untempered_logprobs=True)
+        if not prompt:
+            raise SettingError("prompt", "prompt is empty")
+        vision = getattr(ctx.model, "vision_session", None) is not None
+        refusal = resolved.prompt_lookup_num_tokens and assisted_refusal(ctx.model, "prompt_lookup_num_tokens",
+                                                                         resolved.num_beams)
+        if refusal:
+            raise SettingError("prompt_lookup_num_tokens", refusal)
+        if resolved.structured_outputs is not None:
+            Grammars.of(ctx).check(resolved.structured_outputs)
+        if resolved.num_beams > self.slots:
+            raise SettingError("num_beams", f"num_beams: {resolved.num_beams} beams need as many slots; this decoder "
+                                            f"has {self.slots}")
+        prompt_only = resolved.max_new_tokens == 0
+        if prompt_only and (ctx.model.is_seq2seq or vision):
+            raise SettingError("max_new_tokens", "max_new_tokens: 0 (a prompt-only pass) runs decoder-only text models")
+        if not prompt_only and resolved.new_tokens_for(len(prompt)) < 1:
+            name = "max_new_tokens" if resolved.max_new_tokens is not None else "max_length"
+            raise SettingError(name, f"{name}: the settings leave no new token for a prompt of {len(prompt)} tokens")
+        max_new = 0 if prompt_only else min(resolved.new_tokens_for(len(prompt)), self.capacity - len(prompt))
+        if max_new < 1 and not (prompt_only and len(prompt) <= self.capacity):
+            raise SettingError("prompt", f"the prompt has {len(prompt)} tokens; a slot holds {self.capacity}")
+        if prompt_logprobs is not None:
+            check_integer("prompt_logprobs", prompt_logprobs, 0, limits.MAX_LOGPROBS)
+            if ctx.model.is_seq2seq or ctx.model.graph.has_inputs_embeds:
+                raise SettingError("prompt_logprobs", "prompt_logprobs: the prompt's log-probabilities are given "
+                                                      "for decoder-only text models")
+        return Job(prompt, seed, resolved, max_new, encoder, prompt_logprobs, key)
+
+    def add(self, job: Job) -> None:
+        """Queue a job (from the scheduler's own thread); it is admitted at a step boundary."""
+        self.waiting.append(job)
+
+    @staticmethod
+    def cancel(job: Job) -> None:
+        """End the job at the next step boundary (any thread)."""
+        job.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.holder or self.groups)
+
+    @property
+    def running(self) -> int:
+        return len(self.holder) + len(self.groups)
+
+    @property
+    def occupied(self) -> int:
+        return len(self.holder) + sum(job.beams for job in self.groups.values())
+
+    def jobs(self) -> list[Job]:
+        """Every job not ended yet: running, being admitted, waiting."""
+        return [*self.holder.values(), *self.groups.values(), *self._admitting, *self.waiting]
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self, admitted=None) -> tuple[list[Update], list[Job]]:
+        """One step boundary and one model run. Returns the Updates (with stream) and the jobs
+        that ended, with their results. `admitted(updates)`: given the admitted rows' first
+        tokens before the model run (a server streams them a step sooner: a step of SmolLM2-135M
+        is 14-24 ms); those Updates are then not returned."""
+        updates: list[Update] = []
+        self._ended = ended = []
+        for slot, job in [*self.holder.items(), *self.groups.items()]:
+            if job.cancelled:
+                self._end_slot(slot, "cancelled")
+        self._admit(updates)
+        if admitted is not None and updates:
+            admitted(updates)
+            updates = []
+        if self.holder or self.groups:
+            try:
+                self._run(updates)
+            except Exception as e:  # noqa: BLE001 - not one row's (the model's run): every row of it ends
+                if not self.isolate:
+                    raise
+                for slot in [*self.holder, *self.groups]:
+                    job = self.holder.pop(slot, None) or self.groups.pop(slot)
+                    self._close(job, "error", e)
+                self.state = new_state(self.ctx, self.slots, self.capacity, self.prefix)
+        return updates, ended
+
+    def _run(self, updates: list[Update]) -> None:
+        ctx, state = self.ctx, self.state
+        if state.groups:  # beam rows step in the run with every other row; candidates wait
+            state, out = step(ctx, state)
+            outs = [out]
+        elif self.assistant is not None:
+            state, outs = verify(ctx, state, self.assistant)
+        elif self.lookup is not None and any(j.settings.prompt_lookup_num_tokens for j in self.holder.values()):
+            state, outs = verify(ctx, state, self.lookup)
+        elif not self.stream:
+            state, out = advance(ctx, state, max_steps=state.capacity)
+            outs = [out]
+        else:
+            state, out = step(ctx, state)
+            outs = [out]
+        self.steps += 1
+        for out in outs:  # each position of the step in order, as plain steps give them
+            if self.stream and self.holder:
+                updates.append(self._update(out))
+            for slot, error in out.failed.items():
+                if slot in self.groups:  # a beam search's own failure: the engine freed its slots
+                    self._close(self.groups.pop(slot), "error", error)
+                elif isinstance(error, DeadEnd):  # its constraint left it no token: it ends there
+                    self.holder[slot].note = str(error)
+                    self._end_slot(slot, "stop")
+                else:
+                    self._end_slot(slot, "error", error)
+            if out.any_finished:
+                for slot in np.flatnonzero(out.finished).tolist():
+                    if slot in self.holder:
+                        self._end_slot(slot, None)
+        for slot, group in (outs[0].beams if outs else {}).items():  # the engine freed their slots
+            self._end_beams(self.groups.pop(slot), group.hypotheses())
+
+    def _update(self, out: StepTokens) -> Update:
+        slots = np.fromiter(self.holder, np.int64, len(self.holder))
+        part = StepTokens(out.token[slots], out.finished[slots], out.any_finished)
+        if out.logprob is not None:
+            part.logprob = out.logprob[slots]
+            if out.top is not None:
+                part.top_ids, part.top = out.top_ids[slots], out.top[slots]
+        if out.failed:
+            part.failed = {i: out.failed[s] for i, s in enumerate(slots.tolist()) if s in out.failed}
+        return Update(list(self.holder.values()), part)
+
+    # -- admission ------------------------------------------------------------------------
+    def _admit(self, updates: list[Update]) -> None:
+        """Seat the waiting jobs that fit, in arrival order; prompt-only jobs (max_new 0) take no
+        slot: they run together at once."""
+        passes = [job for job in self.waiting if job.max_new == 0 and not job.cancelled]
+        if passes:
+            taken = {id(job) for job in passes}
+            self.waiting = deque(job for job in self.waiting if id(job) not in taken)
+        free = [s for s in self.state.free_slots().tolist()]
+        plain, beams = [], []
+        while self.waiting:
+            job = self.waiting[0]
+            if job.cancelled:
+                self.waiting.popleft()
+                self._close(job, "cancelled")
+                continue
+            if job.beams > self.slots:  # would wait forever
+                self.waiting.popleft()
+                self._close(job, "error", SettingError("num_beams", f"num_beams: {job.beams} beams need as many "
+                                                                    f"slots; this scheduler has {self.slots}"), True)
+                continue
+            if job.beams > len(free):
+                break  # later arrivals wait behind it
+            self.waiting.popleft()
+            taken, free = free[:job.beams], free[job.beams:]
+            (plain if job.beams == 1 else beams).append((taken, job))
+        if not plain and not beams and not passes:
+            return
+        now = time.perf_counter()
+        self._admitting = [job for _, job in plain + beams] + passes
+        for job in self._admitting:
+            job.started = now
+        if passes:  # their log-probabilities if asked, their KV rows into the prefix store
+            for job in self._prompt_passes(passes, self.state.prefix):
+                job.tokens, job.logprobs = [], [] if self.ctx.token_logprobs else None
+                self._close(job, "length")
+        wanting = {id(job) for job in self._prompt_passes([job for _, job in plain if job.prompt_top is not None])}
+        plain = [(slots, job) for slots, job in plain if job.prompt_top is None or id(job) in wanting]
+        if plain:
+            self._admit_plain([slots[0] for slots, _ in plain], [job for _, job in plain], updates)
+        for slots, job in beams:
+            self._admit_beams(slots, job)
+        self._admitting = []
+
+    def _prompt_passes(self, jobs: list[Job], store=None) -> list[Job]:
+        """The prompt log-probabilities of the jobs that asked (echo with logprobs, or a
+        prompt-only job), one batched pass over their prompts (prompt_logprobs.prompt_passes),
+        their KV rows into `store` when given; when it raises, one pass per job, so only a job
+        that fails alone fails. Returns the jobs that did not fail (the others have ended)."""
+        if not jobs:
+            return []
+        from ..logits.prompt_logprobs import prompt_passes
+
+        groups = [jobs]
+        done = []
+        while groups:
+            group = groups.pop()
+            try:
+                found = prompt_passes(self.ctx, [j.prompt for j in group], [j.prompt_top for j in group], store)
+            except Exception as e:  # noqa: BLE001 - someone's prompt, or the run: find out one by one
+                if not self.isolate:
+                    raise
+                if len(group) == 1:
+                    self._close(group[0], "error", e, admitting=True)
+                else:
+                    groups += [[job] for job in group]
+                continue
+            for job, logprobs in zip(group, found):
+                job.prompt_logprobs = logprobs
+                done.append(id(job))
+        return [job for job in jobs if id(job) in done]
+
+    def _admit_plain(self, slots: list[int], jobs: list[Job], updates: list[Update]) -> None:
+        """One batched admission, or, when it raises, one per job, so only a job that fails alone fails."""
+        try:
+            seated = [(slots, jobs, self._admit_batch(slots, jobs))]
+        except Exception as e:  # noqa: BLE001 - someone's data, or the run: find out one by one
+            if not self.isolate:
+                raise
+            seated = []
+            if len(jobs) == 1:
+                self._close(jobs[0], "error", e, admitting=True)
+            else:
+                for slot, job in zip(slots, jobs):
+                    try:
+                        seated.append(([slot], [job], self._admit_batch([slot], [job])))
+                    except Exception as alone:  # noqa: BLE001 - this job's own failure
+                        self._close(job, "error", alone, admitting=True)
+        token_logprobs = self.ctx.token_logprobs
+        for group_slots, group_jobs, first in seated:
+            if self.stream:
+                updates.append(Update(group_jobs, first))
+            for j, (slot, job) in enumerate(zip(group_slots, group_jobs)):
+                job.cached_tokens = int(self.state.cached[slot])
+                if isinstance(first.failed.get(j), DeadEnd):  # its constraint left no first token
+                    job.tokens, job.note = [], str(first.failed[j])
+                    job.logprobs, job.top = ([], None if first.top is None else []) if token_logprobs else (None, None)
+                    self._close(job, "stop")
+                elif j in first.failed:
+                    self._close(job, "error", first.failed[j], admitting=True)
+                elif first.finished[j]:  # ended at its first token: the slot stayed free
+                    job.tokens = [int(first.token[j])] if first.token[j] >= 0 else []
+                    if token_logprobs:
+                        job.logprobs = [float(first.logprob[j])] if job.tokens else []
+                        job.top = None if first.top is None else (
+                            [list(zip(first.top_ids[j].tolist(), first.top[j].tolist()))] if job.tokens else [])
+                    self._close(job, self._reason(job))
+                else:
+                    self.holder[slot] = job
+
+    def _admit_batch(self, slots: list[int], jobs: list[Job]) -> StepTokens:
+        self.state, first = admit(self.ctx, self.state, slots, [j.prompt for j in jobs], [j.seed for j in jobs],
+                                  settings=[j.settings for j in jobs], max_new=[j.max_new for j in jobs],
+                                  encoder=joined([j.encoder for j in jobs], self.ctx.model.hooks.join))
+        return first
+
+    def _admit_beams(self, slots: list[int], job: Job) -> None:
+        try:
+            self.state, stopped = admit_beams(self.ctx, self.state, slots, job.prompt, job.seed, job.settings,
+                                              job.max_new, job.encoder)
+        except Exception as e:  # noqa: BLE001 - this job's own failure (the engine freed its slots)
+            self._close(job, "error", e, admitting=True)
+            return
+        job.cached_tokens = int(self.state.cached[slots[0]])
+        if stopped is not None:
+            self._end_beams(job, stopped.hypotheses())
+        else:
+            self.groups[slots[0]] = job
+
+    # -- endings --------------------------------------------------------------------------
+    def _end_slot(self, slot: int, reason: str | None, error: BaseException | None = None) -> None:
+        """End the job in `slot` (a plain row, or a beam search's first slot) and free its slots;
+        reason None: it finished (stop or length)."""
+        job = self.holder.pop(slot, None)
+        if job is None:
+            job = self.groups.pop(slot)
+        else:
+            job.tokens = row_tokens(self.state, slot)
+            if self.ctx.token_logprobs:
+                job.logprobs, job.top = row_logprobs(self.state, slot)
+                job.eos_logprob = row_eos_logprob(self.state, slot)
+        self.state = release(self.ctx, self.state, slot)
+        self._close(job, reason or self._reason(job), error)
+
+    def _end_beams(self, job: Job, hypotheses: list[Hypothesis]) -> None:
+        best = hypotheses[0] if hypotheses else Hypothesis([], 0.0, [] if self.ctx.token_logprobs else None)
+        job.hypotheses, job.tokens, job.logprobs = hypotheses, best.tokens, best.logprobs
+        self._close(job, self._reason(job))
+
+    @staticmethod
+    def _reason(job: Job) -> str:
+        return "length" if len(job.tokens) >= job.max_new else "stop"
+
+    def _close(self, job: Job, reason: str, error: BaseException | None = None, admitting: bool = False) -> None:
+        job.reason, job.error, job.admitting = reason, error, admitting
+        if job.started is None:
+            job.started = time.perf_counter()
+        self._ended.append(job)
+
+
+def joined(encoders: list, join):
+    """The jobs' encoder outputs (EncoderOutputs) or images (PromptImages) as one batch's, as the
+    model's family joins them (`join`: its hooks' `join`); None when no job has any."""
+    if all(e is None for e in encoders):
+        return None
+    return join(encoders)
+
+
+def timestamp_rules(model) -> tuple[int, int, int]:
+    """The timestamp rule ids of a timestamped row of `model`, as its family gives them (its
+    hooks' `timestamp_rules`); ValueError when the family decodes no timestamps."""
+    if model.hooks.timestamp_rules is None:
+        raise ValueError(f"{model.folder}: its model family decodes no timestamps")
+    return model.hooks.timestamp_rules(model)
+
+
+def spread(update: Update, rows: np.ndarray, size: int, finished: np.ndarray) -> StepTokens:
+    """An Update over `size` rows (its job i is row rows[i]; -1 and nan elsewhere), with
+    `finished` (all rows so far) as its finished flags."""
+    out = update.out
+    tokens = np.full(size, -1, np.int64)
+    tokens[rows] = out.token
+    lp = None if out.logprob is None else LogProbs(out.logprob, out.top_ids, out.top)
+    return with_logprobs(StepTokens(tokens, finished.copy(), bool(out.finished.any())), rows, size, lp)

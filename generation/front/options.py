@@ -1,0 +1,52 @@
+"""How the engine behind a front runs: the options of `EngineFront.from_model`, apart from the
+generation settings (generation_config.json's fields) every request starts from.
+
+    options, settings = EngineOptions.split({"slots": 4, "threads": 1, "max_new_tokens": 64})
+    front = EngineFront.from_model("folder", options, **settings)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """`slots`: rows the batch steps together; `capacity`: tokens per slot (default: the model's
+    context, at most 4096); `max_waiting`: the queue (beyond it, Overloaded); `max_logprobs`: the
+    most alternatives a request may ask per token (-1: none, the lean greedy loop); `threads`,
+    `provider`, `variant`, `fuse`: generation.load's; `spin`: onnxruntime's idle threads spin
+    between runs (False frees the cores for the server); `cache_mode`: generation.context's;
+    `draft`: a small model with the same tokenizer whose proposals every step verifies;
+    `prefix_cache_bytes`: prompt prefixes kept for reuse (0: none); `engine_process`: the batching
+    loop in a child process (decoder-only text models); `grammar_budget`: what a request's
+    constraint may cost (generation.logits.constraints.GrammarBudget, or a dict of its fields)."""
+
+    slots: int = 8
+    capacity: int | None = None
+    max_waiting: int = 256
+    max_logprobs: int = 20
+    threads: int | None = None
+    provider: str | None = None
+    variant: str | None = None
+    cache_mode: str | None = None
+    draft: str | Path | None = None
+    prefix_cache_bytes: int = 0
+    fuse: bool = True
+    spin: bool = True
+    engine_process: bool = False
+    grammar_budget: object = None
+
+    @classmethod
+    def split(cls, values: dict) -> tuple["EngineOptions", dict]:
+        """(the options among `values`, the rest: generation settings)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names}), {k: v for k, v in values.items()
+                                                                          if k not in names}
+
+    def batcher_arguments(self) -> dict:
+        """ContinuousBatcher.from_model's arguments (all but engine_process)."""
+        out = asdict(self)
+        del out["engine_process"]
+        return out

@@ -1,0 +1,235 @@
+"""The decoder's batching loop in a child process (generation/front/engine_process.py):
+what it streams equals the loop in process, its requests are checked here, cancels and ends
+reach it, and its death answers every request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from deployments.errors import RequestError
+from deployments.schema import GenerateRequest
+from deployments.services.generator import TextGenerator
+
+REQUESTS = [
+    dict(prompt="The list", seed=1, settings={"max_new_tokens": 12}),
+    dict(prompt="A class defines", seed=2, logprobs=3, settings={"max_new_tokens": 10, "do_sample": True, "top_k": 20}),
+    dict(prompt="A class", seed=3, settings={"max_new_tokens": 8, "num_beams": 2}),
+    dict(prompt="Strings are", seed=4, echo=True, prompt_logprobs=2, logprobs=1, settings={"max_new_tokens": 6}),
+    dict(prompt="The with", seed=5, settings={"max_new_tokens": 0}, echo=True, prompt_logprobs=1),
+]
+
+
+async def streamed(generator, requests):
+    async def one(request):
+        return [chunk async for chunk in generator.stream(GenerateRequest(**request))]
+    return await asyncio.gather(*(one(r) for r in requests))
+
+
+def flat(chunks):
+    """What a stream carried, whatever its chunking: tokens, text, log-probabilities, its end."""
+    end = chunks[-1]
+    return dict(tokens=sum((c.token_ids for c in chunks), []), text="".join(c.text for c in chunks),
+                logprobs=[lp.model_dump() for c in chunks for lp in (c.logprobs or [])],
+                prompt=[c.prompt_text for c in chunks if c.prompt_text is not None],
+                prompt_logprobs=[[lp.model_dump() for lp in c.prompt_logprobs] for c in chunks if c.prompt_logprobs],
+                end=(end.finish_reason, end.prompt_tokens, end.completion_tokens, end.error))
+
+
+@pytest.fixture(scope="module")
+def generators(test_models):
+    model = test_models["llama-genai"]
+    local = TextGenerator.from_model(model, slots=4, threads=1, max_logprobs=5)
+    child = TextGenerator.from_model(model, slots=4, threads=1, max_logprobs=5, engine_process=True,
+                                     prefix_cache_bytes=1 << 20)
+    yield local, child
+    local.close()
+    child.close()
+
+
+def test_streams_equal_the_loop_in_process(generators):
+    local, child = generators
+    expected = asyncio.run(streamed(local, REQUESTS))
+    got = asyncio.run(streamed(child, REQUESTS))
+    assert child.batcher.process.pid != os.getpid() and child.batcher.process.is_alive()
+    assert [flat(c) for c in got] == [flat(c) for c in expected]
+    assert flat(got[3])["prompt_logprobs"] and flat(got[4])["prompt_logprobs"]  # forwarded, not left behind
+    # this process reads the graph and keeps no session: the weights live in the child only
+    assert local.batcher.ctx.model.session is not None and child.batcher.ctx.model.session is None
+    assert len(flat(got[0])["tokens"]) == 12 and flat(got[1])["logprobs"]
+
+
+def test_a_bad_setting_is_refused_here_naming_it(generators):
+    _, child = generators
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(streamed(child, [dict(prompt="x", settings={"temperature": -1, "do_sample": True})]))
+    assert refused.value.field == "settings.temperature"
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(streamed(child, [dict(prompt="x", settings={"num_beams": 9})]))
+    assert refused.value.field == "settings.num_beams"
+    assert child.batcher.process.is_alive()
+
+
+def test_a_cancelled_stream_frees_the_childs_slot(generators):
+    _, child = generators
+
+    before = child.batcher.steps
+
+    async def leave_early():
+        stream = child.stream(GenerateRequest(prompt="The list", settings={"max_new_tokens": 200}))
+        await stream.__anext__()
+        assert child.batcher.running == 1
+        await stream.aclose()  # a client gone: the request is cancelled
+    asyncio.run(leave_early())
+    deadline = time.time() + 10
+    while child.batcher.running and time.time() < deadline:
+        time.sleep(0.01)
+    assert child.batcher.running == 0 and child.batcher.steps - before < 150  # not its 200 tokens
+
+
+def test_the_prefix_caches_counters_come_from_the_child(generators):
+    _, child = generators
+    prompt = "The list type is a sequence of items that can be changed, and a tuple is one that cannot. " * 2
+    for _ in range(2):  # one after the other: the second finds the first's prefix
+        asyncio.run(streamed(child, [dict(prompt=prompt, settings={"max_new_tokens": 2})]))
+    assert child.batcher.prefix.queries > 0 and child.batcher.prefix.hits > 0
+
+
+def test_the_childs_death_ends_its_requests_with_503_and_a_new_child_serves(test_models):
+    """A child killed mid-stream: its request ends with 503 (the client may retry), a submit while
+    the next child starts is refused with 503 (EngineRestarting, a QueueFull: Overloaded), the
+    batcher stays alive (the health check passes), and once the new child is up the same request
+    gives the same tokens as before."""
+    from generation.front.batching import QueueFull
+    from generation.front.engine_process import EngineRestarting
+
+    generator = TextGenerator.from_model(test_models["llama-genai"], slots=2, threads=1, engine_process=True)
+    request = dict(prompt="The list", settings={"max_new_tokens": 12})
+    try:
+        before = asyncio.run(streamed(generator, [request]))[0]
+
+        async def killed():
+            stream = generator.stream(GenerateRequest(prompt="The list", settings={"max_new_tokens": 200}))
+            await stream.__anext__()
+            os.kill(generator.batcher.process.pid, signal.SIGKILL)
+            return [chunk async for chunk in stream]
+        chunks = asyncio.run(killed())
+        assert chunks[-1].finish_reason == "error" and chunks[-1].status == 503, chunks[-1]
+        assert "engine process exited with code -9" in chunks[-1].error
+        refused = []
+        deadline = time.time() + 120
+        while generator.batcher.restarts == 0 and time.time() < deadline:
+            assert generator.batcher.alive  # what Decoder.check_health reads: the replica stays
+            try:
+                generator.batcher.submit([1, 2, 3]).cancel()
+            except EngineRestarting as e:
+                refused.append(e)
+            time.sleep(0.05)
+        assert generator.batcher.restarts == 1 and refused  # the new child loads for a while: submits refused meanwhile
+        assert isinstance(refused[0], QueueFull)  # TextGenerator raises Overloaded for it: 503 with Retry-After
+        after = asyncio.run(streamed(generator, [request]))[0]
+        assert flat(after) == flat(before)
+        assert generator.batcher.alive
+    finally:
+        generator.close()
+
+
+def test_a_child_dying_again_and_again_stops_the_batcher(test_models, monkeypatch):
+    """RESTARTS deaths within RESTART_WINDOW: no new child; the batcher is no longer alive (the
+    health check fails and Serve replaces the replica), and submits say why."""
+    from generation.front import engine_process
+
+    monkeypatch.setattr(engine_process, "RESTARTS", 2)
+    generator = TextGenerator.from_model(test_models["llama-genai"], slots=2, threads=1, engine_process=True)
+    try:
+        batcher = generator.batcher
+        for death in range(2):
+            os.kill(batcher.process.pid, signal.SIGKILL)
+            deadline = time.time() + 120
+            while batcher.restarts == death and batcher.alive and time.time() < deadline:
+                time.sleep(0.05)
+        batcher._thread.join(timeout=10)
+        assert batcher.restarts == 1 and not batcher.alive
+        with pytest.raises(RuntimeError, match="2 times within 300 s"):
+            batcher.submit([1, 2, 3])
+    finally:
+        generator.close()
+
+
+def test_a_child_that_cannot_load_says_why(test_models, tmp_path):
+    # the draft is the child's alone (this process checks requests against the model only)
+    with pytest.raises(RuntimeError, match="the engine process could not load the model: .*no-draft-here"):
+        TextGenerator.from_model(test_models["llama-genai"], slots=2, threads=1, engine_process=True,
+                                 draft=tmp_path / "no-draft-here")
+
+
+def test_other_models_are_refused_naming_the_setting(s2s):
+    with pytest.raises(ValueError, match="engine_process: runs decoder-only text models"):
+        TextGenerator.from_model(s2s["marian-optimum"], slots=2, threads=1, engine_process=True)
+
+
+def test_the_cli_and_app_config_carry_it(test_models, s2s):
+    import argparse
+
+    from deployments.app import AppConfig
+    from deployments.cli import add_arguments, app_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def layout(*argv):
+        args = app_config(parser.parse_args(list(map(str, argv))))
+        AppConfig(**args)
+        return args["colocate"], args["engine_process"]
+
+    text = test_models["llama-genai"]
+    assert layout("--model", text, "--engine-process") == (False, True)
+    assert AppConfig().engine_process is False and AppConfig().colocate is False  # a Serve config's, the chart's
+    # raymuter serve's default: a decoder-only text model colocated with its loop in a child process
+    assert layout("--model", text) == (True, True) and layout() == (True, True)  # () : the default model
+    assert layout("--model", text, "--split") == (False, False)
+    assert layout("--model", text, "--colocate") == (True, False)
+    assert layout("--model", text, "--autoscale", "ingress=1:2") == (False, False)  # routes scaled apart
+    assert layout("--model", s2s["marian-optimum"]) == (False, False)  # an encoder-decoder: two deployments
+    assert layout("--engine", "fake") == (False, False)
+    with pytest.raises(ValueError, match="--split .* takes neither --colocate nor --engine-process"):
+        layout("--model", text, "--split", "--colocate")
+
+
+def test_the_replica_side_holds_nothing_per_request(generators):
+    """What serves a request in the replica (TextGenerator over the engine process: its request
+    table, streams, metrics) keeps nothing once it is answered: the Python heap traced over 2,000
+    whole and streamed requests (after 200 to warm up) grows by less than 64 KiB (a leak of one
+    small object per request would be more). bench/soak.py measures the whole replica's memory."""
+    import gc
+    import tracemalloc
+
+    _, child = generators
+
+    async def load(count, clients=8):  # `clients` at a time, each one request after another
+        async def client(first):
+            for i in range(first, count, clients):
+                request = GenerateRequest(prompt="The list", seed=i, logprobs=1 if i % 4 == 0 else None,
+                                          settings={"max_new_tokens": 3})
+                if i % 2:
+                    await child.generate(request)
+                else:
+                    async for _ in child.stream(request):
+                        pass
+        await asyncio.gather(*(client(k) for k in range(clients)))
+
+    asyncio.run(load(200))
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        asyncio.run(load(2000))
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024, f"{grown} bytes more after 2,000 requests"
