@@ -23,6 +23,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from generation.cli import version
+from generation.front import REASONING_PARSERS
 
 from .autoscaling import RUNNING, SLOTS, WAITING, Autoscaling
 from .errors import Overloaded, RequestError
@@ -97,6 +98,9 @@ class AppConfig(BaseModel):
     # may cost, by field of generation.logits.constraints.GrammarBudget (seconds to compile it, and
     # llguidance's limits: max_grammar_size, initial_lexer_fuel, ...); a field not given keeps its default
     grammar_budget: dict[str, int | float] = Field(default_factory=dict)
+    # How a chat's reasoning is told from its answer (generation/front/reasoning.py): auto (from the
+    # chat template: the thinking markers it writes), none (all answer), or a parser by name
+    reasoning_parser: str = Field(default="auto", pattern="^(" + "|".join(REASONING_PARSERS) + ")$")
 
 
 # Seconds a stopping replica (scaled down, redeployed, its node drained) may take to finish the

@@ -22,6 +22,8 @@ from pathlib import Path
 
 
 def add_arguments(parser) -> None:
+    from generation.front import REASONING_PARSERS
+
     parser.add_argument("--model", help="model folder or hub id (default: the model that ships with Raymuter)")
     parser.add_argument("--name", help="the model id clients send (default: the folder's name)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -60,6 +62,9 @@ def add_arguments(parser) -> None:
                              "--grammar-budget seconds=2,max_grammar_size=8192 (FIELD: seconds, max_grammar_size, "
                              "initial_lexer_fuel, step_lexer_fuel, step_max_items, max_items_in_row, max_lexer_states; "
                              "default: 1 s, 4096 symbols, 50000 fuel, llguidance's for the rest)")
+    parser.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                        help="how a chat's reasoning is told from its answer: auto (from the chat template), "
+                             "none, or by name (think: <think>...</think>; mistral: [THINK]...[/THINK])")
     parser.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (off: saves ~1 s and memory)")
     parser.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: the machine's)")
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
@@ -182,7 +187,7 @@ def app_config(args) -> dict:
                 max_logprobs=args.max_logprobs, threads=args.threads, spin=args.spin, provider=args.provider,
                 variant=args.variant, fuse=args.fuse, autoscaling=autoscaling, draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
                 settings=settings, engine=args.engine,
-                grammar_budget=grammar_budget_of(args.grammar_budget),
+                grammar_budget=grammar_budget_of(args.grammar_budget), reasoning_parser=args.reasoning_parser,
                 **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
                          engine=args.engine, routes_scaled="ingress" in autoscaling))
 

@@ -1,5 +1,8 @@
-"""Prometheus metrics, named after vLLM's so its dashboards and the Gateway API inference
-extension read them (`vllm:time_to_first_token_seconds` -> `raymuter:time_to_first_token_seconds`).
+"""Prometheus metrics, named after vLLM's (`vllm:time_to_first_token_seconds` ->
+`raymuter:time_to_first_token_seconds`), and each also under vLLM's own name with the same labels
+(`model_name`), so vLLM's Grafana dashboards and the Gateway API inference extension read them
+unchanged (`exposition`: the `vllm:` families are the `raymuter:` ones renamed when scraped, not
+counted twice).
 
 Each deployment keeps its own registry; the ingress's `/metrics` joins the ingress's with one
 replica of each deployment behind it (`exposition`). With several replicas of a deployment,
@@ -79,7 +82,7 @@ class DecoderMetrics:
         self.success.labels(model_name=self.model_name, finished_reason=completion.finish_reason).inc()
 
     def text(self) -> str:
-        return generate_latest(self.registry).decode()
+        return exposition(self.registry)
 
 
 class _PrefixCache:
@@ -131,7 +134,7 @@ class EncoderMetrics:
         _startup_gauge(self.registry, self.model_name).set(seconds)
 
     def text(self) -> str:
-        return generate_latest(self.registry).decode()
+        return exposition(self.registry)
 
 
 class IngressMetrics:
@@ -143,4 +146,31 @@ class IngressMetrics:
                                 registry=self.registry)
 
     def text(self) -> str:
-        return generate_latest(self.registry).decode()
+        return exposition(self.registry)
+
+
+class _Renamed:
+    """A registry's families under another prefix, read when scraped (a collector of its own
+    registry: the families are counted once)."""
+
+    def __init__(self, registry: CollectorRegistry, old: str, new: str):
+        self.registry, self.old, self.new = registry, old, new
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+        from prometheus_client.samples import Sample
+
+        for family in self.registry.collect():
+            if not family.name.startswith(self.old):
+                continue
+            renamed = Metric(self.new + family.name[len(self.old):], family.documentation, family.type, family.unit)
+            renamed.samples = [Sample(self.new + s.name[len(self.old):], s.labels, s.value, s.timestamp, s.exemplar)
+                               for s in family.samples]
+            yield renamed
+
+
+def exposition(registry: CollectorRegistry) -> str:
+    """The registry's metrics in Prometheus' text format, each `raymuter:` family also as `vllm:`."""
+    view = CollectorRegistry(auto_describe=False)
+    view.register(_Renamed(registry, "raymuter:", "vllm:"))
+    return (generate_latest(registry) + generate_latest(view)).decode()

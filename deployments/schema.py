@@ -90,6 +90,7 @@ request was refused before it ran) and the counts."""
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with prompt_logprobs: in the first chunk (the
     # first token's logprob is None: nothing comes before it)
     tool_calls: list[dict] | None = None  # tools: the calls read out of the output, in the last chunk
+    reasoning: str = ""  # a thinking model's chat: its reasoning since the last chunk (`text` is the answer's)
 
 
 class GenerateResponse(BaseModel):
@@ -109,6 +110,7 @@ class GenerateResponse(BaseModel):
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     tool_calls: list[dict] | None = None  # OpenAI's: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    reasoning: str | None = None  # a thinking model's chat: its reasoning apart from the answer (`text`)
 
 
 class EmbedRequest(BaseModel):

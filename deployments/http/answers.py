@@ -57,11 +57,13 @@ def completion_response(request_id: str, model: str, choices: list[dict], usage:
 
 
 def completion_choice(index: int, text: str, reason: str, logprobs: dict | None, chat: bool,
-                      tool_calls: list[dict] | None = None) -> dict:
+                      tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
     if chat:
         message = {"role": "assistant", "content": text}
         if tool_calls:
             message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+        if reasoning is not None:  # a thinking model's: `reasoning`, and vLLM's older name
+            message.update(reasoning=reasoning or None, reasoning_content=reasoning or None)
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
@@ -75,11 +77,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def stream_chunk(request_id: str, model: str, created: int, index: int, text: str, reason: str | None,
                  chat: bool, fingerprint: str, logprobs: dict | None = None, first: bool = False,
-                 tool_calls: list[dict] | None = None) -> dict:
+                 tool_calls: list[dict] | None = None, reasoning: str = "") -> dict:
     """One server-sent event's body; `tool_calls` go as OpenAI's deltas (each call whole, with its
-    index)."""
+    index); a thinking model's reasoning as `reasoning` (and vLLM's older `reasoning_content`)."""
     if chat:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        if reasoning:
+            delta.update(reasoning=reasoning, reasoning_content=reasoning)
         if tool_calls:
             delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}

@@ -29,7 +29,8 @@ async def whole_answer(calls: DecoderCalls, http: Request, jobs, rid, model, fin
             text = result.prompt_text + text
             tokens = [t.model_dump() for t in result.prompt_logprobs or []] + tokens
         logprobs = None if result.logprobs is None else completion_logprobs(tokens, chat)
-        choices.append(completion_choice(k, text, result.finish_reason, logprobs, chat, result.tool_calls))
+        choices.append(completion_choice(k, text, result.finish_reason, logprobs, chat, result.tool_calls,
+                                         result.reasoning))
         if k % body.n == 0:  # a prompt's n choices: its tokens once
             prompt_tokens += result.prompt_tokens
             cached_tokens += result.cached_tokens
@@ -111,9 +112,10 @@ async def _events(firsts, streams, rid, model, created, fingerprint, chat, body,
                 offsets[i] += sum(len(t["text"]) for t in tokens)
             if item.finish_reason is not None:
                 ended += 1
-            if text or item.finish_reason or logprobs or (chat and i not in started):
+            if text or item.reasoning or item.finish_reason or logprobs or (chat and i not in started):
                 piece = _event(stream_chunk(rid, model, created, i, text, item.finish_reason, chat, fingerprint,
-                                            logprobs, first=i not in started, tool_calls=item.tool_calls))
+                                            logprobs, first=i not in started, tool_calls=item.tool_calls,
+                                            reasoning=item.reasoning))
                 started.add(i)
                 if ended == len(streams):
                     tail = piece

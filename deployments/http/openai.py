@@ -215,14 +215,7 @@ class _Request(_Strict):
     @field_validator("tools")
     @classmethod
     def _tools(cls, value: list | None):
-        if value:
-            from generation.front import ToolError, check_tools
-
-            try:
-                check_tools(value)
-            except ToolError as e:
-                raise ValueError(str(e)) from None
-        return value
+        return checked_tools(value)
 
     @model_validator(mode="after")
     def _tool_choice_of_the_tools(self):
@@ -360,8 +353,21 @@ class ChatCompletionRequest(_Request):
         return value
 
 
+def checked_tools(value: list | None) -> list | None:
+    """OpenAI's tools, each a function with a name and its parameters' schema (ValueError naming what is wrong)."""
+    if value:
+        from generation.front import ToolError, check_tools
+
+        try:
+            check_tools(value)
+        except ToolError as e:
+            raise ValueError(str(e)) from None
+    return value
+
+
 class TokenizeRequest(_Strict):
-    """POST /tokenize (vLLM's): a prompt, or messages through the chat template."""
+    """POST /tokenize (vLLM's): a prompt, or messages through the chat template (with `tools`
+    given to it as a chat gives them)."""
 
     model: str | None = Field(default=None, max_length=512)
     prompt: Annotated[str, Field(max_length=2**26)] | None = None
@@ -369,13 +375,27 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template places them)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=64)
+    tools: list[dict] | None = Field(default=None, max_length=128)  # messages only
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.tools and self.messages is None:
+            raise ValueError("tools: go with messages (the chat template renders them)")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list | None):
+        return checked_tools(value)
+
+    def template_variables(self) -> dict | None:
+        """The chat template's variables: chat_template_kwargs, and the tools as a chat gives them."""
+        if not self.tools:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "tools": self.tools}
 
 
 class DetokenizeRequest(_Strict):
@@ -461,6 +481,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # a thinking model's reasoning apart from its answer
+    reasoning_content: str | None = None  # the same, under the name older vLLM clients read
 
 
 class ChatChoice(BaseModel):

@@ -167,12 +167,12 @@ class TextGenerator:
                             self.metrics.inter_token.observe(token.at - last)
                         last = token.at
                     yield GenerateChunk(text=event.text, token_ids=[t.id for t in event.tokens],
-                                        logprobs=_logprobs(event.logprobs))
+                                        logprobs=_logprobs(event.logprobs), reasoning=event.reasoning)
                 else:
                     self.metrics.finished(None, event.completion, event.prompt_tokens, time.perf_counter() - arrived)
                     yield GenerateChunk(text=event.text, finish_reason=event.finish_reason, error=event.error,
                                         status=event.status, tool_calls=event.tool_calls, field=event.field,
-                                        predicate=event.predicate,
+                                        predicate=event.predicate, reasoning=event.reasoning,
                                         prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                                         cached_tokens=event.cached_tokens)
         except (Refused, FrontOverloaded) as e:
@@ -184,11 +184,12 @@ class TextGenerator:
 
     async def generate(self, request: GenerateRequest, encoder=None, images=()) -> GenerateResponse:
         """The whole generation at once."""
-        text, ids, logprobs, last, echoed = [], [], [], None, None
+        text, ids, logprobs, last, echoed, reasoning = [], [], [], None, None, []
         async for chunk in self.stream(request, encoder, images):
             if chunk.prompt_text is not None:
                 echoed = chunk
             text.append(chunk.text)
+            reasoning.append(chunk.reasoning)
             ids += chunk.token_ids
             logprobs += chunk.logprobs or []
             last = chunk
@@ -199,7 +200,8 @@ class TextGenerator:
                                 status=last.status, field=last.field, predicate=last.predicate,
                                 prompt_text=None if echoed is None else echoed.prompt_text,
                                 prompt_logprobs=None if echoed is None else echoed.prompt_logprobs,
-                                tool_calls=last.tool_calls)
+                                tool_calls=last.tool_calls,
+                                reasoning="".join(reasoning) if self.front.reasoning is not None else None)
 
     # -- tokens ------------------------------------------------------------------------------
     def tokenize(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool | None,

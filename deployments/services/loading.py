@@ -34,7 +34,8 @@ def decoder_service(cfg, default_name: str):
         capacity=cfg.capacity, max_waiting=cfg.max_waiting, prefix_cache_bytes=cfg.prefix_cache_bytes,
         max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
         fuse=cfg.fuse, stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft,
-        grammar_budget=cfg.grammar_budget, engine_process=cfg.engine_process, spin=cfg.spin, **cfg.settings)
+        grammar_budget=cfg.grammar_budget, engine_process=cfg.engine_process, spin=cfg.spin,
+        reasoning_parser=cfg.reasoning_parser, **cfg.settings)
 
 
 def encoding_service(kind: str, cfg):

@@ -11,6 +11,7 @@ strings applied once, tokens and log-probabilities; `Finish`: tool calls, why it
     batching.py        the continuous batching loop on a thread (the engine's Scheduler)
     engine_process.py  the same loop in a child process
     output.py          output processing: detokenizing, stop strings held back and cut, tool calls
+    reasoning.py       a thinking model's reasoning told apart from its answer (<think>...</think>)
     front.py           EngineFront: the door itself
     speech.py          Whisper's transcription through the front (the seek loop over windows)
     encoders.py        the encoders a server runs beside the decoder (audio, texts, images, videos)
@@ -47,12 +48,13 @@ from .front import Delta, Echo, EngineFront, Finish, detokenized
 from .options import EngineOptions
 from .output import TextDeltas, TokenText
 from .prompts import InputProcessor
+from .reasoning import CHOICES as REASONING_PARSERS
 from .request import EngineRequest
 from .speech import SpeechRequest, SpeechResult, transcribe
 
 __all__ = [
     "Completion", "ContinuousBatcher", "Delta", "Echo", "EngineFront", "EngineOptions", "EngineRequest", "Finish", "GrammarBudget", "InputProcessor",
-    "Overloaded", "QueueFull", "Refused", "Request", "SpeechRequest", "SpeechResult", "TextDeltas", "Token",
+    "Overloaded", "QueueFull", "REASONING_PARSERS", "Refused", "Request", "SpeechRequest", "SpeechResult", "TextDeltas", "Token",
     "TokenText", "ToolError", "check_tools", "decode_audio", "detokenized", "embed", "encode_audio", "encode_image",
     "encode_texts", "encode_video", "is_embedding_model", "limits", "load_embedder", "load_encoder", "model_folder",
     "model_kind", "model_tokenizer", "prompt_logprobs_from_lists", "request_field", "speech_field", "takes_videos",

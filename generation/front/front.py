@@ -29,6 +29,7 @@ from .errors import Overloaded, Refused, refused, request_field
 from .output import TextDeltas, TokenText, TokenTexts, tool_calls
 from .options import EngineOptions
 from .prompts import InputProcessor, Row
+from .reasoning import ReasoningParser, ReasoningSplit, opened_in, parser_for
 from .request import EngineRequest
 
 logger = logging.getLogger("ray.serve")  # a replica's log, with Serve's request id, where one runs it
@@ -45,11 +46,13 @@ class Echo:
 @dataclass
 class Delta:
     """The text that may go out now, and the tokens made since the last Delta (batcher Tokens:
-    id, logprob, top, at) with their TokenTexts when log-probabilities were asked."""
+    id, logprob, top, at) with their TokenTexts when log-probabilities were asked. A thinking
+    model's chat: `text` is the answer's, `reasoning` the reasoning's (front/reasoning.py)."""
 
     text: str
     tokens: list
     logprobs: list[TokenText] | None
+    reasoning: str = ""
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Finish:
     completion_tokens: int
     cached_tokens: int
     completion: object
+    reasoning: str = ""  # the reasoning not sent yet (a thinking model's chat)
 
 
 class EngineFront:
@@ -78,11 +82,13 @@ class EngineFront:
     `tokenizer`: a `tokenizers.Tokenizer` or anything with encode(text, add_special_tokens).ids and
     decode(ids, skip_special_tokens)."""
 
-    def __init__(self, batcher, inputs: InputProcessor, family: str = "text", defaults: dict | None = None):
+    def __init__(self, batcher, inputs: InputProcessor, family: str = "text", defaults: dict | None = None,
+                 reasoning: ReasoningParser | None = None):
         self.batcher, self.inputs, self.family = batcher, inputs, family
         self.tokenizer = inputs.tokenizer
         self.tokens = TokenTexts(inputs.tokenizer)
         self.defaults = dict(defaults or {})
+        self.reasoning = reasoning  # how a chat's reasoning is told from its answer (None: all answer)
 
     @classmethod
     def from_model(cls, source: str | Path, options: EngineOptions | None = None, **settings) -> "EngineFront":
@@ -101,7 +107,7 @@ class EngineFront:
         model = batcher.ctx.model
         inputs = InputProcessor(model_tokenizer(model), chat_template(model.folder), special_tokens(model.folder),
                                 batcher.capacity, options.max_logprobs, model, batcher.ctx, families.family(model).KIND)
-        return cls(batcher, inputs, model.family, settings)
+        return cls(batcher, inputs, model.family, settings, parser_for(inputs.template, options.reasoning_parser))
 
     # -- what the model is ---------------------------------------------------------------------
     @property
@@ -145,24 +151,36 @@ class EngineFront:
         A consumer that stops early (a client that went away) cancels the row."""
         handle, prompt = await self._submitted(request, encoder, images)
         deltas = TextDeltas(self.tokenizer, request.stop_strings, hold_all=request.calls_tools)
+        split = self._reasoning_split(request, prompt)
         echo = request.echo  # the prompt first, once the batcher admitted it (with its log-probabilities)
         try:
             async for tokens in handle.abatches(interval):
                 if echo:
                     yield self._echo(request, handle, prompt)
                     echo = False
-                yield Delta(deltas.add([t.id for t in tokens]), tokens,
-                            None if request.logprobs is None else [self.tokens.of(t, request.logprobs) for t in tokens])
+                text = deltas.add([t.id for t in tokens])
+                reasoning, text = split.add(text) if split else ("", text)
+                yield Delta(text, tokens, None if request.logprobs is None else
+                            [self.tokens.of(t, request.logprobs) for t in tokens], reasoning)
             completion = handle.result(timeout=5)
         except (asyncio.CancelledError, GeneratorExit):
             handle.cancel()
             raise
-        finish = self._finish(request, completion, deltas.finish(), deltas.visible, len(prompt))
+        finish = self._finish(request, completion, deltas.finish(), deltas.visible, len(prompt), split)
         if echo and finish.finish_reason != "error":  # ended before its first token: the prompt still goes back
             yield self._echo(request, handle, prompt)
         yield finish
 
-    def _finish(self, request: EngineRequest, completion, rest: str, visible: str, prompt_tokens: int) -> Finish:
+    def _reasoning_split(self, request: EngineRequest, prompt: list[int]) -> ReasoningSplit | None:
+        """A chat's split of reasoning from answer, where the model thinks: inside a block from
+        the start where the prompt's end left one open (the template opened it)."""
+        if self.reasoning is None or request.messages is None:
+            return None
+        tail = self.tokenizer.decode(list(prompt[-32:]), skip_special_tokens=False)
+        return ReasoningSplit(self.reasoning, inside=opened_in(tail, self.reasoning))
+
+    def _finish(self, request: EngineRequest, completion, rest: str, visible: str, prompt_tokens: int,
+                split: ReasoningSplit | None = None) -> Finish:
         status, field, predicate, error, calls = None, None, None, completion.error, None
         reason = completion.finish_reason
         if reason == "error":
@@ -175,11 +193,15 @@ class EngineFront:
                 logger.error("request %s failed in the batch: %s", request.request_id, error)
         elif error:  # a stop its constraint made (it left no token): the client sees "stop"
             logger.warning("request %s ended early: %s", request.request_id, error)
+        reasoning = ""
+        if split is not None:  # the answer's text is what tool calls are read from
+            (r1, rest), (r2, held) = split.add(rest), split.finish()
+            reasoning, rest, visible = r1 + r2, rest + held, split.content
         if request.calls_tools and reason != "error":
             rest, calls = tool_calls(self.inputs.template, request, visible)
             reason = "tool_calls" if calls and reason == "stop" else reason  # cut short: "length", as OpenAI
         return Finish(rest, reason, error, status, field, predicate, calls, prompt_tokens, len(completion.tokens),
-                      getattr(completion, "cached_tokens", 0), completion)
+                      getattr(completion, "cached_tokens", 0), completion, reasoning)
 
     def _echo(self, request: EngineRequest, handle, prompt: list[int]) -> Echo:
         text = request.prompt if isinstance(request.prompt, str) else \
@@ -250,18 +272,23 @@ class EngineFront:
     # -- tokens ------------------------------------------------------------------------------
     def tokenize(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool | None,
                  add_generation_prompt: bool, variables: dict | None) -> list[int]:
-        """A prompt's token ids, or messages' through the chat template (as a chat renders them);
-        add_special_tokens defaults to true for a prompt, false for messages."""
+        """A prompt's token ids, or messages' through the chat template (as a chat renders them;
+        `variables` the template's, a chat's tools among them); add_special_tokens defaults to
+        true for a prompt, false for messages."""
         if messages is not None:
             if self.inputs.takes_images and any(isinstance(m.get("content"), list) and any(
                     p.get("type") in ("image_url", "video_url", "video") for p in m["content"]) for m in messages):
                 raise Refused("/tokenize takes text messages only (an image's or video's tokens depend on its size)",
                               "messages")
             from generation.text.chat import ChatTemplateError
+            from generation.text.tool_calls import ToolError, template_messages
 
             from .prompts import template_message
 
-            plain = [template_message(m, i) for i, m in enumerate(messages)]
+            try:  # as a chat renders them (an assistant turn's tool calls, tool results)
+                plain = template_messages([template_message(m, i) for i, m in enumerate(messages)])
+            except ToolError as e:
+                raise Refused(str(e), e.field, message=str(e)) from None
             try:
                 text = self.inputs.render(plain, add_generation_prompt, variables)
             except ChatTemplateError as e:

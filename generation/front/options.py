@@ -21,7 +21,9 @@ class EngineOptions:
     `draft`: a small model with the same tokenizer whose proposals every step verifies;
     `prefix_cache_bytes`: prompt prefixes kept for reuse (0: none); `engine_process`: the batching
     loop in a child process (decoder-only text models); `grammar_budget`: what a request's
-    constraint may cost (generation.logits.constraints.GrammarBudget, or a dict of its fields)."""
+    constraint may cost (generation.logits.constraints.GrammarBudget, or a dict of its fields);
+    `reasoning_parser`: how a chat's reasoning is told from its answer (front/reasoning.py: "auto"
+    from the chat template, "none", or a parser by name)."""
 
     slots: int = 8
     capacity: int | None = None
@@ -37,6 +39,7 @@ class EngineOptions:
     spin: bool = True
     engine_process: bool = False
     grammar_budget: object = None
+    reasoning_parser: str = "auto"
 
     @classmethod
     def split(cls, values: dict) -> tuple["EngineOptions", dict]:
@@ -46,7 +49,7 @@ class EngineOptions:
                                                                           if k not in names}
 
     def batcher_arguments(self) -> dict:
-        """ContinuousBatcher.from_model's arguments (all but engine_process)."""
+        """ContinuousBatcher.from_model's arguments (all but what the front itself uses)."""
         out = asdict(self)
-        del out["engine_process"]
+        del out["engine_process"], out["reasoning_parser"]
         return out

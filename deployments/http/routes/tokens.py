@@ -1,4 +1,4 @@
-"""POST /tokenize and /detokenize (vLLM's): text or chat messages to token ids, and back."""
+"""POST /tokenize and /detokenize (vLLM's): text or chat messages (with tools) to token ids, and back."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ async def tokenize(request: Request, state: IngressState = Depends(replica_state
     async def run(body: TokenizeRequest, card: dict, rid: str):
         messages = None if body.messages is None else [m.model_dump(exclude_none=True) for m in body.messages]
         out = await state.calls.answer(state.calls.decoder.tokenize.remote(
-            body.prompt, messages, body.add_special_tokens, body.add_generation_prompt, body.chat_template_kwargs,
+            body.prompt, messages, body.add_special_tokens, body.add_generation_prompt, body.template_variables(),
             body.return_token_strs), rid)
         return {"count": len(out.tokens), "max_model_len": card["context_length"], "tokens": out.tokens,
                 "token_strs": out.token_strs}

@@ -177,3 +177,20 @@ def test_feature_cache_evicts_the_least_recently_used():
     assert cache.get("c") is None and cache.get("b") == "B" and cache.get("d") == "D"
     cache.put("huge", "H", 101)
     assert cache.get("huge") is None and cache.bytes == 80
+
+
+def test_translations_through_the_openai_client(serve_apps, whisper):
+    """/v1/audio/translations as the openai client calls it: Whisper's task=translate, every format."""
+    import openai
+
+    client = openai.OpenAI(base_url=serve_apps.speech + "/v1", api_key="unused", max_retries=0)
+    data, clip = wav(1.5, 3)
+    expected = speech_to_text(generation.context(whisper), [clip], task="translate")[0].text
+    out = client.audio.translations.create(model="whisper", file=("clip.wav", data))
+    assert out.text == expected
+    text = client.audio.translations.create(model="whisper", file=("clip.wav", data), response_format="text")
+    assert text == expected
+    verbose = client.audio.translations.create(model="whisper", file=("clip.wav", data),
+                                               response_format="verbose_json")
+    assert verbose.text == speech_to_text(generation.context(whisper), [clip], task="translate",
+                                          return_timestamps=True)[0].text

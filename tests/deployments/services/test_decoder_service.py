@@ -266,3 +266,18 @@ def test_a_stream_interval_sends_fewer_larger_chunks():
         assert len(grouped) < len(per_token) / 3
     finally:
         generator.close()
+
+
+def test_every_metric_is_also_under_vllms_name(fake):
+    """vLLM's dashboards read `vllm:` names: each `raymuter:` family is also there, same samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    collect(fake, prompt="abc", settings={"max_new_tokens": 3})
+    families = {f.name: f for f in text_string_to_metric_families(fake.metrics.text())}
+    ours = [name for name in families if name.startswith("raymuter:")]
+    assert "raymuter:time_to_first_token_seconds" in ours and len(ours) >= 10
+    for name in ours:
+        twin = families["vllm:" + name.removeprefix("raymuter:")]
+        assert [(s.name.removeprefix("vllm:"), s.labels, s.value) for s in twin.samples] == \
+            [(s.name.removeprefix("raymuter:"), s.labels, s.value) for s in families[name].samples]
+    assert families["vllm:generation_tokens"].samples[0].value == 3

@@ -20,6 +20,7 @@ import jsonschema
 import pytest
 
 import generation
+from deployments.http.openai import ApiError
 from deployments.schema import GenerateRequest
 from deployments.services.generator import TextGenerator, engine_request
 from generation.front import Refused
@@ -183,3 +184,17 @@ def test_a_bad_tool_request_is_a_400_naming_its_field(serve_apps, body, param):
                      json=dict(model="tiny", messages=MESSAGES, max_tokens=4, **body), timeout=60)
     assert out.status_code == 400, out.text
     assert out.json()["error"]["param"] == param, out.json()
+
+
+def test_tokenize_with_tools_is_the_chats_prompt(hermes):
+    """/tokenize takes tools (vLLM's chat tokenize does): the ids a chat with them would run."""
+    from deployments.http.openai import TokenizeRequest
+    from deployments.http.validation import parse
+
+    body = parse(TokenizeRequest, dict(messages=MESSAGES, tools=SHORT))
+    tokens = hermes.tokenize(None, [m.model_dump(exclude_none=True) for m in body.messages], None, True,
+                             body.template_variables(), False).tokens
+    assert tokens == prompt_ids(hermes, GenerateRequest(messages=MESSAGES, tools=SHORT, tool_choice="auto"))
+    assert tokens != hermes.tokenize(None, MESSAGES, None, True, None, False).tokens
+    with pytest.raises(ApiError, match="tools: go with messages"):
+        parse(TokenizeRequest, dict(prompt="x", tools=SHORT))
