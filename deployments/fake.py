@@ -180,5 +180,4 @@ def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}{{ prefix | default('') }}")
     batcher = FakeBatcher(slots, max_waiting, step_seconds, step_seconds_per_row=step_seconds_per_row)
-    return TextGenerator(name, EngineFront(batcher, InputProcessor(CharTokenizer(), template, None, 4096, max_logprobs=5)),
-                         max_logprobs=5)
+    return TextGenerator(name, EngineFront(batcher, InputProcessor(CharTokenizer(), template, None, 4096, max_logprobs=5)))

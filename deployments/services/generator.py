@@ -80,10 +80,8 @@ class TextGenerator:
 
     `front`: an EngineFront (or anything with its stream/submit/tokenize/detokenize and batcher)."""
 
-    def __init__(self, name: str, front: EngineFront, kind: str = "decoder", stream_interval: float = 0.0,
-                 max_logprobs: int = 0):
+    def __init__(self, name: str, front: EngineFront, kind: str = "decoder", stream_interval: float = 0.0):
         self.name, self.front, self.kind = name, front, kind
-        self.max_logprobs = max_logprobs
         self.stream_interval = stream_interval  # seconds between a stream's chunks (the first goes at once)
         self.metrics = DecoderMetrics(name, front.batcher)
         self.fingerprint = fingerprint(name, front.context_length, kind)
@@ -98,7 +96,7 @@ class TextGenerator:
         front = EngineFront.from_model(source, engine, **settings)
         name = name or (Path(source).name if Path(source).is_dir() else str(source))
         generator = cls(name, front, "encoder-decoder" if front.kind == "encoder-decoder" else "decoder",
-                        stream_interval, engine.max_logprobs)
+                        stream_interval)
         generator.fingerprint = fingerprint(name, front.context_length, engine.slots, front.defaults,
                                             *front.configuration())
         return generator
@@ -137,9 +135,13 @@ class TextGenerator:
         try:
             return self.front.submit(engine_request(request), encoder, images)
         except (Refused, FrontOverloaded) as e:
-            if isinstance(e, FrontOverloaded):
-                self.metrics.rejected.inc()
-            raise request_error(e) from None
+            raise self._refusal(e) from None
+
+    def _refusal(self, error: Refused | FrontOverloaded):
+        """A generation's refusal as the serving layer's error; a full queue counted as rejected."""
+        if isinstance(error, FrontOverloaded):
+            self.metrics.rejected.inc()
+        return request_error(error)
 
     def _interval(self) -> float:
         """Seconds a stream waits after a chunk: stream_interval, or longer while many rows run,
@@ -176,9 +178,7 @@ class TextGenerator:
                                         prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                                         cached_tokens=event.cached_tokens)
         except (Refused, FrontOverloaded) as e:
-            if isinstance(e, FrontOverloaded):
-                self.metrics.rejected.inc()
-            raise request_error(e) from None
+            raise self._refusal(e) from None
         finally:
             await events.aclose()
 

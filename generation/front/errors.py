@@ -27,13 +27,7 @@ class Refused(ValueError):
         self.field, self.reason, self.predicate = field, reason, predicate if spoken else None
 
     def __reduce__(self):  # crosses Ray's and multiprocessing's process boundaries intact
-        return _rebuilt, (type(self), self.reason, self.field, str(self), self.predicate)
-
-
-def _rebuilt(kind, reason, field, message, predicate):
-    error = kind(reason, field, message)
-    error.predicate = predicate
-    return error
+        return type(self), (self.reason, self.field, str(self), self.predicate)
 
 
 class Overloaded(RuntimeError):

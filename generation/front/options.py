@@ -7,8 +7,10 @@ generation settings (generation_config.json's fields) every request starts from.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from .request import own_fields
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,8 @@ class EngineOptions:
     @classmethod
     def split(cls, values: dict) -> tuple["EngineOptions", dict]:
         """(the options among `values`, the rest: generation settings)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names}), {k: v for k, v in values.items()
-                                                                          if k not in names}
+        options = own_fields(cls, values)
+        return cls(**options), {k: v for k, v in values.items() if k not in options}
 
     def batcher_arguments(self) -> dict:
         """ContinuousBatcher.from_model's arguments (all but what the front itself uses)."""

@@ -39,8 +39,7 @@ class EngineRequest:
     @classmethod
     def of(cls, values: dict) -> "EngineRequest":
         """From a dict of these fields (others ignored: a serving shape may carry more)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        return cls(**own_fields(cls, values))
 
     @property
     def calls_tools(self) -> bool:
@@ -51,3 +50,9 @@ class EngineRequest:
     def stop_strings(self) -> list[str]:
         stops = self.settings.get("stop_strings") or []
         return [stops] if isinstance(stops, str) else list(stops)
+
+
+def own_fields(kind, values: dict) -> dict:
+    """The items of `values` that are fields of the dataclass `kind`."""
+    names = {f.name for f in fields(kind)}
+    return {k: v for k, v in values.items() if k in names}

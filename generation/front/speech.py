@@ -10,9 +10,10 @@ engine's own task runs too).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from .errors import Refused, speech_field
+from .request import own_fields
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,8 @@ class SpeechRequest:
 
     @classmethod
     def of(cls, values: dict) -> "SpeechRequest":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        """From a dict of these fields (others ignored)."""
+        return cls(**own_fields(cls, values))
 
 
 @dataclass
