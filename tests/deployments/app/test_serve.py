@@ -317,7 +317,10 @@ def check_abandoned_whole_answers_free_slots(url: str, model: str = "fake", coun
     body = {"model": model, "prompt": "ab", "max_tokens": 2000, **long}
 
     async def leave():
-        async with httpx.AsyncClient(timeout=leave_after, headers=headers) as client:
+        # the client leaves `leave_after` s after its request went out; connecting is not leaving (on a
+        # loaded machine a connect took over 1 s once, and the requests never reached the server)
+        timeout = httpx.Timeout(leave_after, connect=30)
+        async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
             return await asyncio.gather(*(client.post(url + "/v1/completions", json=body) for _ in range(count)),
                                         return_exceptions=True)
 
