@@ -37,6 +37,7 @@ from .local_handle import LocalHandle
 from .schema import (EmbedRequest, EmbedResponse, GenerateChunk, GenerateRequest, GenerateResponse, Refusal,
                      Transcription, TranscriptionRequest)
 from .services.loading import decoder_service, encoding_service
+from .services.response_store import ResponseStore
 from .services.routing import ROUTERS
 
 ROUTER_ON_LOOP = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
@@ -101,6 +102,12 @@ class AppConfig(BaseModel):
     # How a chat's reasoning is told from its answer (generation/front/reasoning.py): auto (from the
     # chat template: the thinking markers it writes), none (all answer), or a parser by name
     reasoning_parser: str = Field(default="auto", pattern="^(" + "|".join(REASONING_PARSERS) + ")$")
+    # /v1/responses' stored responses (the Responses deployment, one replica every ingress replica
+    # shares): at most these bytes (the least recently used go first), each kept this many seconds
+    # after it was last written, and persisted to this folder when given (a restarted store keeps them)
+    response_store_bytes: int = Field(default=256 * 2**20, ge=2**20, le=2**40)
+    response_ttl_seconds: float = Field(default=24 * 3600, gt=0, le=366 * 24 * 3600)
+    response_folder: str | None = None
 
 
 # Seconds a stopping replica (scaled down, redeployed, its node drained) may take to finish the
@@ -108,8 +115,8 @@ class AppConfig(BaseModel):
 DRAIN_SECONDS = 300
 
 # The deployments of each kind of model, the ingress first.
-PARTS = {"text": ("Ingress", "Decoder"), "encoder-decoder": ("Ingress", "Decoder", "Encoder"),
-         "vision": ("Ingress", "Decoder", "Vision")}
+PARTS = {"text": ("Ingress", "Decoder", "Responses"), "encoder-decoder": ("Ingress", "Decoder", "Encoder", "Responses"),
+         "vision": ("Ingress", "Decoder", "Vision", "Responses")}
 # The same with the routes and the decoder in one Server deployment (AppConfig.colocate).
 COLOCATED_PARTS = {kind: ("Server", *names[2:]) for kind, names in PARTS.items()}
 
@@ -168,6 +175,18 @@ class Vision(_Encoding):
         return self.service.encode_video(data, name)
 
 
+# One replica: every ingress replica's /v1/responses reads and writes the same records (a second
+# replica would hold other ones). It takes no CPU of its own: a dict and, optionally, a folder.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, num_replicas=1)
+class Responses(ResponseStore):
+    """The stored responses of /v1/responses (deployments.services.response_store), bounded as
+    the config says (response_store_bytes, response_ttl_seconds, response_folder)."""
+
+    def __init__(self, config: dict):
+        cfg = AppConfig(**config)
+        super().__init__(cfg.response_store_bytes, cfg.response_ttl_seconds, cfg.response_folder)
+
+
 # The ingress sends a request to the decoder replica that most likely holds its prompt's prefix
 # (deployments/services/routing.py); a Serve config's request_router_config replaces it (ROUTERS).
 # A replica that is scaled down or replaced by a redeploy takes no new request and finishes the
@@ -185,11 +204,14 @@ class Decoder:
         cfg = AppConfig(**config)
         self.encoder = encoder
         self.generator = decoder_service(cfg, DEFAULT_MODEL_NAME)
+        self.replica = _replica_id()  # a stored response's next turn asks for it (GenerateRequest.affinity)
         self.generator.metrics.started(time.perf_counter() - started)
 
     async def generate(self, request: GenerateRequest, encoded=None, *images) -> GenerateResponse:
         try:
-            return await self.generator.generate(request, encoded, images)
+            response = await self.generator.generate(request, encoded, images)
+            response.replica = self.replica
+            return response
         except (RequestError, Overloaded) as e:  # the client's problem: an answer, not a replica error log
             return GenerateResponse(text="", token_ids=[], finish_reason="rejected", prompt_tokens=0,
                                     completion_tokens=0, **_refusal(e))
@@ -197,6 +219,8 @@ class Decoder:
     async def stream(self, request: GenerateRequest, encoded=None, *images):
         try:
             async for chunk in self.generator.stream(request, encoded, images):
+                if chunk.finish_reason is not None:
+                    chunk.replica = self.replica
                 yield chunk
         except (RequestError, Overloaded) as e:
             yield GenerateChunk(finish_reason="rejected", **_refusal(e))
@@ -287,11 +311,12 @@ class Ingress:
     Python handle API over the decoder."""
 
     def __init__(self, decoder: DeploymentHandle, config: dict, encoder: DeploymentHandle | None = None,
-                 vision: DeploymentHandle | None = None):
+                 vision: DeploymentHandle | None = None, responses: DeploymentHandle | None = None):
         cfg = AppConfig(**config)
         max_body = body_limit(cfg.max_body_bytes)
         calls = DecoderCalls(decoder, encoder, vision, Media(cfg.allow_remote_images, max_body))
-        self.state = IngressState(calls, cfg.api_key or os.environ.get("RAYMUTER_API_KEY") or None, max_body)
+        self.state = IngressState(calls, cfg.api_key or os.environ.get("RAYMUTER_API_KEY") or None, max_body,
+                                  responses)
 
     async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:
         """One generation (handle.generate.remote(GenerateRequest(...)))."""
@@ -326,9 +351,9 @@ class Server(Ingress.func_or_class):
     """HTTP routes and the Python handle API with the model in the same process."""
 
     async def __init__(self, config: dict, encoder: DeploymentHandle | None = None,
-                       vision: DeploymentHandle | None = None):
+                       vision: DeploymentHandle | None = None, responses: DeploymentHandle | None = None):
         self.model = Decoder.func_or_class(config, encoder)
-        await super().__init__(LocalHandle(self.model), config, encoder, vision)
+        await super().__init__(LocalHandle(self.model), config, encoder, vision, responses)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return self.model.record_autoscaling_stats()
@@ -382,18 +407,20 @@ def application(cfg: AppConfig, kind: str):
     for part, settings in cfg.autoscaling.items():
         parts[part] = parts[part].options(autoscaling_config=settings.serve_config(part))
     ingress, decoder = parts["ingress"], parts["decoder"]
+    encoder = parts["encoder"].bind(config) if kind == "encoder-decoder" else None
+    vision = parts["vision"].bind(config) if kind == "vision" else None
+    responses = Responses.bind(config)
     if cfg.colocate:
-        if kind == "encoder-decoder":
-            return decoder.bind(config, parts["encoder"].bind(config))
-        if kind == "vision":
-            return decoder.bind(config, None, parts["vision"].bind(config))
-        return decoder.bind(config)
-    if kind == "encoder-decoder":
-        encoder = parts["encoder"].bind(config)
-        return ingress.bind(decoder.bind(config, encoder), config, encoder)
-    if kind == "vision":
-        return ingress.bind(decoder.bind(config), config, None, parts["vision"].bind(config))
-    return ingress.bind(decoder.bind(config), config)
+        return decoder.bind(config, encoder, vision, responses)
+    return ingress.bind(decoder.bind(config, encoder), config, encoder, vision, responses)
+
+
+def _replica_id() -> str | None:
+    """This Serve replica's id, as the request router knows it (None outside a replica)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a Serve replica (a test's local object)
+        return None
 
 
 def _cluster_has_gpu() -> bool:

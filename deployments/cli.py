@@ -65,6 +65,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
                         help="how a chat's reasoning is told from its answer: auto (from the chat template), "
                              "none, or by name (think: <think>...</think>; mistral: [THINK]...[/THINK])")
+    parser.add_argument("--response-store-bytes", type=int, default=256 * 2**20,
+                        help="/v1/responses: the stored responses' bytes, shared by every ingress replica; the least "
+                             "recently used go first (default: 256 MiB)")
+    parser.add_argument("--response-ttl", type=float, default=24 * 3600, metavar="SECONDS",
+                        help="/v1/responses: seconds a stored response is kept after it was last written (default: a day)")
+    parser.add_argument("--response-folder", help="/v1/responses: persist the stored responses to this folder "
+                        "(a restarted server keeps them; default: memory only)")
     parser.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (off: saves ~1 s and memory)")
     parser.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: the machine's)")
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
@@ -188,6 +195,8 @@ def app_config(args) -> dict:
                 variant=args.variant, fuse=args.fuse, autoscaling=autoscaling, draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
                 settings=settings, engine=args.engine,
                 grammar_budget=grammar_budget_of(args.grammar_budget), reasoning_parser=args.reasoning_parser,
+                response_store_bytes=args.response_store_bytes, response_ttl_seconds=args.response_ttl,
+                response_folder=args.response_folder and os.path.abspath(args.response_folder),
                 **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
                          engine=args.engine, routes_scaled="ingress" in autoscaling))
 

@@ -53,6 +53,9 @@ class GenerateRequest(BaseModel):
     echo: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     request_id: str | None = None
+    # the decoder replica this request would rather run on (a stored response's: its prefix cache
+    # holds the conversation); the prefix router sends it there unless that replica is far busier
+    affinity: str | None = Field(default=None, max_length=128)
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -91,6 +94,7 @@ request was refused before it ran) and the counts."""
     # first token's logprob is None: nothing comes before it)
     tool_calls: list[dict] | None = None  # tools: the calls read out of the output, in the last chunk
     reasoning: str = ""  # a thinking model's chat: its reasoning since the last chunk (`text` is the answer's)
+    replica: str | None = None  # in the last chunk: the decoder replica that ran it (GenerateRequest.affinity)
 
 
 class GenerateResponse(BaseModel):
@@ -111,6 +115,7 @@ class GenerateResponse(BaseModel):
     prompt_logprobs: list[TokenLogprob] | None = None
     tool_calls: list[dict] | None = None  # OpenAI's: [{"id", "type": "function", "function": {"name", "arguments"}}]
     reasoning: str | None = None  # a thinking model's chat: its reasoning apart from the answer (`text`)
+    replica: str | None = None  # the decoder replica that ran it (GenerateRequest.affinity)
 
 
 class EmbedRequest(BaseModel):

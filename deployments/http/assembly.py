@@ -21,7 +21,7 @@ from .openai import ApiError
 
 async def whole_answer(calls: DecoderCalls, http: Request, jobs, rid, model, fingerprint, chat, body) -> dict:
     """The completion's body: each job (prompt index, GenerateRequest) one choice, in order."""
-    results = await _gathered(http, [asyncio.ensure_future(calls.choice(r, body, p)) for p, r in jobs])
+    results = await gathered(http, [asyncio.ensure_future(calls.choice(r, body, p)) for p, r in jobs])
     choices, prompt_tokens, cached_tokens = [], 0, 0
     for k, ((p, _), result) in enumerate(zip(jobs, results)):
         text, tokens = result.text, [t.model_dump() for t in result.logprobs or []]
@@ -38,7 +38,7 @@ async def whole_answer(calls: DecoderCalls, http: Request, jobs, rid, model, fin
                                                           cached_tokens), fingerprint, chat)
 
 
-async def _gathered(http: Request, calls: list) -> list:
+async def gathered(http: Request, calls: list) -> list:
     """The calls' results; the client leaving first (499) or one call failing cancels the rest."""
     gathered = asyncio.gather(*calls)
     gone = asyncio.ensure_future(client_gone(http))

@@ -19,6 +19,7 @@ from ..schema import Transcription, TranscriptionRequest
 from .decoder_calls import DecoderCalls
 from .edge import read_json, request_id
 from .openai import ApiError
+from .response_runs import ResponseRuns
 from .validation import parse, validation_error
 
 
@@ -26,10 +27,13 @@ class IngressState:
     """The ingress's state behind its routes: `calls` (the decoder and its helpers by handle), the
     API key (None: open), the largest body, the metrics, the model card once asked."""
 
-    def __init__(self, calls: DecoderCalls, api_key: str | None, max_body: int):
+    def __init__(self, calls: DecoderCalls, api_key: str | None, max_body: int, responses=None):
         self.calls, self.api_key, self.max_body = calls, api_key, max_body
+        # /v1/responses: its runs, over the shared store (a handle to deployments.app.Responses)
+        self.responses = ResponseRuns(calls, responses if responses is not None else _local_store())
         self.metrics = IngressMetrics()
         self.openapi: dict | None = None  # the OpenAPI document once built (routes/meta.py)
+        self.replica = _replica_id()  # this ingress replica's id ("local" outside Serve)
         self._card = None
 
     def authorize(self, request: Request) -> None:
@@ -71,9 +75,10 @@ class IngressState:
             return await run(body, card, request_id(prefix))
 
     @contextmanager
-    def counted(self, request: Request):
-        """The request in raymuter:http_requests_total by route and status (an ApiError's, else 200)."""
-        route = request.url.path
+    def counted(self, request: Request, route: str | None = None):
+        """The request in raymuter:http_requests_total by route (`route`, or the path) and status
+        (an ApiError's, else 200)."""
+        route = route or request.url.path
         try:
             yield
         except ApiError as e:
@@ -96,6 +101,24 @@ class IngressState:
         samples = self.calls.encoder.decode_audio.remote(audio, filename)  # stays in Ray's store: the decoder opens it
         rid = request_id("audio-")
         return await self.calls.answer(self.calls.decoder.transcribe.remote(samples, request), rid)
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a Serve replica
+        return "local"
+
+
+def _local_store():
+    """A response store of this replica's own (an IngressState built without the shared one:
+    the handle API's tests); every method called as through a handle."""
+    from ..local_handle import LocalHandle
+    from ..services.response_store import ResponseStore
+
+    return LocalHandle(ResponseStore(64 * 2**20, 3600))
 
 
 async def replica_state() -> IngressState:

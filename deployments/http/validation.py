@@ -75,7 +75,9 @@ def validation_error(errors: list[dict]) -> ApiError:
     named = re.match(r"^([a-z_]+): ", message) if field is None else None
     if named:  # a check across fields that names the one at fault first (best_of, a second constraint)
         return ApiError(400, message, param=named.group(1))
-    return ApiError(400, f"{field}: {message}" if field else message, param=field)
+    if field is None:
+        return ApiError(400, message)
+    return ApiError(400, f"{field}: {message}", param=field, predicate=f": {message}")
 
 
 def parse(kind: type[BaseModel], body: dict):

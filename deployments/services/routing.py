@@ -9,7 +9,9 @@ remembers which replica it last sent each block to. A request goes to the replic
 deepest known block when that covers at least `match_rate` of its blocks and that replica's queue
 is not `imbalanced_requests` longer than the shortest; otherwise to the least loaded replica,
 those that hold the fewest blocks first (so new prefixes spread). Each ingress replica learns on
-its own: with several, a prefix may live on one decoder replica per ingress replica.
+its own: with several, a prefix may live on one decoder replica per ingress replica. A request
+that names its replica (GenerateRequest.affinity: a stored response's next turn, from any ingress
+replica) goes there first, on the same condition of load.
 """
 
 from __future__ import annotations
@@ -60,13 +62,17 @@ def block_chain(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
 
 
 def ranked(chain: list[bytes], owners, candidates: list, queue_lens: dict, held: dict, match_rate: float,
-           imbalanced_requests: int) -> tuple[list, bool]:
+           imbalanced_requests: int, affinity: str | None = None) -> tuple[list, bool]:
     """The candidates (replica ids) in the order to try them, and whether the first is the
     prefix's owner. `owners` maps block hashes to the replica that got them; `queue_lens` the
-    known queue lengths; `held` the blocks each replica got."""
+    known queue lengths; `held` the blocks each replica got; `affinity` the unique id of a
+    replica the request asks for."""
     alive = set(candidates)
     load = {r: queue_lens.get(r) or 0 for r in candidates}
     by_load = sorted(candidates, key=lambda r: (load[r], held.get(r, 0)))
+    wanted = [r for r in candidates if affinity is not None and getattr(r, "unique_id", r) == affinity]
+    if wanted and load[wanted[0]] - load[by_load[0]] <= imbalanced_requests:
+        return [wanted[0]] + [r for r in by_load if r != wanted[0]], True
     for depth in range(len(chain), 0, -1):
         owner = owners.get(chain[depth - 1])
         if owner in alive:
@@ -119,8 +125,10 @@ class PrefixRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
             return []
         by_id = {r.replica_id: r for r in candidate_replicas}
         queue_lens = {r: self._replica_queue_len_cache.get(r) for r in by_id}
+        affinity = getattr(pending_request.args[0], "affinity", None) if pending_request and pending_request.args \
+            else None
         order, _ = ranked(self._chain(pending_request), self.owners, list(by_id), queue_lens, self.held,
-                          self.match_rate, self.imbalanced_requests)
+                          self.match_rate, self.imbalanced_requests, affinity)
         return [[by_id[r]] for r in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:

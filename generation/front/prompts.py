@@ -156,9 +156,7 @@ class InputProcessor:
                           + (", a new token included" if budget != 0 else ""), field)
         if isinstance(budget, int) and context and len(prompt) + budget > context:
             raise Refused(f"{budget} new tokens after a prompt of {len(prompt)} exceed the context of {context} "
-                          f"tokens", "settings.max_new_tokens",
-                          message=f"max_tokens: {budget} new tokens after a prompt of {len(prompt)} exceed the "
-                                  f"context of {context} tokens")
+                          f"tokens", "settings.max_new_tokens")
 
     def _eos(self, settings: dict) -> tuple:
         """The eos tokens a request's settings leave (ignore_eos gives none)."""

@@ -4,6 +4,7 @@ ingress replica's state through `ingress_state.replica_state`:
     completions.py   POST /v1/completions, /v1/chat/completions
     audio.py         POST /v1/audio/transcriptions, /v1/audio/translations
     embeddings.py    POST /v1/embeddings
+    responses.py     POST /v1/responses; GET, DELETE /v1/responses/{id}; its input_items and cancel
     tokens.py        POST /tokenize, /detokenize
     models.py        GET /v1/models, /v1/models/{id}
     meta.py          GET /health, /version, /metrics, /openapi.json, /docs
@@ -11,6 +12,7 @@ ingress replica's state through `ingress_state.replica_state`:
 `ROUTERS` are what deployments.app's `api` includes.
 """
 
-from . import audio, completions, embeddings, meta, models, tokens
+from . import audio, completions, embeddings, meta, models, responses, tokens
 
-ROUTERS = (meta.router, models.router, completions.router, tokens.router, embeddings.router, audio.router)
+ROUTERS = (meta.router, models.router, completions.router, tokens.router, embeddings.router, audio.router,
+           responses.router)

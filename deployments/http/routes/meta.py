@@ -13,10 +13,12 @@ from ..edge import answers, openapi_document
 from ..ingress_state import IngressState, replica_state
 from ..openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
                       VersionResponse)
+from ..responses import ResponseRequest
 
 router = APIRouter()
 # What /openapi.json lists as request bodies (the routes read their bodies themselves).
-REQUEST_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest]
+REQUEST_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest,
+                  ResponseRequest]
 
 
 @router.get("/health", responses=answers(None))

@@ -48,6 +48,30 @@ def test_a_chat_gives_reasoning_apart_from_content(thinking_app):
     assert not any("<" in (d.content or "") + ((d.model_extra or {}).get("reasoning") or "") for d in deltas)
 
 
+def test_a_response_gives_its_reasoning_as_an_item(thinking_app):
+    """/v1/responses on the colocated server: a reasoning item, then the message; streamed as
+    reasoning_text deltas; a next turn's conversation holds the answer, as a chat client sends it."""
+    import openai
+
+    client = openai.OpenAI(base_url=thinking_app + "/v1", api_key="unused", max_retries=0)
+    constrained = {"structured_outputs": GRAMMAR}
+    whole = client.responses.create(model="tiny", input="hi", extra_body=constrained)
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and [c.text for c in reasoning.content] == ["ab c"]
+    assert message.type == "message" and whole.output_text == "the answer"
+    events = list(client.responses.create(model="tiny", input="hi", stream=True, extra_body=constrained))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "ab c"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "the answer"
+    assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+    second = client.responses.create(model="tiny", input="more", previous_response_id=whole.id,
+                                     extra_body={"structured_outputs": {"grammar": 'root ::= "x</think>" [a-z ]{1,8}'}})
+    chat = client.chat.completions.create(model="tiny", messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "the answer"},
+        {"role": "user", "content": "more"}], extra_body={"structured_outputs": {"grammar": 'root ::= "x</think>" [a-z ]{1,8}'}})
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+
+
 def test_a_completion_stays_text(thinking_app):
     import httpx
 

@@ -50,6 +50,14 @@ def test_a_request_goes_to_its_prefix_owner_or_the_least_loaded(owners, queues, 
     assert (order, found) == (expected, affine)
 
 
+def test_a_request_naming_a_replica_goes_there_unless_it_is_far_busier():
+    """GenerateRequest.affinity (a stored response's next turn) beats the prefix's owner."""
+    assert ranked(CHAIN, {b"d": "r1"}, ["r1", "r2", "r3"], {}, {}, 0.5, 8, affinity="r3") == (["r3", "r1", "r2"], True)
+    busy = {"r3": 20, "r1": 0, "r2": 1}
+    assert ranked(CHAIN, {b"d": "r1"}, ["r1", "r2", "r3"], busy, {}, 0.5, 8, affinity="r3")[0][0] == "r1"
+    assert ranked(CHAIN, {}, ["r1", "r2"], {}, {}, 0.5, 8, affinity="gone")[0] == ["r1", "r2"]
+
+
 SYSTEMS = [f"{name}: you are an assistant. " + "Answer briefly and cite the docs. " * 3
            for name in ("Alpha", "Bravo", "Charlie")]  # nothing shared: each prefix's first request finds nothing
 
