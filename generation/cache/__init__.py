@@ -21,6 +21,9 @@ refuses a mode missing one), over `slots` rows:
   copy_rows(dst, src, length)  slots dst take the first `length` cache rows of slots src (as
                                they were before the call): beam search's reorder
   release(slot)                forget a slot's rows
+  fit(rows, length)            lay the buffers out for slots [0, rows) of up to `length` cache
+                               rows (a mode that sizes its buffers by classes: `sized`,
+                               `footprint(rows, length)` its bytes; the others have nothing to do)
 The modes that verify candidates (append, grow) also implement base.VERIFY_VERBS; assisted
 decoding asks for them when its context is made (core/context.py refuses a mode without them):
   verify(lengths, ids, rows, widths)
@@ -35,8 +38,9 @@ decoding asks for them when its context is made (core/context.py refuses a mode 
 The state around the cache (lengths, tokens, stops) lives in `generation.core.state`; the cache
 holds only buffers and does not advance lengths itself.
 
-Modules: base.py (BaseCache, the contract's verb lists, the bound step inputs of the buffer
-modes), in_place.py, append.py, grow.py (the decoder-only modes), cross.py (an encoder-decoder
+Modules: base.py (BaseCache, the contract's verb lists, size classes, the bound step inputs of
+the buffer modes), in_place.py, append.py, grow.py (the decoder-only modes; windowed.py: append for a
+graph with a sliding window), cross.py (an encoder-decoder
 decoder's first step and its cache), prefill.py (prompts through the decoder, apart from the
 batch), prefix.py (computed prompt prefixes, reused by later prompts).
 """
@@ -48,17 +52,23 @@ from .base import STEP_VERBS, missing_verbs
 from .cross import Seq2SeqCache
 from .grow import GrowCache
 from .in_place import InPlaceCache
+from .windowed import WindowedAppendCache
 
 CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache, "seq2seq": Seq2SeqCache}
 
 
 def new_cache(model, mode: str, slots: int, capacity: int, max_position: int):
     """The cache of `mode` for `model`'s decoder; a decoder that takes inputs_embeds gets the
-    model's embedding (only the append cache takes one: the others refuse such a graph)."""
+    model's embedding (only the append cache takes one: the others refuse such a graph). An
+    append cache of a model with a sliding window keeps each row's rows where the graph's
+    window looks for them (windowed.py)."""
+    kind = CACHES[mode]
+    if kind is AppendCache and model.attention_window:
+        kind = WindowedAppendCache
     if model.graph.has_inputs_embeds:
-        cache = CACHES[mode](model.session, model.graph, slots, capacity, max_position, embed=model.embed)
+        cache = kind(model.session, model.graph, slots, capacity, max_position, embed=model.embed)
     else:
-        cache = CACHES[mode](model.session, model.graph, slots, capacity, max_position)
+        cache = kind(model.session, model.graph, slots, capacity, max_position)
     missing = missing_verbs(cache)
     if missing:
         raise TypeError(f"cache mode {mode!r} ({type(cache).__name__}) does not implement {', '.join(missing)}: "

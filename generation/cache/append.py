@@ -7,7 +7,7 @@ import numpy as np
 
 from ..runtime.feeds import Binding, step_inputs
 from ..runtime.graph import DecoderGraph
-from .base import BaseCache, CacheInputs
+from .base import BaseCache, CacheInputs, size_class, token_bytes
 
 
 class AppendCache(BaseCache):
@@ -18,12 +18,17 @@ class AppendCache(BaseCache):
     straight into a [.., width + 1, ..] layout of the other, and the two swap each step (no
     allocation, no copy beyond the one the graph makes). The new row lands at column `width` for
     every slot and is then moved to column `lengths[b]`, so each slot's valid rows stay the prefix
-    [0, length) and the mask is a function of the lengths. When the width reaches the capacity
-    the rows are laid out again at the width of the longest row.
+    [0, length) and the mask is a function of the lengths. When the width reaches the buffers'
+    `room` (the cache rows each slot has) the rows are laid out again at the width of the
+    longest row, in longer buffers when the longest row fills the room: the room is a size class
+    (base.size_class, up to the capacity) that grows with the rows, and `fit` sets it to the
+    class the rows need (smaller too). Every slot keeps its rows: the buffers are
+    [slots, heads, room, head_dim] whichever slots are used.
     """
 
     mode = "append"
     verifies_row_by_row = False
+    sized = False  # its footprint does not shrink with the rows held (BaseCache.sized)
 
     def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int, embed=None):
         shapes = {(e.heads, e.head_dim) for e in graph.cache}
@@ -31,9 +36,9 @@ class AppendCache(BaseCache):
             raise ValueError(f"append mode needs one cache shape for all layers, found {sorted(shapes)}")
         (self.heads, self.head_dim), = shapes
         self.graph, self.slots, self.capacity = graph, slots, capacity
-        self.block = slots * self.heads * capacity * self.head_dim
-        self.flat = [np.zeros(len(graph.cache) * self.block, graph.cache_dtype) for _ in range(2)]
+        self.token_bytes = token_bytes(graph)
         self.current, self.width = 0, 0
+        self._allocate(size_class(1, capacity))
         self._used: set[int] = set()
         self.binding = Binding(session)
         self.inputs = CacheInputs(self.binding, graph, slots, embed)
@@ -43,9 +48,54 @@ class AppendCache(BaseCache):
         self._columns = np.arange(capacity + 1)
         self._mask = np.zeros(slots * (capacity + 1), graph.dtype("attention_mask"))
         self._mask_pointer = self._mask.ctypes.data
-        item = self.flat[0].itemsize
-        self._entries = [(e.past, e.present, i * self.block * item) for i, e in enumerate(graph.cache)]
         self._dtype = np.dtype(graph.cache_dtype)
+
+    def _allocate(self, room: int) -> None:
+        """Both buffers at `room` cache rows per slot (their contents zeros)."""
+        self.room, self.block = room, self.slots * self.heads * room * self.head_dim
+        self.flat = [np.zeros(len(self.graph.cache) * self.block, self.graph.cache_dtype) for _ in range(2)]
+        item = self.flat[0].itemsize
+        self._entries = [(e.past, e.present, i * self.block * item) for i, e in enumerate(self.graph.cache)]
+
+    def _resize(self, room: int, width: int) -> None:
+        """Buffers of `room` rows per slot, the rows laid out at `width` (<= room, at least
+        every slot's length) in the current one."""
+        old = self._layout(self.current, self.width)  # a view: the old buffer lives until copied
+        self._allocate(room)
+        self.current, self.width = 0, width
+        self._carry(self._layout(0, width), old)
+
+    def _reach(self, length: int) -> None:
+        """Room for `length` cache rows per slot (a longer class where the room is shorter)."""
+        if length > self.room:
+            self._resize(size_class(length, self.capacity), self.width)
+
+    def _make_room(self, lengths: np.ndarray, count: int) -> None:
+        """Room for `count` columns past the width: the rows laid out again at the longest
+        row's width, in longer buffers where the longest row and its new columns pass the room."""
+        longest = int(lengths.max())
+        if longest + count > self.room:
+            self._resize(size_class(longest + count, self.capacity), longest)
+        else:
+            self._relayout(longest)
+        if self.width + count > self.room:
+            raise ValueError(f"a row needs {self.width + count} cache rows; this state holds {self.capacity}")
+
+    def footprint(self, rows: int, length: int) -> int:
+        """Bytes of both buffers (and the mask) at the class of `length` cache rows; every slot
+        has its rows, whichever `rows` are used."""
+        return (2 * self.slots * size_class(length, self.capacity) * self.token_bytes
+                + self._mask.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.flat) + self._mask.nbytes
+
+    def fit(self, rows: int, length: int) -> None:
+        """Buffers at the class of `length` cache rows (no row holds that many or more)."""
+        room = size_class(length, self.capacity)
+        if room != self.room:
+            self._resize(room, min(self.width, room))
 
     def _layout(self, which: int, width: int) -> np.ndarray:
         """All cache inputs of buffer `which` laid out at `width`: [inputs, slots, heads, width, dim]."""
@@ -58,13 +108,19 @@ class AppendCache(BaseCache):
 
     def _relayout(self, width: int) -> None:
         """Lay the rows out again at `width` in the other buffer, and make it current."""
-        keep = min(width, self.width)
         other = 1 - self.current
-        self._layout(other, width)[..., :keep, :] = self._layout(self.current, self.width)[..., :keep, :]
+        self._carry(self._layout(other, width), self._layout(self.current, self.width))
         self.current, self.width = other, width
+
+    def _carry(self, into: np.ndarray, old: np.ndarray) -> None:
+        """Every slot's rows from the layout `old` into the layout `into` (of another width):
+        the leading columns, as many as both have."""
+        keep = min(into.shape[3], old.shape[3])
+        into[..., :keep, :] = old[..., :keep, :]
 
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
         self._used.add(slot)
+        self._reach(length + 1)
         if length > self.width:
             self._relayout(length)
         layout = self._layout(self.current, self.width)
@@ -74,6 +130,7 @@ class AppendCache(BaseCache):
 
     def copy_rows(self, dst, src, length: int) -> None:
         self._used.update(int(d) for d in dst)
+        self._reach(length + 1)
         if length > self.width:
             self._relayout(length)
         layout = self._layout(self.current, self.width)
@@ -106,7 +163,7 @@ class AppendCache(BaseCache):
         width (one prompt length, or batch 1) stay so: their mask is all ones and no new row
         moves, so a step is the binds of the new width and the run; other batches step as
         `decode` does."""
-        if not (lengths == self.width).all() or self.width + count > self.capacity:
+        if not (lengths == self.width).all() or self.width + count > self.room:
             yield from BaseCache.decode_steps(self, lengths, count)
             return
         self._mask[:] = 1
@@ -136,40 +193,48 @@ class AppendCache(BaseCache):
         """`span`: only the first `span` slots run (their bindings made once per span); the free
         slots after them keep stale rows in the present buffer, which a row inserted there
         overwrites up to its length and the mask hides past it, as any free slot's."""
-        if self.width + 1 > self.capacity:
-            self._relayout(int(lengths.max()))
-            if self.width + 1 > self.capacity:
-                raise ValueError(f"a row needs {self.width + 1} cache rows; this state holds {self.capacity}")
+        if self.width + 1 > self.room:
+            self._make_room(lengths, 1)
         width = self.width
         self.inputs.set_positions(lengths)
         rows, binding, run = self.slots, self.binding, self._run
         if span is not None and 0 < span < self.slots and self.inputs.offsets is None:  # not M-RoPE: [3, B, 1]
             rows, (binding, run) = span, self._leading(span)
             lengths = lengths[:span]
-        mask = self._mask[:rows * (width + 1)].reshape(rows, width + 1)
-        np.less(self._columns[:width + 1], lengths[:, None], out=mask)  # a row's valid rows
-        mask[:, width] = 1  # and its new token
+        mask = self._valid(self._mask[:rows * (width + 1)].reshape(rows, width + 1), lengths, width)
         binding.input_at("attention_mask", self._mask_pointer, mask.shape, mask.dtype)
         self._bind_cache(width, binding=binding, rows=rows)
         run()
         self.current, self.width = 1 - self.current, width + 1
-        if min(lengths.tolist()) < width:  # rows shorter than the widest: move their new row to their length
-            behind = np.flatnonzero(lengths < width)
-            present = self._layout(self.current, width + 1)
-            present[:, behind, :, lengths[behind], :] = present[:, behind, :, width, :]
+        self._moved(lengths, width, 1)
         return self.logits
+
+    def _valid(self, mask: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
+        """`mask` [n, width + S] set to the cache rows a run of S new tokens sees: each row's
+        valid rows (the prefix [0, lengths[b])) and the S new ones."""
+        np.less(self._columns[:mask.shape[1]], lengths[:, None], out=mask)
+        mask[:, width:] = 1
+        return mask
+
+    def _moved(self, lengths: np.ndarray, width: int, count: int) -> None:
+        """After a run of `count` tokens, whose rows landed at columns width .. width + count - 1
+        of every slot: rows shorter than the widest move theirs to lengths[b] .. + count - 1."""
+        if min(lengths.tolist()) >= width:
+            return
+        behind = np.flatnonzero(lengths < width)
+        present = self._layout(self.current, width + count)
+        into = lengths[behind, None] + np.arange(count)
+        present[:, behind[:, None], :, into, :] = present[:, behind, :, width:width + count, :].transpose(1, 3, 0, 2, 4)
 
 
     def verify(self, lengths: np.ndarray, ids: np.ndarray, rows: np.ndarray, widths: np.ndarray) -> np.ndarray:
         """All slots in one run of S = ids.shape[1] tokens, as `decode` with S new columns: the
         new rows land at columns width .. width + S - 1 and move to lengths[b] .. + S - 1."""
         count = ids.shape[1]
-        if self.width + count > self.capacity:
-            self._relayout(int(lengths.max()))
-            if self.width + count > self.capacity:
-                raise ValueError(f"a row needs {self.width + count} cache rows; this state holds {self.capacity}")
+        if self.width + count > self.room:
+            self._make_room(lengths, count)
         width, graph = self.width, self.graph
-        mask = (np.arange(width + count) < lengths[:, None]) | (np.arange(width + count) >= width)
+        mask = self._valid(np.empty((self.slots, width + count), self._mask.dtype), lengths, width)
         positions = lengths[:, None] + np.arange(count)
         if self.inputs.offsets is not None:
             positions = positions + self.inputs.offsets[:, None]
@@ -190,11 +255,7 @@ class AppendCache(BaseCache):
                 if name in feeds:
                     self.binding.input(name, array)
         self.current, self.width = 1 - self.current, width + count
-        behind = np.flatnonzero(lengths < width)
-        if behind.size:
-            present = self._layout(self.current, width + count)
-            into = lengths[behind, None] + np.arange(count)
-            present[:, behind[:, None], :, into, :] = present[:, behind, :, width:width + count, :].transpose(1, 3, 0, 2, 4)
+        self._moved(lengths, width, count)
         return logits[rows].astype(np.float32, copy=False)
 
     def rewind(self, lengths: np.ndarray) -> None:

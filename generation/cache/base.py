@@ -15,8 +15,28 @@ from ..runtime.graph import DecoderGraph
 # The cache contract: what the decode-state verbs and the scheduler call on every cache
 # (admission, each step, a beam search's row moves, a row leaving), and what verifying
 # candidates calls besides (assisted decoding). A mode missing a verb is refused when it is made.
-STEP_VERBS = ("prefill", "insert", "decode", "decode_steps", "copy_rows", "release")
+STEP_VERBS = ("prefill", "insert", "decode", "decode_steps", "copy_rows", "release", "fit")
 VERIFY_VERBS = ("verify", "rewind")
+
+
+def size_class(need: int, most: int, least: int = 16) -> int:
+    """The size a buffer dimension takes for `need` entries: the smallest power of two that
+    holds them, at least `least`, at most `most` (the dimension's largest size, a class of its
+    own when it is no power of two). The in_place and append caches size their rows and their
+    length by these classes, so a buffer grows (and shrinks) a few times, not every step.
+
+    >>> [size_class(n, 1000) for n in (1, 16, 17, 100, 600)]
+    [16, 16, 32, 128, 1000]
+    """
+    size = max(least, 1 << max(0, need - 1).bit_length())
+    return min(size, most)
+
+
+def token_bytes(graph: DecoderGraph) -> int:
+    """The bytes one token of one row takes in a decoder's self-attention cache: every cache
+    input (each layer's keys and values) holds heads x head_dim entries of the cache's dtype."""
+    item = np.dtype(graph.cache_dtype).itemsize
+    return sum(e.heads * e.head_dim * item for e in graph.cache)
 
 
 def missing_verbs(cache, verbs=STEP_VERBS) -> list[str]:
@@ -43,7 +63,27 @@ def moves_by_group(groups: list[dict], dst, src, join) -> list[tuple[dict, list[
 
 
 class BaseCache:
-    """What every cache mode shares (the decoder-only modes, cross.py's Seq2SeqCache)."""
+    """What every cache mode shares (the decoder-only modes, cross.py's Seq2SeqCache).
+
+    `sized`: whether the mode's buffers are sized by classes of the rows they hold and of their
+    length (in_place), so that `footprint` says what they take for given needs and `fit` lays
+    them out at those classes: what admission by memory needs (engine/budget.py). The append
+    mode sizes its length by classes but keeps every slot's rows; the modes whose arrays follow
+    their rows step by step (grow, seq2seq) size nothing ahead (their `fit` has nothing to do).
+    Those admit by slots. A sized cache is laid out for its leading `held` slots of `length`
+    cache rows."""
+
+    sized = False
+
+    def fit(self, rows: int, length: int) -> None:
+        """Lay the buffers out for slots [0, rows) of up to `length` cache rows each (grow or
+        shrink them to those classes; the slots past `rows` must be free). Here nothing to do:
+        the arrays follow the rows."""
+
+    def footprint(self, rows: int, length: int) -> int | None:
+        """The bytes the buffers take for slots [0, rows) of up to `length` cache rows; None
+        where the mode does not size its buffers ahead (`sized`)."""
+        return None
 
     def prefill(self, slots: list[int], prompts: list[list[int]], steps: str, pad: int, apart) -> np.ndarray:
         """Run fresh prompts into free `slots` and return their last logits [n, V]. Here: apart
@@ -54,11 +94,12 @@ class BaseCache:
     def _leading(self, span: int):
         """(binding, run) of the first `span` slots: the decode binding's bound arrays, their
         leading rows (`Binding.leading`), made once per span; `run` embeds first where the graph
-        takes embeddings (`CacheInputs.runner`)."""
+        takes embeddings (`CacheInputs.runner`). The decode binding's batch is its leading
+        `held` slots where the buffers hold fewer rows than the slots (in_place's classes)."""
         spans = self.__dict__.setdefault("_spans", {})
         found = spans.get(span)
         if found is None:
-            binding = self.binding.leading(span, self.inputs.ids.shape[0])
+            binding = self.binding.leading(span, getattr(self, "held", None) or self.inputs.ids.shape[0])
             found = spans[span] = (binding, self.inputs.runner(binding.run))
         return found
 

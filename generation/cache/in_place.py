@@ -1,48 +1,106 @@
-"""The in_place cache mode: GroupQueryAttention over one shared buffer [slots, heads, capacity,
-head_dim], each step's keys and values written in place (onnxruntime-genai's layout)."""
+"""The in_place cache mode: GroupQueryAttention over one shared buffer [rows, heads, length,
+head_dim], each step's keys and values written in place (onnxruntime-genai's layout), its rows
+and its length sized by classes that grow (and shrink, through `fit`) with what the rows hold."""
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 
 from ..runtime.feeds import Binding, last_read, pieces, prompt_widths, step_inputs
 from ..runtime.graph import DecoderGraph
-from .base import BaseCache, CacheInputs
+from .base import BaseCache, CacheInputs, size_class, token_bytes
 
 
 class InPlaceCache(BaseCache):
-    """One buffer [slots, heads, capacity, head_dim] per cache input, bound as both the past
-    input and the present output of GroupQueryAttention, which writes the new rows in place at
-    each row's length (the sum of its mask row, minus one).
+    """One buffer [held, heads, length, head_dim] per cache input, bound as both the past input
+    and the present output of GroupQueryAttention, which writes the new rows in place at each
+    row's length (the sum of its mask row, minus one).
 
-    Everything is bound once: the buffers, the token and position inputs, the logits, and an
+    `held` (the leading slots the buffer has rows for) and `length` (the cache rows each holds)
+    are size classes (base.size_class: powers of two, up to the slots and the capacity): a row
+    written past them (a prompt into a higher slot, a longer prompt, a decode at the buffer's
+    end) lays the buffers out again at the next classes, the rows copied over and everything
+    bound again; `fit` lays them out at the classes the rows need, smaller too. The operator
+    reads a row's valid rows only (its mask), so a row's keys and values, and its logits, do not
+    depend on the classes. The slots from `held` on are free: a run leaves them out, as it
+    leaves out the free slots past `span`.
+
+    Between layouts everything stays bound: the buffers, the token inputs, the logits, and an
     attention mask as wide as the buffer. A step writes one mask entry per row and runs
     (onnxruntime-genai's C++ loop does the same)."""
 
     mode = "in_place"
     verifies_row_by_row = True  # see verify
+    sized = True
 
     def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int):
-        self.binding = Binding(session)
-        self.capacity = capacity
-        self.buffers = {e.past: _mapped((slots, e.heads, capacity, e.head_dim), graph.cache_dtype)
-                        for e in graph.cache}
-        for e in graph.cache:
-            self.binding.input(e.past, self.buffers[e.past])
-            self.binding.output(e.present, self.buffers[e.past])
-        self.inputs = CacheInputs(self.binding, graph, slots)
+        self.graph, self.slots, self.capacity = graph, slots, capacity
+        self._inputs_binding = Binding(session)  # the step inputs of every slot; a layout binds their leading rows
+        self.inputs = CacheInputs(self._inputs_binding, graph, slots)
         self.token_input = self.inputs.ids[:, 0]
-        self.mask = np.zeros((slots, capacity), graph.dtype("attention_mask"))
-        self.mask[:, 0] = 1  # a free slot is a one-token padding row
-        self.binding.input("attention_mask", self.mask)
-        self.rows = np.arange(slots)
         self.logits = self.inputs.logits[:, 0]
-        self.graph = graph
-        self.decode = self._decoder()
+        self.rows = np.arange(slots)
+        self.token_bytes = token_bytes(graph)
+        # M-RoPE positions ([3, B, 1]) and embedding inputs run every slot: their rows do not shrink
+        self._least_rows = 1 if self.inputs.offsets is None and self.inputs.embeds is None else slots
+        self.held, self.length, self.buffers = 0, 0, {}
+        self.mask = np.zeros((slots, 0), graph.dtype("attention_mask"))
+        self._lay_out(self._least_rows, size_class(1, capacity))
         self._prompt_binding = Binding(session)  # prompts bind their own shapes, apart from decode's
         self._prompt_logits = np.empty(0, graph.logits_dtype)
 
+    # -- sizes ------------------------------------------------------------------------------
+    def footprint(self, rows: int, length: int) -> int:
+        """Bytes of the buffers (and the mask) laid out for slots [0, rows) of `length` cache rows."""
+        held, length = size_class(max(rows, 1), self.slots, self._least_rows), size_class(length, self.capacity)
+        return held * length * self.token_bytes + self.slots * length * self.mask.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values()) + self.mask.nbytes
+
+    def fit(self, rows: int, length: int) -> None:
+        """The buffers at the classes of `rows` slots and `length` cache rows, smaller or larger
+        than now (the slots from `rows` on are free; no row holds `length` cache rows or more)."""
+        held, length = size_class(max(rows, 1), self.slots, self._least_rows), size_class(length, self.capacity)
+        if (held, length) != (self.held, self.length):
+            self._lay_out(held, length)
+
+    def _grow(self, rows: int, length: int) -> None:
+        """Room for slots [0, rows) of `length` cache rows: the next classes where they are past."""
+        if rows > self.held or length > self.length:
+            self._lay_out(max(self.held, size_class(rows, self.slots, self._least_rows)),
+                          max(self.length, size_class(length, self.capacity)))
+
+    def _lay_out(self, held: int, length: int) -> None:
+        """Buffers [held, heads, length, head_dim] holding the rows (and the mask the columns)
+        that fit of the ones before, bound for the step; the leading runs (`_leading`) are made
+        again over them."""
+        keep_rows, keep = min(held, self.held), min(length, self.length)
+        old, dtype = self.buffers, self.graph.cache_dtype
+        self.buffers = {}
+        for e in self.graph.cache:
+            buffer = _mapped((held, e.heads, length, e.head_dim), dtype)
+            if e.past in old:
+                buffer[:keep_rows, :, :keep] = old[e.past][:keep_rows, :, :keep]
+            self.buffers[e.past] = buffer
+        mask = np.zeros((self.slots, length), self.mask.dtype)
+        mask[:, :keep] = self.mask[:, :keep]
+        mask[~mask.any(axis=1), 0] = 1  # a free slot is a one-token padding row
+        self.mask, self.held, self.length = mask, held, length
+        binding = self._inputs_binding.leading(held, self.slots)
+        for e in self.graph.cache:
+            binding.input(e.past, self.buffers[e.past])
+            binding.output(e.present, self.buffers[e.past])
+        binding.input("attention_mask", self.mask[:held])
+        self.binding = binding
+        self.__dict__.pop("_spans", None)  # the leading runs of the old buffers
+        self._decode = self._decoder()
+
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
+        self._grow(slot + 1, length + 1)
         for name, rows in cache.items():
             self.buffers[name][slot, :, :length] = rows
         self.mask[slot] = 0
@@ -55,6 +113,7 @@ class InPlaceCache(BaseCache):
         takes any batch); later pieces run slot by slot, as onnxruntime requires. No copy: the
         operator writes into the slots, bound by pointer. (`apart` is not needed: the prompts
         never run apart from the buffer.)"""
+        self._grow(max(slots) + 1, max(len(p) for p in prompts) + 1)
         last = np.zeros((len(prompts), self.graph.vocab_size), np.float32)
         order = sorted(range(len(slots)), key=lambda j: slots[j])
         runs, run = [], [order[0]]
@@ -115,6 +174,7 @@ class InPlaceCache(BaseCache):
         than one row over a past ("batch_size must be 1 when sequence_length > 1"). Rows of
         width 1, when there are several, take one batched decode instead (which also writes the
         first token of the other rows, as their own runs then write it again)."""
+        self._grow(self.held, int((lengths[rows] + widths[rows]).max()))
         out = np.zeros((len(rows), ids.shape[1], self.graph.vocab_size), np.float32)
         single = widths[rows] == 1
         if single.sum() >= 2:
@@ -129,12 +189,13 @@ class InPlaceCache(BaseCache):
 
     def rewind(self, lengths: np.ndarray) -> None:
         """A row's valid rows are its mask's ones: the rows past its length are overwritten later."""
-        np.less(np.arange(self.capacity), lengths[:, None], out=self.mask, casting="unsafe")
+        np.less(np.arange(self.length), lengths[:, None], out=self.mask, casting="unsafe")
         self.mask[lengths == 0, 0] = 1  # a free slot stays a one-token padding row
 
     def copy_rows(self, dst, src, length: int) -> None:
         """Only the rows that move, only their valid part: a beam step moves a few rows of a
         few hundred tokens, where gathering whole buffers would copy them all."""
+        self._grow(int(max(dst)) + 1, length + 1)
         for buffer in self.buffers.values():
             buffer[dst, :, :length] = buffer[src, :, :length]
         self.mask[dst] = self.mask[src]
@@ -144,21 +205,29 @@ class InPlaceCache(BaseCache):
         self.mask[slot] = 0
         self.mask[slot, 0] = 1
 
+    def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
+        """See the package docstring; a row at the buffer's end first lays it out longer."""
+        if lengths.max() >= self.length:
+            self._grow(self.held, int(lengths.max()) + 1)
+        return self._decode(lengths, span)
+
     def _decoder(self):
-        """`decode(lengths, span)` as a closure over what it touches (the step loop calls it often).
+        """`decode(lengths, span)` over the current layout, as a closure over what it touches
+        (the step loop calls it often).
 
         `span`: the rows from `span` on are free, so the run takes the leading rows only (their
         bindings made once per span, over the same buffers): a server's batch of 8 slots holding
         one request runs a batch of one, not of eight (1.4x a batch of one's time on SmolLM2-135M,
-        3.5x on the default model). M-RoPE positions ([3, B, 1]) and embedding inputs run whole."""
+        3.5x on the default model). The slots from `held` on are free too. M-RoPE positions
+        ([3, B, 1]) and embedding inputs run whole."""
         mask, rows, run, logits, inputs = self.mask, self.rows, self.binding.run, self.logits, self.inputs
-        slots, partial = len(rows), inputs.offsets is None and inputs.embeds is None
+        held, partial = self.held, self._least_rows == 1
 
         def decode(lengths: np.ndarray, span: int | None = None) -> np.ndarray:
             mask[rows, lengths] = 1  # the new token's row: GroupQueryAttention writes it at the row's length
             if inputs.positions is not None:
                 inputs.set_positions(lengths)
-            if span is None or span >= slots or not partial:
+            if span is None or span >= held or not partial:
                 run()
             else:
                 self._leading(span)[1]()
@@ -172,6 +241,7 @@ class InPlaceCache(BaseCache):
         if self.inputs.positions is not None:
             yield from BaseCache.decode_steps(self, lengths, count)
             return
+        self._grow(self.held, int(lengths.max()) + count)
         width = self.mask.shape[1]
         where = (self.rows * width + lengths)[None, :] + np.arange(count)[:, None]
         set_mask, run, logits = self.mask.reshape(-1).__setitem__, self.binding.run, self.logits
@@ -182,9 +252,11 @@ class InPlaceCache(BaseCache):
 
 
 def _mapped(shape, dtype) -> np.ndarray:
-    """Zeros whose pages are mapped now. np.zeros maps a large array's pages lazily, and a prompt's
-    run reaches its rows' buffers over the whole capacity: the first 8-row prompt of SmolLM2-135M
-    at capacity 4096 took 2.3 s in page faults (0.08 s after), a first token seconds late."""
-    out = np.empty(shape, dtype)
+    """Zeros in pages of their own (an anonymous mmap), mapped now. np.zeros maps a large array's
+    pages lazily, and a prompt's run reaches its rows' buffers over the whole length: the first
+    8-row prompt of SmolLM2-135M at capacity 4096 took 2.3 s in page faults (0.08 s after). Pages
+    of their own also go back to the system when a layout is dropped (a heap block may not)."""
+    count = int(np.prod(shape))
+    out = np.frombuffer(mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize)), dtype, count).reshape(shape)
     out.fill(0)
     return out

@@ -101,6 +101,12 @@ class PrefixStore:
         while self.bytes > self.max_bytes:
             self._evict(next(iter(self.entries)))
 
+    def shrink(self, max_bytes: int) -> None:
+        """Keep at most `max_bytes` (the least recently used entries leave first): what the
+        running rows leave of a budget the store shares with them (engine/scheduler.py)."""
+        while self.bytes > max(0, max_bytes) and self.entries:
+            self._evict(next(iter(self.entries)))
+
     def _evict(self, key: bytes) -> None:
         entry = self.entries.pop(key)
         self.bytes -= entry.nbytes

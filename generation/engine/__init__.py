@@ -4,6 +4,7 @@
                   boundaries, cancellation, candidate verification, beam groups, a family's
                   timestamped windows)
     generate.py   `generate` and `beam_search`: a Scheduler run to completion
+    budget.py     admission by memory: what the rows need of the KV cache, against its budget
 
 It sits above `search` and `assisted` (a step runs beam groups and verifies candidates) and below
 `families` (Whisper's long-form windows run a Scheduler).

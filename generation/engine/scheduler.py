@@ -24,6 +24,7 @@ it ends with the tokens it has, reason "stop", `Job.note` saying why (constraint
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,7 @@ from ..assisted.verify import verify
 from ..cache.cross import FirstStepStore
 from ..cache.prefix import PrefixStore
 from ..core.context import Context, assisted_refusal
+from ..core.preempt import pause, resume
 from ..core.state import (
     StepTokens,
     admit,
@@ -53,6 +55,7 @@ from ..params import limits
 from ..params.inputs import check_prompts, check_seeds
 from ..params.settings import SettingError, Settings, check_integer
 from ..search.beam import Hypothesis
+from .budget import Needs
 
 
 @dataclass(eq=False)
@@ -83,6 +86,9 @@ class Job:
     eos_logprob: float | None = None  # the log-probability of the eos token it ended at (token_logprobs)
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache (OpenAI's usage.prompt_tokens_details)
     note: str | None = None  # why a "stop" came before its eos: its constraint left no token (constraints.DeadEnd)
+    order: int = 0  # its place in arrival order (the newest running rows are preempted first)
+    paused: object = None  # a preempted row waiting to resume (core.preempt.Paused)
+    preemptions: int = 0  # times it was preempted
 
     @property
     def beams(self) -> int:
@@ -121,10 +127,22 @@ class Scheduler:
     `isolate=False`: a failed admission or model run raises out of `step` as it is (generate's
     way: the whole call fails, naming the prompt by its index in the batch) instead of ending
     the jobs it concerns. `prefix_cache_bytes`: keep computed prompt prefixes within that many
-    bytes (cache/prefix.py), so a prompt that starts as one seen before runs only its rest."""
+    bytes (cache/prefix.py), so a prompt that starts as one seen before runs only its rest.
+
+    `kv_cache_bytes`: admission by memory. The in_place cache's buffers take bytes by the
+    classes of the rows they hold (engine/budget.py); a waiting job is seated while the
+    rows' needs with it fit the budget, and before a step whose needs do not fit, the newest
+    plain rows are preempted (core/preempt.py: their tokens and random state kept, their cache
+    recomputed when they are seated again, their tokens those of an uninterrupted run). Beam
+    searches reserve their whole limit when seated and are not preempted. The prefix store
+    (`prefix_cache_bytes`) counts in the same budget: it keeps at most what the rows' buffers
+    leave of it, its least recently used prefixes giving way to rows (never the reverse). None
+    (or 0): rows are admitted by slots, each growing to the capacity. Only the in_place mode's
+    buffers shrink with the rows they hold (`cache.sized`): the append, grow and seq2seq modes
+    and vision-language models admit by slots whatever the budget (`budget` is then None)."""
 
     def __init__(self, ctx: Context, slots: int, capacity: int, lookup=None, assistant=None, stream: bool = True,
-                 state=None, isolate: bool = True, prefix_cache_bytes: int = 0):
+                 state=None, isolate: bool = True, prefix_cache_bytes: int = 0, kv_cache_bytes: int | None = None):
         self.ctx, self.slots, self.capacity, self.isolate = ctx, slots, capacity, isolate
         self.lookup, self.assistant, self.stream = lookup, assistant, stream
         store = FirstStepStore if ctx.model.is_seq2seq else PrefixStore  # an encoder-decoder's: its first steps
@@ -136,6 +154,26 @@ class Scheduler:
         self.steps = 0  # model runs of decode steps (admissions not counted)
         self._admitting: list[Job] = []
         self._ended: list[Job] = []
+        self._arrivals = itertools.count()
+        self.preemptions = 0
+        self.budget = self._budget(kv_cache_bytes)
+
+    def _budget(self, kv_cache_bytes: int | None) -> int | None:
+        """The checked budget, None where admission goes by slots (no budget, or a mode or model
+        whose cache is not sized by classes or whose rows are not preempted)."""
+        if kv_cache_bytes is not None:
+            check_integer("kv_cache_bytes", kv_cache_bytes, 0, 1 << 62)
+        if not kv_cache_bytes or not self.state:
+            return None
+        model, cache = self.ctx.model, self.state.cache
+        if not cache.sized or model.is_seq2seq or model.graph.has_inputs_embeds:
+            return None
+        least = cache.footprint(1, self.capacity)
+        if kv_cache_bytes < least:
+            raise SettingError("kv_cache_bytes", f"kv_cache_bytes: {kv_cache_bytes} bytes do not hold one row of "
+                                                 f"{self.capacity} tokens ({least} bytes in {cache.mode} mode); give "
+                                                 "at least that, or a smaller capacity")
+        return kv_cache_bytes
 
     # -- jobs -----------------------------------------------------------------------------
     def job(self, prompt, seed: int = 0, settings: dict | None = None, encoder=None,
@@ -187,6 +225,7 @@ class Scheduler:
 
     def add(self, job: Job) -> None:
         """Queue a job (from the scheduler's own thread); it is admitted at a step boundary."""
+        job.order = next(self._arrivals)
         self.waiting.append(job)
 
     @staticmethod
@@ -225,6 +264,8 @@ class Scheduler:
         if admitted is not None and updates:
             admitted(updates)
             updates = []
+        if self.budget is not None and (self.holder or self.groups):
+            self._make_room()
         if self.holder or self.groups:
             try:
                 self._run(updates)
@@ -246,8 +287,8 @@ class Scheduler:
             state, outs = verify(ctx, state, self.assistant)
         elif self.lookup is not None and any(j.settings.prompt_lookup_num_tokens for j in self.holder.values()):
             state, outs = verify(ctx, state, self.lookup)
-        elif not self.stream:
-            state, out = advance(ctx, state, max_steps=state.capacity)
+        elif not self.stream:  # within the budget: the steps the buffers laid out for this one hold
+            state, out = advance(ctx, state, max_steps=state.capacity if self.budget is None else self._reach())
             outs = [out]
         else:
             state, out = step(ctx, state)
@@ -291,7 +332,7 @@ class Scheduler:
             taken = {id(job) for job in passes}
             self.waiting = deque(job for job in self.waiting if id(job) not in taken)
         free = [s for s in self.state.free_slots().tolist()]
-        plain, beams = [], []
+        plain, beams, resumed = [], [], []
         while self.waiting:
             job = self.waiting[0]
             if job.cancelled:
@@ -305,15 +346,29 @@ class Scheduler:
                 continue
             if job.beams > len(free):
                 break  # later arrivals wait behind it
+            taken = free[:job.beams]
+            if self.budget is not None and not self._needs([*plain, *beams, *resumed, (taken, job)]).fits(
+                    self.state.cache, self.budget):
+                if self.holder or self.groups or plain or beams or resumed:
+                    break  # it waits for rows to end (or to be preempted: never for a waiting job)
+                self.waiting.popleft()  # alone, it never fits
+                self._close(job, "error", SettingError("kv_cache_bytes", f"kv_cache_bytes: {self.budget} bytes do not "
+                                                                         f"hold the {job.beams} rows of this request"),
+                            True)
+                continue
             self.waiting.popleft()
-            taken, free = free[:job.beams], free[job.beams:]
-            (plain if job.beams == 1 else beams).append((taken, job))
-        if not plain and not beams and not passes:
+            free = free[job.beams:]
+            (resumed if job.paused is not None else plain if job.beams == 1 else beams).append((taken, job))
+        if not plain and not beams and not passes and not resumed:
             return
+        if self.state.cache.sized:  # before their prompts run into the buffers
+            seated = [*plain, *beams, *resumed]
+            self._lay_out(self._needs(seated), self._limits(seated))
         now = time.perf_counter()
-        self._admitting = [job for _, job in plain + beams] + passes
+        self._admitting = [job for _, job in plain + beams + resumed] + passes
         for job in self._admitting:
-            job.started = now
+            if job.started is None:  # a resumed job keeps its first admission's
+                job.started = now
         if passes:  # their log-probabilities if asked, their KV rows into the prefix store
             for job in self._prompt_passes(passes, self.state.prefix):
                 job.tokens, job.logprobs = [], [] if self.ctx.token_logprobs else None
@@ -324,7 +379,10 @@ class Scheduler:
             self._admit_plain([slots[0] for slots, _ in plain], [job for _, job in plain], updates)
         for slots, job in beams:
             self._admit_beams(slots, job)
+        for slots, job in resumed:
+            self._resume(slots, job)
         self._admitting = []
+        self._trim_prefix()
 
     def _prompt_passes(self, jobs: list[Job], store=None) -> list[Job]:
         """The prompt log-probabilities of the jobs that asked (echo with logprobs, or a
@@ -410,6 +468,108 @@ class Scheduler:
             self._end_beams(job, stopped.hypotheses())
         else:
             self.groups[slots[0]] = job
+
+    # -- memory ---------------------------------------------------------------------------
+    def _lookahead(self, jobs) -> int:
+        """The cache rows past its length that a row's next step may write: 1, or 1 and the most
+        candidates a verifying step runs (every row runs as wide as the widest). A draft model's
+        heuristic schedule may ask for more than limits.MAX_LOOKUP_TOKENS: the buffers then grow
+        past the budget for that step, and the next boundary preempts."""
+        if self.state.groups or any(job.beams > 1 for job in jobs):
+            return 1  # beam searches step plainly, and every row with them
+        if self.assistant is not None:
+            return 1 + limits.MAX_LOOKUP_TOKENS
+        if self.lookup is not None:
+            return 1 + max((job.settings.prompt_lookup_num_tokens or 0 for job in jobs), default=0)
+        return 1
+
+    def _needs(self, seated) -> Needs:
+        """What the running rows and the rows `seated` (slots, job) need of the cache: a plain
+        row its length and the lookahead, a resumed one its paused length and the lookahead, a
+        beam search its limit in each of its slots."""
+        lookahead = self._lookahead([*self.holder.values(), *(job for _, job in seated)])
+        needs = Needs.of(self.state, lookahead)
+        for slots, job in seated:
+            if job.paused is not None:
+                need = job.paused.length + lookahead
+            elif job.beams > 1:
+                need = min(len(job.prompt) + job.max_new, self.capacity)
+            else:
+                need = len(job.prompt) + lookahead
+            needs = needs.with_row(slots, need)
+        return needs
+
+    def _make_room(self) -> None:
+        """Before a step: while the rows' needs do not fit the budget, preempt the newest plain
+        row (vLLM preempts the last arrived); then the buffers are laid out for the needs."""
+        state, cache = self.state, self.state.cache
+        longest = int(state.lengths.max()) + self._lookahead(self.holder.values())
+        if longest <= cache.length and cache.footprint(cache.held, cache.length) <= self.budget:
+            return  # most steps: the layout holds the rows' next tokens (and the beams' limits, since seated)
+        needs = self._needs([])
+        while not needs.fits(self.state.cache, self.budget) and self.holder:
+            self._preempt(max(self.holder, key=lambda slot: self.holder[slot].order))
+            needs = self._needs([])
+        self._lay_out(needs, self._limits([]))
+        self._trim_prefix()
+
+    def _trim_prefix(self) -> None:
+        """The prefix store within what the rows' buffers leave of the budget."""
+        if self.budget is not None and self.state.prefix is not None:
+            self.state.prefix.shrink(self.budget - self.state.cache.nbytes)
+
+    def _limits(self, seated) -> int:
+        """The most cache rows a running row, or one of `seated` (slots, job), may come to hold:
+        its limit (prompt and new tokens)."""
+        state = self.state
+        longest = int(state.limit[state.used].max(initial=0))
+        for _, job in seated:
+            limit = job.paused.limit if job.paused is not None else len(job.prompt) + job.max_new
+            longest = max(longest, min(limit, self.capacity))
+        return longest
+
+    def _lay_out(self, needs: Needs, limits: int) -> None:
+        """The buffers for `needs`, the first of these layouts that fits the budget (any, with
+        none): the rows' whole limits (`limits`), so that no layout comes mid-run; the rows and
+        length they have, grown to the needs (no churn as rows come and go); the needs alone
+        (smaller: rows left). A row that would grow them inside a step or a prompt run finds
+        them laid out already."""
+        if not needs.top:
+            return
+        cache = self.state.cache
+        top = max(needs.top, cache.held)
+        for layout in (Needs(top, max(limits, needs.longest, cache.length)),
+                       Needs(top, max(needs.longest, cache.length)), needs):
+            if self.budget is None or layout.fits(cache, self.budget):
+                break
+        cache.fit(layout.top, layout.longest)
+
+    def _reach(self) -> int:
+        """The plain steps the buffers hold as laid out for this one (`_make_room`): until the
+        longest row reaches their length."""
+        return max(1, self.state.cache.length - int(self.state.lengths.max()))
+
+    def _preempt(self, slot: int) -> None:
+        """The row in `slot` leaves it, kept (core.preempt.pause), and waits at its place in
+        arrival order: before every job that arrived after it."""
+        job = self.holder.pop(slot)
+        job.paused = pause(self.ctx, self.state, slot)
+        job.preemptions += 1
+        self.preemptions += 1
+        at = next((i for i, waiting in enumerate(self.waiting) if waiting.order > job.order), len(self.waiting))
+        self.waiting.insert(at, job)
+
+    def _resume(self, slots: list[int], job: Job) -> None:
+        """A preempted job back into `slots`, its cache recomputed (core.preempt.resume)."""
+        try:
+            self.state = resume(self.ctx, self.state, slots, [job.paused], [job.settings])
+        except Exception as e:  # noqa: BLE001 - this job's own failure (its slot is free again)
+            if not self.isolate:
+                raise
+            self._close(job, "error", e)
+            return
+        job.paused = None
+        self.holder[slots[0]] = job
 
     # -- endings --------------------------------------------------------------------------
     def _end_slot(self, slot: int, reason: str | None, error: BaseException | None = None) -> None:

@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 
 from generation.assisted import verify as assisted
 from generation.params import limits
+from generation.engine.budget import default_kv_cache_bytes
 from generation.engine.scheduler import Scheduler
+from generation.params.settings import SettingError
 
 log = logging.getLogger(__name__)
 
@@ -231,10 +233,12 @@ class ContinuousBatcher:
     """The generation loop of one decoder: a `generation.engine.scheduler.Scheduler` of `slots` rows
     of `capacity` tokens (default: the model's context, at most 4096) run on a thread of its
     own. `max_waiting` bounds the queue: `submit` raises `QueueFull` beyond it (the server
-    answers 503)."""
+    answers 503). `kv_cache_bytes`: the KV cache's budget (the Scheduler's; default a quarter of
+    the machine's memory, engine.budget.default_kv_cache_bytes; 0: none, each slot may hold the
+    whole capacity): rows are admitted while what they hold fits it, up to `slots` rows."""
 
     def __init__(self, ctx, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, kv_cache_bytes: int | None = None):
         from generation.assisted.budget import CostAware
         from generation.assisted.prompt_lookup import PromptLookup
 
@@ -243,10 +247,22 @@ class ContinuousBatcher:
         self.max_waiting = max_waiting
         # rows with prompt_lookup_num_tokens verify their candidates, where they pay for the wider run;
         # a context with a draft model verifies the draft's for every row
-        self.scheduler = Scheduler(ctx, slots, self.capacity,
-                                   lookup=CostAware(PromptLookup(), max_slowdown=limits.MAX_STEP_SLOWDOWN),
-                                   assistant=assisted.candidates_for(ctx) if ctx.draft is not None else None,
-                                   prefix_cache_bytes=prefix_cache_bytes)
+        def scheduler(budget):
+            return Scheduler(ctx, slots, self.capacity,
+                             lookup=CostAware(PromptLookup(), max_slowdown=limits.MAX_STEP_SLOWDOWN),
+                             assistant=assisted.candidates_for(ctx) if ctx.draft is not None else None,
+                             prefix_cache_bytes=prefix_cache_bytes, kv_cache_bytes=budget)
+
+        if kv_cache_bytes is not None:
+            self.scheduler = scheduler(kv_cache_bytes)
+        else:  # a share of the machine's memory; a small machine's may not hold one row of the capacity
+            try:
+                self.scheduler = scheduler(default_kv_cache_bytes())
+            except SettingError as e:
+                if e.setting != "kv_cache_bytes":
+                    raise
+                log.warning("the default KV budget is too small (%s): admitting by slots", e)
+                self.scheduler = scheduler(0)
         self.prefix = self.scheduler.state.prefix  # the prompt prefixes kept (None: off, or a model that cannot)
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._ids = itertools.count()
@@ -256,14 +272,15 @@ class ContinuousBatcher:
         self.running = 0  # requests in slots now (a beam search request counts once)
         self.waiting = 0  # requests queued
         self.occupied = 0  # slots held now (a beam search request holds num_beams)
+        self.preemptions = 0  # rows preempted to keep the KV cache within its budget, so far
         self._thread.start()
 
     @classmethod
     def from_model(cls, source, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
-                   prefix_cache_bytes: int = 0, max_logprobs: int = 20, threads: int | None = None,
-                   provider: str | None = None, variant: str | None = None, cache_mode: str | None = None,
-                   draft=None, fuse: bool = True, spin: bool = True, grammar_budget=None,
-                   **settings) -> "ContinuousBatcher":
+                   prefix_cache_bytes: int = 0, kv_cache_bytes: int | None = None, max_logprobs: int = 20,
+                   threads: int | None = None, provider: str | None = None, variant: str | None = None,
+                   cache_mode: str | None = None, draft=None, fuse: bool = True, spin: bool = True,
+                   grammar_budget=None, **settings) -> "ContinuousBatcher":
         """Load `source` (and `draft`), warm its context up for `slots` rows and start the loop
         (generation.front.EngineOptions says what each argument is)."""
         import generation
@@ -277,7 +294,8 @@ class ContinuousBatcher:
                                  top_logprobs=max(0, max_logprobs), draft=draft, grammar_budget=grammar_budget,
                                  **settings)
         ctx = generation.compile(ctx, batch_size=slots)
-        return cls(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_bytes)
+        return cls(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_bytes,
+                   kv_cache_bytes=kv_cache_bytes)
 
     @property
     def steps(self) -> int:
@@ -395,6 +413,7 @@ class ContinuousBatcher:
     def _count(self) -> None:
         scheduler = self.scheduler
         self.running, self.occupied = scheduler.running, scheduler.occupied
+        self.preemptions = scheduler.preemptions
         self.waiting = self._waiting.qsize() + len(scheduler.waiting)
 
     def _close_queued(self) -> None:

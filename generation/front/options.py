@@ -21,7 +21,9 @@ class EngineOptions:
     `provider`, `variant`, `fuse`: generation.load's; `spin`: onnxruntime's idle threads spin
     between runs (False frees the cores for the server); `cache_mode`: generation.context's;
     `draft`: a small model with the same tokenizer whose proposals every step verifies;
-    `prefix_cache_bytes`: prompt prefixes kept for reuse (0: none); `engine_process`: the batching
+    `prefix_cache_bytes`: prompt prefixes kept for reuse (0: none); `kv_cache_bytes`: the KV
+    cache's budget, rows admitted while what they hold fits it (None: a quarter of the machine's
+    memory; 0: none, each slot may hold the whole capacity); `engine_process`: the batching
     loop in a child process (decoder-only text models); `grammar_budget`: what a request's
     constraint may cost (generation.logits.constraints.GrammarBudget, or a dict of its fields);
     `reasoning_parser`: how a chat's reasoning is told from its answer (front/reasoning.py: "auto"
@@ -37,6 +39,7 @@ class EngineOptions:
     cache_mode: str | None = None
     draft: str | Path | None = None
     prefix_cache_bytes: int = 0
+    kv_cache_bytes: int | None = None
     fuse: bool = True
     spin: bool = True
     engine_process: bool = False

@@ -105,6 +105,26 @@ class Model:
         return self.embed_session.run(None, {"input_ids": np.ascontiguousarray(ids, np.int64)})[0]
 
     @property
+    def attention_window(self) -> int | None:
+        """The sliding window of the decoder's local attention layers, where one can be crossed
+        (smaller than the context); None where every layer sees the whole context. Read from
+        config.json as transformers 4.57 reads it: GPT-Neo's `window_size` where a layer is
+        'local'; else `sliding_window`, unless `use_sliding_window` is false (Qwen2) or no layer
+        type is 'sliding_attention' (Gemma 2/3, gpt-oss, Qwen2 name their layers)."""
+        config = self.config
+        if config.get("model_type") == "gpt_neo":
+            window = config.get("window_size") if "local" in (config.get("attention_layers") or []) else None
+        elif config.get("use_sliding_window") is False:
+            window = None
+        elif isinstance(config.get("layer_types"), list) and "sliding_attention" not in config["layer_types"]:
+            window = None
+        else:
+            window = config.get("sliding_window")
+        if not isinstance(window, int) or window <= 0 or window >= (self.max_context or window + 1):
+            return None
+        return window
+
+    @property
     def max_context(self) -> int | None:
         """Longest sequence the model's positions allow (None when the config does not say)."""
         for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "context_length",
@@ -305,7 +325,8 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
     spin_wait: onnxruntime's idle threads spin between runs (the fastest for a session alone);
     False where another session of the process runs between its runs, as a draft model's does
     (load both so: measured 20% faster with a draft on 2 cores, 5-10% slower alone).
-    fuse: run an Optimum / transformers.js Llama, Qwen2 or Mistral decoder as its fused rewrite
+    fuse: run an Optimum / transformers.js decoder of a family the rewrite knows (Llama, Mistral,
+    Qwen2, Qwen3, Granite, Phi-3, Gemma: generation.runtime.fusion.FAMILIES) as its fused rewrite
     (generation.runtime.fusion: built once, cached under $RAYMUTER_CACHE, checked against the
     source); False runs the file as exported.
 

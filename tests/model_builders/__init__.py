@@ -9,6 +9,8 @@ every ONNX layout the engine serves.  Nothing is downloaded.
     seq2seq    encoder-decoders (Marian, T5, BART, Whisper), built with the text models
     vision     vision-language models (Qwen2-VL, Idefics3, ViT + GPT-2), built on demand
     embedding  feature-extraction exports of the text models, built on demand
+    windows    sliding-window models (Mistral, GPT-Neo; window 8) in the append and in_place
+               layouts, built on demand
 
 Each set is cached under ``$RAYMUTER_TEST_MODELS`` (else ``~/.cache/raymuter/test-models``) in a
 folder named by a hash of the builder files that make it (``generation/default_model/export.py``

@@ -1,4 +1,4 @@
-"""Read a Llama-family decoder's weights out of any ONNX export of it, by the graph's structure.
+"""Read a Llama-like decoder's weights out of any ONNX export of it, by the graph's structure.
 
 Exporters name weights differently (Optimum: `onnx::MatMul_733`; torch dynamo: `val_72`; merged
 decoders: each branch its own copy), but every one of them emits the modules in the order the
@@ -8,6 +8,9 @@ model calls them. So the weights are the constants the graph reads, in node orde
     per layer:  Mul(input_layernorm)  MatMul q [+Add bias]  MatMul k [+Add]  MatMul v [+Add]
                 MatMul o  Mul(post_attention_layernorm)  MatMul gate  MatMul up  MatMul down
     Mul(norm)  MatMul lm_head (a copy of the table where tied: exporters write it out)
+
+with each family's differences (families.py): Qwen3's Mul(q_norm) after MatMul q and Mul(k_norm)
+after MatMul k ([head_dim] weights); Phi-3's one MatMul qkv and one MatMul gate_up, split here.
 
 A weight reaches its MatMul as an initializer, a Constant, or through Transpose / Identity / Cast / Gemm
 (transB); a quantized one is a MatMulNBits (4-bit: onnx-community `_q4`) or the int8 dynamic
@@ -57,6 +60,8 @@ class Layer:
     gate: Linear
     up: Linear
     down: Linear
+    q_norm: np.ndarray | None = None  # [head_dim]: Qwen3's per-head norms
+    k_norm: np.ndarray | None = None
 
 
 @dataclass
@@ -99,8 +104,10 @@ def _constants(graphs) -> dict[str, object]:
     return out
 
 
-def read_weights(model_proto, config: dict) -> DecoderWeights:
-    """The weights of `model_proto` (loaded with its external data) laid out as the model's modules."""
+def read_weights(model_proto, config: dict, layout) -> DecoderWeights:
+    """The weights of `model_proto` (loaded with its external data) laid out as the model's modules:
+    `layout` (families.family(config)) names each layer's projections and norms in the order the
+    model calls them."""
     from onnx import TensorProto, numpy_helper
 
     graph = _graph_with_past(model_proto.graph)
@@ -174,6 +181,8 @@ def read_weights(model_proto, config: dict) -> DecoderWeights:
                       source_input=source, source_output=output)
 
     hidden = int(config["hidden_size"])
+    head_dim = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
+    norm_sizes = {hidden} | ({head_dim} if "q_norm" in layout.norms else set())
     embed, norms, linears = None, [], []
     by_output: dict[str, Linear] = {}
     taken: set[int] = set()  # nodes inside a quantized projection
@@ -195,7 +204,7 @@ def read_weights(model_proto, config: dict) -> DecoderWeights:
         elif op == "Mul":
             for name in node.input:
                 value = const_through(name)
-                if value is not None and value.ndim == 1 and value.shape[0] == hidden:
+                if value is not None and value.ndim == 1 and value.shape[0] in norm_sizes:
                     norms.append(value)
         elif op in ("MatMul", "Gemm"):
             weight = const_through(node.input[1])
@@ -217,7 +226,7 @@ def read_weights(model_proto, config: dict) -> DecoderWeights:
     for array in (embed, *norms, *(x.weight for x in linears if not x.quantized)):
         if array is not None and array.dtype != np.float32:
             raise FusionError(f"weights of type {array.dtype} are not rewritten (float32 only)")
-    return _as_layers(embed, norms, linears, config)
+    return _as_layers(embed, norms, linears, config, layout)
 
 
 def _dequantized(table: np.ndarray, consumers: list, const) -> np.ndarray:
@@ -232,7 +241,7 @@ def _dequantized(table: np.ndarray, consumers: list, const) -> np.ndarray:
     return ((table.astype(np.int32) - np.int32(zero)).astype(np.float32) * np.float32(scale)).astype(np.float32)
 
 
-def _as_layers(embed, norms, linears, config) -> DecoderWeights:
+def _as_layers(embed, norms, linears, config, layout) -> DecoderWeights:
     layers = int(config["num_hidden_layers"])
     hidden = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
@@ -240,24 +249,46 @@ def _as_layers(embed, norms, linears, config) -> DecoderWeights:
     head_dim = int(config.get("head_dim") or hidden // heads)
     inner = int(config["intermediate_size"])
     vocab = int(config["vocab_size"])
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    per_norms, per_linears = len(layout.norms), len(layout.linears)
     if embed is None:
         raise FusionError("no embedding table (a Gather over a [vocab, hidden] constant) was found")
-    if len(norms) != 2 * layers + 1:
-        raise FusionError(f"found {len(norms)} RMSNorm weights, expected {2 * layers + 1} for {layers} layers")
-    if len(linears) != 7 * layers + 1:
-        raise FusionError(f"found {len(linears)} MatMul weights, expected {7 * layers + 1} for {layers} layers")
-    shapes = {"q": (hidden, heads * head_dim), "k": (hidden, kv_heads * head_dim), "v": (hidden, kv_heads * head_dim),
-              "o": (heads * head_dim, hidden), "gate": (hidden, inner), "up": (hidden, inner), "down": (inner, hidden)}
+    if len(norms) != per_norms * layers + 1:
+        raise FusionError(f"found {len(norms)} RMSNorm weights, expected {per_norms * layers + 1} for {layers} layers")
+    if len(linears) != per_linears * layers + 1:
+        raise FusionError(f"found {len(linears)} MatMul weights, expected {per_linears * layers + 1} "
+                          f"for {layers} layers")
+    shapes = {"q": (hidden, q_size), "k": (hidden, kv_size), "v": (hidden, kv_size),
+              "qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden), "gate": (hidden, inner),
+              "up": (hidden, inner), "gate_up": (hidden, 2 * inner), "down": (inner, hidden)}
+    norm_shapes = {"input_norm": (hidden,), "post_norm": (hidden,), "q_norm": (head_dim,), "k_norm": (head_dim,)}
     out = DecoderWeights(embed=embed, norm=norms[-1])
     for i in range(layers):
-        parts = dict(zip(shapes, linears[7 * i:7 * i + 7]))
+        parts = dict(zip(layout.linears, linears[per_linears * i:per_linears * (i + 1)]))
         for name, linear in parts.items():
             if linear.shape != shapes[name]:
                 raise FusionError(f"layer {i} {name}_proj has shape {linear.shape}, expected {shapes[name]}")
             if linear.bias is not None and name not in ("q", "k", "v"):
                 raise FusionError(f"layer {i} {name}_proj has a bias: not rewritten")
-        out.layers.append(Layer(input_norm=norms[2 * i], post_norm=norms[2 * i + 1], **parts))
+        if "qkv" in parts:
+            parts.update(zip("qkv", _split(parts.pop("qkv"), (q_size, kv_size, kv_size), f"layer {i} qkv_proj")))
+        if "gate_up" in parts:
+            parts.update(zip(("gate", "up"), _split(parts.pop("gate_up"), (inner, inner), f"layer {i} gate_up_proj")))
+        named = dict(zip(layout.norms, norms[per_norms * i:per_norms * (i + 1)]))
+        for name, weight in named.items():
+            if weight.shape != norm_shapes[name]:
+                raise FusionError(f"layer {i} {name} has shape {weight.shape}, expected {norm_shapes[name]}")
+        out.layers.append(Layer(**named, **parts))
     out.lm_head = linears[-1]
     if out.lm_head.shape != (hidden, vocab) or out.lm_head.bias is not None:
         raise FusionError(f"lm_head has shape {out.lm_head.shape}, expected {(hidden, vocab)} and no bias")
     return out
+
+
+def _split(linear: Linear, sizes: tuple[int, ...], name: str) -> list[Linear]:
+    """A packed projection (Phi-3's qkv_proj, gate_up_proj) as its parts, in order along its output."""
+    if linear.quantized:
+        raise FusionError(f"{name} is packed and quantized: not rewritten")
+    ends = np.cumsum((0,) + sizes)
+    return [Linear(np.ascontiguousarray(linear.weight[:, a:b]), shape=(linear.weight.shape[0], b - a))
+            for a, b in zip(ends[:-1], ends[1:])]

@@ -109,9 +109,11 @@ def test_a_step_runs_the_slots_up_to_the_last_used_one(models, folder, mode, pro
     assert np.isfinite(logits).all()
 
 
-def test_in_place_buffers_are_mapped_when_made(models):
-    """The in_place buffers' pages are written when the state is made (np.zeros would map them
-    at a prompt's first run over each row: seconds late for the first token on a 30-layer model)."""
+def test_in_place_buffers_are_mapped_when_laid_out(models):
+    """The in_place buffers' pages are written when they are laid out at a size class (np.zeros
+    would map them at a prompt's first run over each row: seconds late for the first token on a
+    30-layer model), and go back to the system when a smaller layout replaces them; a fresh
+    state holds the smallest classes."""
     import os
 
     def resident() -> int:
@@ -121,8 +123,13 @@ def test_in_place_buffers_are_mapped_when_made(models):
     ctx = generation.context(models["llama-genai"], max_new_tokens=8)
     before = resident()
     state = generation.new_state(ctx, slots=256, capacity=256)
+    assert (state.cache.held, state.cache.length) == (1, 16)
+    state.cache.fit(256, 256)
     size = sum(b.nbytes for b in state.cache.buffers.values())
     assert size >= 16 << 20 and resident() - before >= 0.8 * size
+    laid_out = resident()
+    state.cache.fit(1, 16)  # and given back when a smaller layout replaces it
+    assert laid_out - resident() >= 0.8 * size
 
 
 @pytest.mark.parametrize("folder,mode", MODES, ids=[f"{f}-{m}" for f, m in MODES])

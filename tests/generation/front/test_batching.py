@@ -49,6 +49,38 @@ def test_concurrent_requests_equal_each_request_alone(ctx, prompts_of):
         batcher.close()
 
 
+def test_a_burst_past_the_kv_budget_is_seated_by_memory_and_each_request_is_exact(ctx, prompts_of):
+    """32 slots under a budget that holds 4 rows of the whole capacity: a burst of 24 requests
+    (greedy and seeded sampling, prompt lookup among them) is seated as far as what the rows hold
+    fits, rows that outgrow it are preempted and resumed, and each request gets the tokens
+    `generate` gives it alone."""
+    from generation.engine.scheduler import Scheduler
+
+    budget = Scheduler(ctx, 32, 128).state.cache.footprint(4, 128)
+    batcher = ContinuousBatcher(ctx, slots=32, capacity=128, kv_cache_bytes=budget)
+    settings = [dict(s, max_new_tokens=40 + 7 * (i % 8), eos_token_id=[]) for i, s in
+                enumerate(SETTINGS * 5)][:24]
+    settings[5]["prompt_lookup_num_tokens"] = 3
+    prompts = prompts_of(list(range(6, 30)), seed=4)
+    most, step = {"rows": 0, "bytes": 0}, batcher.scheduler.step
+
+    def step_and_count(*args, **kwargs):  # on the batcher's thread, after each step
+        out = step(*args, **kwargs)
+        most["rows"] = max(most["rows"], batcher.scheduler.occupied)
+        most["bytes"] = max(most["bytes"], batcher.scheduler.state.cache.nbytes)
+        return out
+
+    batcher.scheduler.step = step_and_count
+    try:
+        requests = [batcher.submit(p, seed=i, settings=s) for i, (p, s) in enumerate(zip(prompts, settings))]
+        for i, request in enumerate(requests):
+            alone = generation.generate(generation.context(ctx.model, **settings[i]), [prompts[i]], seeds=[i])[0]
+            assert request.result(timeout=60).tokens == alone, i
+        assert most["rows"] > 4 and most["bytes"] <= budget and batcher.preemptions > 0, (most, batcher.preemptions)
+    finally:
+        batcher.close()
+
+
 def test_a_late_request_starts_before_the_running_ones_finish(ctx, prompts_of):
     batcher = ContinuousBatcher(ctx, slots=4, capacity=128)
     try:

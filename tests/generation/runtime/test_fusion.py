@@ -5,7 +5,8 @@ graph in the in_place cache mode whose logits are transformers' (its greedy toke
 checked with every other graph's: core/test_greedy_oracle.py, search/test_beam.py); a graph that
 cannot be rewritten (another family, quantized or fp16 weights, weights that do not map) loads
 as exported with the reason in the log, remembered by the hash of its files; the rotary tables
-are transformers' for each rope type the rewrite accepts.
+are transformers' for each rope type the rewrite accepts. (The other families, windows among
+them: test_fusion_families.py.)
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("folder,variant,reason", [
-    ("gpt2-optimum", None, "model_type 'gpt2' is not one of llama, qwen2, mistral"),
+    ("gpt2-optimum", None, "model_type 'gpt2' is not one of llama, mistral, qwen2, qwen3, granite, phi3, gemma"),
     ("llama-merged", "fp16", "its cache or logits are not float32"),
     ("llama-genai", None, None),  # already fused: not a candidate, nothing logged as a refusal
 ])
@@ -84,8 +85,8 @@ def test_weights_that_do_not_map_are_refused_once(test_models, cache, caplog, mo
     exported, and the refusal is remembered: the next load neither rebuilds nor rechecks."""
     read = weights.read_weights
 
-    def swapped(model_proto, config):
-        out = read(model_proto, config)
+    def swapped(model_proto, config, layout):
+        out = read(model_proto, config, layout)
         for layer in out.layers:
             layer.gate, layer.up = layer.up, layer.gate
         return out
@@ -171,8 +172,7 @@ def test_cuda_and_other_families_are_not_candidates():
     assert "float16" in fusion.unsupported_config(llama, "cuda")
     assert "gelu" in fusion.unsupported_config({**llama, "hidden_act": "gelu"}, "cpu")
     mistral = {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}
-    assert "sliding_window 4096" in fusion.unsupported_config(mistral, "cpu")
-    assert fusion.unsupported_config({**mistral, "sliding_window": None}, "cpu") is None
+    assert fusion.unsupported_config(mistral, "cpu") is None  # its window: local_window_size (test_fusion_families)
     qwen2 = {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False, "max_position_embeddings": 32768}
     assert fusion.unsupported_config(qwen2, "cpu") is None
 
