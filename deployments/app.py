@@ -54,12 +54,16 @@ class AppConfig(BaseModel):
     model: str | None = None  # folder or hub id; None: the default model that ships with Raymuter
     name: str | None = None  # the model id clients send; default: the folder's name
     engine: str = Field(default="onnx", pattern="^(onnx|fake)$")  # fake: tests of the serving layer
-    slots: int = Field(default=8, ge=1, le=1024)  # rows the decoder steps together
+    # rows the decoder steps together at most; as many run as the KV budget (kv_cache_bytes) holds
+    slots: int = Field(default=32, ge=1, le=1024)
     capacity: int | None = Field(default=None, ge=2)  # tokens per slot (default: the model's context, <= 4096)
     max_waiting: int = Field(default=256, ge=0)  # decoder queue; beyond it, 503
     # prompt prefixes kept per decoder replica (KV rows, bytes; 0: off): a prompt that starts as one
     # seen before runs only its rest (generation/cache/prefix.py)
     prefix_cache_bytes: int = Field(default=256 * 2**20, ge=0, le=2**40)
+    # the KV cache's budget per decoder replica (bytes; default a quarter of the machine's memory,
+    # 0: none): rows are seated while what they hold fits it, up to `slots` (generation/engine/budget.py)
+    kv_cache_bytes: int | None = Field(default=None, ge=0, le=2**46)
     max_logprobs: int = Field(default=20, ge=-1, le=20)  # -1: no log-probabilities (the lean greedy loop)
     threads: int | None = Field(default=None, ge=1)  # onnxruntime intra-op threads per decoder replica
     spin: bool = True  # the decoder's idle onnxruntime threads spin between runs (False: they sleep)
@@ -182,9 +186,8 @@ class Responses(ResponseStore):
     """The stored responses of /v1/responses (deployments.services.response_store), bounded as
     the config says (response_store_bytes, response_ttl_seconds, response_folder)."""
 
-    def __init__(self, config: dict):
-        cfg = AppConfig(**config)
-        super().__init__(cfg.response_store_bytes, cfg.response_ttl_seconds, cfg.response_folder)
+    def __init__(self, store: dict):
+        super().__init__(store["response_store_bytes"], store["response_ttl_seconds"], store["response_folder"])
 
 
 # The ingress sends a request to the decoder replica that most likely holds its prompt's prefix
@@ -409,7 +412,9 @@ def application(cfg: AppConfig, kind: str):
     ingress, decoder = parts["ingress"], parts["decoder"]
     encoder = parts["encoder"].bind(config) if kind == "encoder-decoder" else None
     vision = parts["vision"].bind(config) if kind == "vision" else None
-    responses = Responses.bind(config)
+    # only its own settings: a redeploy that changes the others leaves the store as it is where Serve can
+    responses = Responses.bind({k: config[k] for k in ("response_store_bytes", "response_ttl_seconds",
+                                                       "response_folder")})
     if cfg.colocate:
         return decoder.bind(config, encoder, vision, responses)
     return ingress.bind(decoder.bind(config, encoder), config, encoder, vision, responses)

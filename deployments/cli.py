@@ -21,20 +21,21 @@ import time
 from pathlib import Path
 
 
-def add_arguments(parser) -> None:
+def add_engine_arguments(parser) -> None:
+    """The model and how its decoder runs: what `raymuter serve` and `raymuter batch` share."""
     from generation.front import REASONING_PARSERS
 
     parser.add_argument("--model", help="model folder or hub id (default: the model that ships with Raymuter)")
     parser.add_argument("--name", help="the model id clients send (default: the folder's name)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (0.0.0.0 for every interface); HAProxy's stats page and metrics "
-                             "listen there too, and with a loopback address nothing else listens beyond loopback")
-    parser.add_argument("--port", type=port_number, default=8000, help="port of the HTTP API")
-    parser.add_argument("--slots", type=int, default=8, help="rows the decoder steps together")
+    parser.add_argument("--slots", type=int, default=32, help="rows the decoder steps together at most; as many run as "
+                        "--kv-cache-bytes holds")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503")
     parser.add_argument("--prefix-cache-bytes", type=int, default=256 * 2**20,
                         help="bytes of prompt prefixes each decoder replica keeps, so a prompt that starts as one seen "
                              "before runs only its rest; 0: off")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None,
+                        help="the KV cache's budget per decoder replica: requests are seated while what their rows "
+                             "hold fits it, up to --slots (default: a quarter of the machine's memory; 0: none)")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="most alternatives per token a request may ask; -1: no log-probabilities")
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
@@ -43,18 +44,11 @@ def add_arguments(parser) -> None:
                              "spinning (frees the cores for the HTTP stack: a small CPU machine; see README's Serve)")
     parser.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
     parser.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
-    parser.add_argument("--autoscale", action="append", default=[], metavar="PART=MIN:MAX[,FIELD=VALUE]",
-                        help="autoscale a deployment between MIN and MAX replicas (PART: ingress, decoder, encoder, "
-                             "vision; the decoder on its rows and waiting requests against its slots), e.g. "
-                             "--autoscale decoder=1:4,target_occupancy=0.6,upscale_delay_s=2 (FIELD: "
-                             "deployments.autoscaling.Autoscaling's); default: one replica each")
     parser.add_argument("--no-fuse", dest="fuse", action="store_false",
                         help="run an Optimum / transformers.js decoder as exported, not as its fused rewrite "
                              "(generation.runtime.fusion; built once, cached under $RAYMUTER_CACHE)")
     parser.add_argument("--draft", help="a draft model (folder or hub id, the model's tokenizer) whose proposals "
                         "every step verifies: speculative decoding (--set num_assistant_tokens=N; default: none)")
-    parser.add_argument("--api-key", help="bearer token every route but /health requires (default: "
-                        "$RAYMUTER_API_KEY, else none)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
                         help="a default generation setting for every request, e.g. --set max_new_tokens=64")
     parser.add_argument("--grammar-budget", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
@@ -65,6 +59,43 @@ def add_arguments(parser) -> None:
     parser.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
                         help="how a chat's reasoning is told from its answer: auto (from the chat template), "
                              "none, or by name (think: <think>...</think>; mistral: [THINK]...[/THINK])")
+    parser.add_argument("--engine", choices=["onnx", "fake"], default="onnx", help=argparse_hidden())
+
+
+def engine_config(args) -> dict:
+    """The application's arguments (deployments.app.AppConfig) that add_engine_arguments' flags give."""
+    import json
+
+    settings = {}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes NAME=JSON, not {item!r}")
+        try:
+            settings[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[name.strip()] = value
+    return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
+                prefix_cache_bytes=args.prefix_cache_bytes, kv_cache_bytes=args.kv_cache_bytes,
+                max_logprobs=args.max_logprobs, threads=args.threads,
+                spin=args.spin, provider=args.provider, variant=args.variant, fuse=args.fuse, draft=args.draft,
+                settings=settings, engine=args.engine, grammar_budget=grammar_budget_of(args.grammar_budget),
+                reasoning_parser=args.reasoning_parser)
+
+
+def add_arguments(parser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (0.0.0.0 for every interface); HAProxy's stats page and metrics "
+                             "listen there too, and with a loopback address nothing else listens beyond loopback")
+    parser.add_argument("--port", type=port_number, default=8000, help="port of the HTTP API")
+    parser.add_argument("--autoscale", action="append", default=[], metavar="PART=MIN:MAX[,FIELD=VALUE]",
+                        help="autoscale a deployment between MIN and MAX replicas (PART: ingress, decoder, encoder, "
+                             "vision; the decoder on its rows and waiting requests against its slots), e.g. "
+                             "--autoscale decoder=1:4,target_occupancy=0.6,upscale_delay_s=2 (FIELD: "
+                             "deployments.autoscaling.Autoscaling's); default: one replica each")
+    parser.add_argument("--api-key", help="bearer token every route but /health requires (default: "
+                        "$RAYMUTER_API_KEY, else none)")
     parser.add_argument("--response-store-bytes", type=int, default=256 * 2**20,
                         help="/v1/responses: the stored responses' bytes, shared by every ingress replica; the least "
                              "recently used go first (default: 256 MiB)")
@@ -90,7 +121,50 @@ def add_arguments(parser) -> None:
     parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT, metavar="SECONDS",
                         help="how long Ray, the HTTP proxy and the application may take to start before serve gives "
                              "up (exit code 1, naming what it waited for and where Ray's logs are)")
-    parser.add_argument("--engine", choices=["onnx", "fake"], default="onnx", help=argparse_hidden())
+
+
+def add_batch_arguments(parser) -> None:
+    """`raymuter batch`'s arguments (deployments/batch/run.py runs it)."""
+    parser.add_argument("input", help="OpenAI batch JSONL (custom_id, method, url, body per line), or a table "
+                                      "(.parquet, or .jsonl with --prompt-column / --messages-column)")
+    parser.add_argument("output", help="OpenAI batch output JSONL; lines already there are not run again")
+    add_engine_arguments(parser)
+    parser.add_argument("--replicas", type=int, default=1, help="engine actors (each a decoder with --slots rows)")
+    parser.add_argument("--cpus-per-replica", type=float, help="Ray CPUs of one engine actor (default: the machine's "
+                                                               "CPUs over --replicas, at least 1)")
+    parser.add_argument("--address", help="a Ray cluster to join (default: a local Ray)")
+    parser.add_argument("--prompt-column", help="a table's column of prompts: each row a /v1/completions request")
+    parser.add_argument("--messages-column", help="a table's column of chat messages: each row a /v1/chat/completions "
+                                                  "request")
+    parser.add_argument("--id-column", help="a table's column naming each row (custom_id; default: row-N)")
+    parser.add_argument("--max-tokens", type=int, help="a table's requests: max_tokens")
+    parser.add_argument("--temperature", type=float, help="a table's requests: temperature (0: greedy)")
+    parser.add_argument("--seed", type=int, help="a table's requests: seed")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def batch_command(args) -> int:
+    from .batch.run import run_batch
+
+    config = engine_config(args)
+    if args.replicas < 1:
+        raise ValueError("--replicas: at least 1")
+    if args.prompt_column and args.messages_column:
+        raise ValueError("--prompt-column and --messages-column: give one")
+    summary = run_batch(args.input, args.output, config, replicas=args.replicas, cpus=args.cpus_per_replica,
+                        address=args.address, table=_table_options(args), progress=not args.quiet)
+    print(f"[raymuter] batch: {summary['done']} lines answered ({summary['errors']} not 200), {summary['skipped']} "
+          f"already in {args.output}, {summary['seconds']:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _table_options(args) -> dict | None:
+    if not (args.prompt_column or args.messages_column):
+        return None
+    body = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
+                              ("seed", args.seed)) if v is not None}
+    return {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
+            "id_column": args.id_column, "body": body}
 
 
 def port_number(text: str) -> int:
@@ -177,24 +251,9 @@ def argparse_hidden():
 
 def app_config(args) -> dict:
     """The application's arguments (deployments.app.AppConfig) from the command line's."""
-    import json
-
-    settings = {}
-    for item in args.set:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set takes NAME=JSON, not {item!r}")
-        try:
-            settings[name.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            settings[name.strip()] = value
     autoscaling = autoscaling_of(args.autoscale)
-    return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
-                prefix_cache_bytes=args.prefix_cache_bytes,
-                max_logprobs=args.max_logprobs, threads=args.threads, spin=args.spin, provider=args.provider,
-                variant=args.variant, fuse=args.fuse, autoscaling=autoscaling, draft=args.draft, api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
-                settings=settings, engine=args.engine,
-                grammar_budget=grammar_budget_of(args.grammar_budget), reasoning_parser=args.reasoning_parser,
+    return dict(**engine_config(args), autoscaling=autoscaling,
+                api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
                 response_store_bytes=args.response_store_bytes, response_ttl_seconds=args.response_ttl,
                 response_folder=args.response_folder and os.path.abspath(args.response_folder),
                 **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
@@ -557,7 +616,8 @@ def _free(host: str, port: int) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
-    """`raymuter`'s arguments: --version, `generate` (generation.cli's), `serve` (add_arguments)."""
+    """`raymuter`'s arguments: --version, `generate` (generation.cli's), `serve` (add_arguments), `batch`
+    (batch/run.py)."""
     from generation.cli import HelpFormatter, add_generate_command, version
 
     root = argparse.ArgumentParser(prog="raymuter", description="Generate with ONNX models, exactly as transformers.")
@@ -566,6 +626,8 @@ def parser() -> argparse.ArgumentParser:
     add_generate_command(commands)
     add_arguments(commands.add_parser("serve", help="serve a model over HTTP (OpenAI-style routes) on a local Ray",
                                       formatter_class=HelpFormatter))
+    add_batch_arguments(commands.add_parser("batch", help="answer a file of requests (OpenAI's batch JSONL, or a "
+                                            "table's column) with engine actors on Ray Data", formatter_class=HelpFormatter))
     return root
 
 
@@ -574,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[raymuter] %(message)s")
     try:
-        if args.command == "serve":
+        if args.command in ("serve", "batch"):
             from importlib.util import find_spec
 
             # find_spec, not import: serve_command first sets the environment Ray reads at import
@@ -582,6 +644,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("raymuter: error: serving needs the serve extra (pip install 'raymuter[cpu,serve]')",
                       file=sys.stderr)
                 return 2
+            if args.command == "batch":
+                if find_spec("ray.data") is None or find_spec("pyarrow") is None:
+                    print("raymuter: error: batch needs Ray Data (pip install 'raymuter[cpu,serve]')", file=sys.stderr)
+                    return 2
+                return batch_command(args)
             return serve_command(args)
         from generation.cli import generate_command
 

@@ -14,11 +14,11 @@ import inspect
 
 
 async def _resolved(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The arguments with every Serve reply among them awaited, as Serve does for a replica."""
-    from ray.serve.handle import DeploymentResponse
+    """The arguments with every Serve reply among them awaited, as Serve does for a replica
+    (a reply of a handle in this process too: anything awaitable)."""
 
     async def value(v):
-        return await v if isinstance(v, DeploymentResponse) else v
+        return await v if inspect.isawaitable(v) else v
 
     return (tuple([await value(a) for a in args]),
             {k: await value(v) for k, v in kwargs.items()})

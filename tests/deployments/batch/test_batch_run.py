@@ -1,0 +1,111 @@
+"""`raymuter batch` on Ray Data: each output line is what the server answers the same request
+(the tiny real model, greedy and seeded; the session's app at /real has the same arguments), a
+bad line is an error line and never fails the job, a run resumes where a killed one stopped, and
+a table's column runs as requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import ServeApps
+
+LINES = [
+    {"custom_id": "greedy", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "The list", "temperature": 0}},
+    {"custom_id": "seeded", "url": "/v1/completions",
+     "body": {"model": "tiny", "prompt": "A tuple", "seed": 5, "temperature": 0.9, "top_k": 20, "max_tokens": 12}},
+    {"custom_id": "chat", "url": "/v1/chat/completions",
+     "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "logprobs": True,
+              "top_logprobs": 2}},
+    {"custom_id": "bad-field", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "x", "top_k": -9}},
+    {"custom_id": "embed", "url": "/v1/embeddings", "body": {"model": "tiny", "input": "x"}},
+    {"custom_id": "response", "url": "/v1/responses", "body": {"model": "tiny", "input": "hello", "temperature": 0}},
+]
+VOLATILE = ("id", "created", "created_at", "completed_at", "system_fingerprint")
+
+
+def steady(body):
+    """An answer without what differs between two runs of one request (ids, times)."""
+    if isinstance(body, dict):
+        return {k: steady(v) for k, v in body.items() if k not in VOLATILE}
+    if isinstance(body, list):
+        return [steady(v) for v in body]
+    return body
+
+
+def write_lines(path, lines):
+    path.write_text("".join(json.dumps({"method": "POST", **line}) + "\n" for line in lines) + "not json\n")
+
+
+def test_each_line_is_what_the_server_answers(serve_apps, tmp_path):
+    from deployments.batch.run import run_batch
+
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(source, LINES)
+    config = {**ServeApps.REAL, "model": str(serve_apps.real_model)}
+    counts = run_batch(str(source), str(output), config, replicas=1, cpus=1, progress=False)
+    assert counts["done"] == len(LINES) + 1 and counts["skipped"] == 0
+    found = {}
+    for text in output.read_text().splitlines():
+        line = json.loads(text)
+        found[line["custom_id"]] = line
+    broken = found.pop(None)
+    assert broken["response"] is None and "not JSON" in broken["error"]["message"]
+    for line in LINES:
+        got = found[line["custom_id"]]
+        direct = httpx.post(serve_apps.real + line["url"], json=line["body"], timeout=60)
+        assert got["error"] is None and got["response"]["status_code"] == direct.status_code, got
+        assert steady(got["response"]["body"]) == steady(direct.json()), line["custom_id"]
+    assert found["bad-field"]["response"]["body"]["error"]["param"] == "top_k"
+
+
+def test_a_table_column_runs_as_completions(serve_apps, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from deployments.batch.run import run_batch
+
+    source, output = tmp_path / "prompts.parquet", tmp_path / "out.jsonl"
+    pq.write_table(pa.table({"text": ["The list", "A dict", "Why"]}), source)
+    config = {**ServeApps.REAL, "model": str(serve_apps.real_model)}
+    run_batch(str(source), str(output), config, cpus=1, progress=False,
+              table={"prompt_column": "text", "messages_column": None, "id_column": None,
+                     "body": {"max_tokens": 6, "temperature": 0}})
+    lines = {json.loads(t)["custom_id"]: json.loads(t) for t in output.read_text().splitlines()}
+    assert set(lines) == {"row-0", "row-1", "row-2"}
+    direct = httpx.post(serve_apps.real + "/v1/completions", timeout=60,
+                        json={"model": "tiny", "prompt": "A dict", "max_tokens": 6, "temperature": 0}).json()
+    assert lines["row-1"]["response"]["body"]["choices"] == direct["choices"]
+
+
+def test_a_killed_run_resumes_where_it_stopped(tmp_path):
+    """The command itself, on a Ray of its own: killed midway, run again: every line once."""
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"custom_id": f"c{k}", "url": "/v1/completions",
+              "body": {"model": "fake", "prompt": f"p{k}", "max_tokens": 40}} for k in range(40)]
+    write_lines(source, lines)
+    command = [sys.executable, "-m", "deployments.cli", "batch", str(source), str(output), "--engine", "fake",
+               "--name", "fake", "--slots", "2", "--quiet"]
+    env = {**os.environ, "RAY_ADDRESS": ""}  # a Ray of its own, not the session's
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not output.exists() or len(output.read_text().splitlines()) < 4):
+        time.sleep(0.1)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    kept = len(output.read_text().splitlines())
+    assert 4 <= kept < len(lines) + 1, "the run was not killed midway"
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    ids = [json.loads(t)["custom_id"] for t in output.read_text().splitlines()]
+    assert sorted(i for i in ids if i is not None) == sorted(line["custom_id"] for line in lines)  # each once
+    assert None in ids  # the line that is not JSON: an error line (it has no custom_id to skip it by)
+    assert f"already in {output}" in again.stderr
