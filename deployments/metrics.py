@@ -65,6 +65,7 @@ class DecoderMetrics:
                       registry=r)).set_function(lambda: batcher.slots)
             if getattr(batcher, "prefix", None) is not None:
                 r.register(_PrefixCache(model_name, batcher.prefix))
+            r.register(_Preemptions(model_name, batcher))
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -105,6 +106,22 @@ class _PrefixCache:
         family = GaugeMetricFamily("raymuter:prefix_cache_bytes", "Bytes the prefix cache holds.",
                                    labels=["model_name"])
         family.add_metric([self.model_name], self.store.bytes)
+        yield family
+
+
+class _Preemptions:
+    """vLLM's num_preemptions: rows the scheduler paused to keep the KV cache within its budget
+    (resumed later, their tokens unchanged), read from the batcher when scraped."""
+
+    def __init__(self, model_name: str, batcher):
+        self.model_name, self.batcher = model_name, batcher
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily("raymuter:num_preemptions", "Rows preempted to keep the KV cache within its "
+                                     "budget (resumed later, exactly).", labels=["model_name"])
+        family.add_metric([self.model_name], getattr(self.batcher, "preemptions", 0))
         yield family
 
 
