@@ -67,6 +67,7 @@ class EngineProcess:
         self.max_waiting = max_waiting
         self._checks = Scheduler(ctx, slots, self.capacity, state=False)  # job() reads the context only
         self.prefix = _PrefixStats() if prefix_cache_bytes else None
+        self.preemptions = 0  # the child's batcher's, as its steps report them
         self.running = self.waiting = self.occupied = self.steps = 0
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count()
@@ -173,7 +174,7 @@ class EngineProcess:
         try:
             while True:
                 events, counts, prefix = conn.recv()
-                self.running, self.occupied, self.waiting, self.steps = counts
+                self.running, self.occupied, self.waiting, self.steps, self.preemptions = counts
                 if prefix is not None and self.prefix is not None:
                     self.prefix.queries, self.prefix.hits, self.prefix.bytes = prefix
                 for kind, rid, payload in events:
@@ -282,7 +283,7 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
     at the step boundary after: a compile never holds the loop."""
 
     conn = None  # set in the child before the loop starts
-    _last: tuple = (0, 0, 0, 0)  # the counts the parent has (its own start at nothing)
+    _last: tuple = (0, 0, 0, 0, 0)  # the counts the parent has (its own start at nothing)
     requests: dict = {}  # the parent's id -> the live request (for its cancel)
     _compiler = None  # a ThreadPoolExecutor, once a constraint needs compiling
     _compiling: dict = {}  # the parent's id -> its job, while its constraint compiles
@@ -372,7 +373,7 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
             self._flush()
 
     def _flush(self) -> None:
-        events, counts = _Forwarded.outbox, (self.running, self.occupied, self.waiting, self.steps)
+        events, counts = _Forwarded.outbox, (self.running, self.occupied, self.waiting, self.steps, self.preemptions)
         if not events and counts == self._last:
             return
         _Forwarded.outbox, self._last = [], counts

@@ -233,3 +233,26 @@ def test_the_replica_side_holds_nothing_per_request(generators):
     finally:
         tracemalloc.stop()
     assert grown < 64 * 1024, f"{grown} bytes more after 2,000 requests"
+
+
+def test_preemptions_under_the_kv_budget_are_counted_from_the_child(test_models, load_model):
+    """A child whose KV budget holds 2 rows of the whole capacity, 6 long requests at once: rows
+    are preempted there (and resumed exactly: each stream equals the loop in this process), and
+    the count reaches the replica's side (its metrics)."""
+    import generation
+    from generation.engine.scheduler import Scheduler
+
+    model = test_models["llama-genai"]
+    budget = Scheduler(generation.context(load_model(model)), 8, 128).state.cache.footprint(2, 128)
+    local = TextGenerator.from_model(model, slots=8, capacity=128, threads=1)
+    child = TextGenerator.from_model(model, slots=8, capacity=128, threads=1, engine_process=True,
+                                     kv_cache_bytes=budget)
+    try:
+        requests = [dict(prompt=f"{k} the list type", seed=k, settings={"max_new_tokens": 90, "eos_token_id": []})
+                    for k in range(6)]
+        there = [flat(c) for c in asyncio.run(streamed(child, requests))]
+        assert there == [flat(c) for c in asyncio.run(streamed(local, requests))]
+        assert child.batcher.preemptions > 0
+    finally:
+        local.close()
+        child.close()
