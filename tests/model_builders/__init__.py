@@ -11,6 +11,8 @@ every ONNX layout the engine serves.  Nothing is downloaded.
     embedding  feature-extraction exports of the text models, built on demand
     windows    sliding-window models (Mistral, GPT-Neo; window 8) in the append and in_place
                layouts, built on demand
+    matrix     the support matrix: every decoder-only architecture optimum-onnx exports, tiny, in
+               the Optimum layout (those above reused, not rebuilt), built on demand
 
 Each set is cached under ``$RAYMUTER_TEST_MODELS`` (else ``~/.cache/raymuter/test-models``) in a
 folder named by a hash of the builder files that make it (``generation/default_model/export.py``
