@@ -28,7 +28,7 @@ from generation.front import REASONING_PARSERS
 from .autoscaling import RUNNING, SLOTS, WAITING, Autoscaling
 from .errors import Overloaded, RequestError
 from .http.decoder_calls import DecoderCalls
-from .http.edge import body_limit, install_error_handlers
+from .http.edge import body_limit, install_error_handlers, replica_id
 from .http.ingress_state import IngressState
 from .http.media import Media
 from .http.routes import ROUTERS as HTTP_ROUTERS
@@ -207,7 +207,7 @@ class Decoder:
         cfg = AppConfig(**config)
         self.encoder = encoder
         self.generator = decoder_service(cfg, DEFAULT_MODEL_NAME)
-        self.replica = _replica_id()  # a stored response's next turn asks for it (GenerateRequest.affinity)
+        self.replica = replica_id()  # a stored response's next turn asks for it (GenerateRequest.affinity)
         self.generator.metrics.started(time.perf_counter() - started)
 
     async def generate(self, request: GenerateRequest, encoded=None, *images) -> GenerateResponse:
@@ -372,6 +372,16 @@ class Server(Ingress.func_or_class):
         self.model.__del__()
 
 
+def served_name(model: str | None, name: str | None = None) -> str:
+    """The model id clients send: `name`, else the model folder's name (a hub id as given), else
+    the default model's."""
+    if name:
+        return name
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
+
+
 def build(args: dict | None = None):
     """The application (Serve's app builder: `serve run deployments.app:build model=...`)."""
     cfg = AppConfig(**(args or {}))
@@ -418,14 +428,6 @@ def application(cfg: AppConfig, kind: str):
     if cfg.colocate:
         return decoder.bind(config, encoder, vision, responses)
     return ingress.bind(decoder.bind(config, encoder), config, encoder, vision, responses)
-
-
-def _replica_id() -> str | None:
-    """This Serve replica's id, as the request router knows it (None outside a replica)."""
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - not in a Serve replica (a test's local object)
-        return None
 
 
 def _cluster_has_gpu() -> bool:

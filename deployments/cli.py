@@ -562,7 +562,7 @@ def start(args, config: dict, local_only: bool, folder: Path | None = None) -> N
     from ray import serve
 
     from . import instance, loopback
-    from .app import DEFAULT_MODEL_NAME, build
+    from .app import build, served_name
 
     started = time.monotonic()
     deadline = started + getattr(args, "start_timeout", START_TIMEOUT)
@@ -595,8 +595,7 @@ def start(args, config: dict, local_only: bool, folder: Path | None = None) -> N
     if not wait_routed(url, timeout=max(deadline - time.monotonic(), 5.0)):
         raise StartFailed(f"the application runs but {url}/health does not answer through the proxy "
                           f"after {time.monotonic() - started:.0f} s (--start-timeout)")
-    name = args.name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(
-        os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model)
+    name = served_name(args.model, args.name)
     keyed = config.get("api_key") is not None
     print(f"[raymuter] serving '{name}' at {url}/v1 (ready in {time.monotonic() - started:.1f} s); Ctrl-C stops\n"
           f"  curl {url}/v1/completions -H 'Content-Type: application/json' "

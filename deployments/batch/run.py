@@ -76,11 +76,10 @@ def run_batch(input_path: str, output_path: str, config: dict, replicas: int = 1
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("a") as out:
         for batch in answered.iter_batches(batch_size=None, batch_format="numpy"):
-            for text in batch["output"]:
+            for text, ok in zip(batch["output"], batch["ok"]):
                 out.write(str(text) + "\n")
-                line = json.loads(str(text))
                 counts["done"] += 1
-                counts["errors"] += line["error"] is not None or line["response"]["status_code"] != 200
+                counts["errors"] += not ok
             out.flush()
             if progress and time.monotonic() - last >= 1:
                 last = time.monotonic()
@@ -114,7 +113,9 @@ def _lines(input_path: str, config: dict, table: dict | None):
         if column and column not in rows.column_names:
             raise ValueError(f"{input_path}: no column '{column}' (it has {', '.join(rows.column_names)})")
     rows = rows.append_column("__row", pa.array(range(rows.num_rows), pa.int64()))
-    model = config.get("name") or _served_name(config)
+    from ..app import served_name
+
+    model = served_name(config.get("model"), config.get("name"))
 
     def as_lines(batch: dict) -> dict:
         numbers = batch.pop("__row")
@@ -127,16 +128,6 @@ def _lines(input_path: str, config: dict, table: dict | None):
 
 def _as_line(batch: dict) -> dict:
     return {"line": batch["text"]}
-
-
-def _served_name(config: dict) -> str:
-    """The model id the server would serve (what a table's requests name)."""
-    from ..app import DEFAULT_MODEL_NAME
-
-    model = config.get("model")
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
 
 
 def _progress(counts: dict, total: int | None, started: float, end: str = "\r") -> None:

@@ -56,8 +56,8 @@ class DirectHandle:
 
 
 class BatchWorker:
-    """Ray Data's callable class for map_batches: `{"line"}` batches in, `{"custom_id",
-    "output"}` out (each output a JSON line). Its batches run concurrently on the actor's event
+    """Ray Data's callable class for map_batches: `{"line"}` batches in, `{"output", "ok"}` out
+    (each output a JSON line; ok: it was answered 200). Its batches run concurrently on the actor's event
     loop, so the decoder's slots stay full across them."""
 
     def __init__(self, config: dict):
@@ -86,7 +86,8 @@ class BatchWorker:
 
     async def __call__(self, batch: dict) -> dict:
         outputs = await asyncio.gather(*(self.answer(str(line)) for line in batch["line"]))
-        return {"custom_id": [o["custom_id"] or "" for o in outputs], "output": [json.dumps(o) for o in outputs]}
+        return {"output": [json.dumps(o) for o in outputs],
+                "ok": [o["error"] is None and o["response"]["status_code"] == 200 for o in outputs]}
 
     async def answer(self, line: str) -> dict:
         """The output line of one input line."""

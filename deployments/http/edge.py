@@ -48,6 +48,17 @@ def request_id(prefix: str = "req-") -> str:
     return prefix + (found[:128] if found else secrets.token_hex(12))
 
 
+def replica_id() -> str | None:
+    """The Serve replica this code runs in, by the unique id its request router knows (None
+    outside a replica)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a Serve replica (a test's local object)
+        return None
+
+
 def server_error(request_id_: str, what: str, error: BaseException | str | None = None) -> ApiError:
     """A 500 whose details go to the log under the request id, and only the id to the client."""
     detail = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error

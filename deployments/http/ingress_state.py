@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from ..metrics import IngressMetrics
 from ..schema import Transcription, TranscriptionRequest
 from .decoder_calls import DecoderCalls
-from .edge import read_json, request_id
+from .edge import read_json, replica_id, request_id
 from .openai import ApiError
 from .response_runs import ResponseRuns
 from .validation import parse, validation_error
@@ -33,7 +33,7 @@ class IngressState:
         self.responses = ResponseRuns(calls, responses if responses is not None else _local_store())
         self.metrics = IngressMetrics()
         self.openapi: dict | None = None  # the OpenAPI document once built (routes/meta.py)
-        self.replica = _replica_id()  # this ingress replica's id ("local" outside Serve)
+        self.replica = replica_id() or "local"  # this ingress replica's id ("local" outside Serve)
         self._card = None
 
     def authorize(self, request: Request) -> None:
@@ -101,15 +101,6 @@ class IngressState:
         samples = self.calls.encoder.decode_audio.remote(audio, filename)  # stays in Ray's store: the decoder opens it
         rid = request_id("audio-")
         return await self.calls.answer(self.calls.decoder.transcribe.remote(samples, request), rid)
-
-
-def _replica_id() -> str:
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - not in a Serve replica
-        return "local"
 
 
 def _local_store():

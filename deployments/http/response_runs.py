@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..schema import GenerateChunk
+from ..services.response_store import RUNNING
 from .answers import completion_logprobs
 from .assembly import gathered
 from .decoder_calls import DecoderCalls
@@ -31,7 +32,6 @@ from .validation import parse
 
 logger = logging.getLogger("ray.serve")
 CANCEL_POLL_SECONDS = 0.5
-RUNNING = ("queued", "in_progress")
 
 
 @dataclass
@@ -85,8 +85,12 @@ class ResponseRun:
         self.calls = calls
         return out
 
-    def record(self) -> dict:
-        """What the store keeps: the response, its input items, the conversation it ends."""
+    def record(self, status: str | None = None) -> dict:
+        """What the store keeps: the response (as it is while it runs, with `status`; else
+        finished), its input items, and the conversation it ends (once finished)."""
+        if status is not None:
+            return {"response": self.object(status), "input_items": self.items, "history": self.history,
+                    "replica": None}
         turn = assistant_turn("".join(self.answer), self.calls)
         return {"response": self.final, "input_items": self.items, "history": self.history + [turn],
                 "replica": self.replica}
@@ -203,13 +207,11 @@ class ResponseRuns:
     async def _background(self, run: ResponseRun, request, chat) -> dict:
         """The response queued in the store at once; a task runs it to the end whatever its
         client does, and stops when the stored record says cancel."""
-        queued = run.object("queued")
-        await self.store.put.remote({"response": queued, "input_items": run.items, "history": run.history,
-                                     "replica": None})
+        queued = run.record("queued")
+        await self.store.put.remote(queued)
 
         async def work():
-            await self.store.put.remote({"response": run.object("in_progress"), "input_items": run.items,
-                                         "history": run.history, "replica": None})
+            await self.store.put.remote(run.record("in_progress"))
             drained = asyncio.ensure_future(self._drained(run, self._chunks(request, chat)))
             cancelled, error = False, None
             try:
@@ -236,7 +238,7 @@ class ResponseRuns:
         task = asyncio.create_task(work())
         self.background.add(task)
         task.add_done_callback(self.background.discard)
-        return queued
+        return queued["response"]
 
     async def _keep(self, run: ResponseRun) -> None:
         if run.request.store:

@@ -7,6 +7,7 @@ No import-time side effects; torch / transformers / onnx are imported lazily.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -173,6 +174,48 @@ def offline_env():
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     return env
 
+
+
+@contextlib.contextmanager
+def offline_environ():
+    """This process's environment offline (no hub) for a build run in it, restored after."""
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def locked_build(final: Path, build, progress) -> None:
+    """Run `build(tmp)` into a temporary sibling of `final` and rename it into place, once:
+    under an ``fcntl`` lock, so concurrent processes build once; `final/manifest.json` marks a
+    complete build (a failed one leaves nothing)."""
+    import fcntl
+    import time
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if (final / "manifest.json").is_file():
+                return
+            shutil.rmtree(final, ignore_errors=True)
+            tmp = final.parent / f".{final.name}.building-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            started = time.time()
+            progress(f"[test-models] building {final.name}")
+            try:
+                build(tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            os.rename(tmp, final)
+            progress(f"[test-models] {final.name} built in {time.time() - started:.1f}s")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def package_versions() -> dict[str, str]:

@@ -17,9 +17,7 @@ renamed into place. The oracle loads the same ``hf/`` folders with transformers'
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import time
 from pathlib import Path
 
 from . import common, text
@@ -68,38 +66,11 @@ def _build(text_models: dict, tmp: Path) -> None:
 
 def ensure_embedding_models(text_models: dict, progress=print) -> dict[str, Path]:
     """Paths of the embedding models (EMBEDDING_MODELS), built when missing."""
-    import fcntl
-
-    base = common.cache_root()
-    key = embedding_key()
-    final = base / f"{key}-embed"
+    final = common.cache_root() / f"{embedding_key()}-embed"
     paths = {k: final / k for k in EMBEDDING_MODELS}
-    if (final / "manifest.json").is_file():
-        return paths
-    base.mkdir(parents=True, exist_ok=True)
-    with open(base / f".{key}-embed.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (final / "manifest.json").is_file():
-                return paths
-            shutil.rmtree(final, ignore_errors=True)
-            tmp = base / f".{key}-embed.building-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            started = time.time()
-            progress(f"[test-models] building the embedding models into {final}")
-            saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-            os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-            try:
+    if not (final / "manifest.json").is_file():
+        def build(tmp: Path) -> None:
+            with common.offline_environ():
                 _build(text_models, tmp)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            finally:
-                for k, v in saved.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-            os.rename(tmp, final)
-            progress(f"[test-models] embedding models built in {time.time() - started:.1f}s -> {final}")
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        common.locked_build(final, build, progress)
     return paths

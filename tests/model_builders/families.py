@@ -17,12 +17,8 @@ temporary sibling renamed into place. ~30 s.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import shutil
 import sys
-import time
 from pathlib import Path
 
 from . import common
@@ -76,31 +72,6 @@ def _build(tmp: Path) -> None:
     (tmp / "manifest.json").write_text(json.dumps({"models": list(FAMILY_MODELS), "key": families_key()}))
 
 
-def _locked_build(final: Path, build, progress) -> None:
-    """Run `build(tmp)` into a temporary sibling of `final` and rename it into place, once."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (final / "manifest.json").is_file():
-                return
-            shutil.rmtree(final, ignore_errors=True)
-            tmp = final.parent / f".{final.name}.building-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            started = time.time()
-            progress(f"[test-models] building {final.name}")
-            try:
-                build(tmp)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            os.rename(tmp, final)
-            progress(f"[test-models] {final.name} built in {time.time() - started:.1f}s")
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def ensure_family_models(progress=print) -> dict[str, Path]:
     """Paths of the family models (FAMILY_MODELS), built when missing (in a worker process:
     torch and the exporter stay out of the caller)."""
@@ -109,7 +80,7 @@ def ensure_family_models(progress=print) -> dict[str, Path]:
         def build(tmp: Path) -> None:
             common.run_logged(common.worker_command("families", tmp), final.parent / f"{final.name}.log",
                               env=common.worker_env())
-        _locked_build(final, build, progress)
+        common.locked_build(final, build, progress)
     return {k: final / k for k in FAMILY_MODELS}
 
 
@@ -124,7 +95,7 @@ def genai_build(hf_dir: Path, progress=print) -> Path:
             for f in tmp.rglob("*.onnx"):
                 common.cap_ir_version(f)
             (tmp / "manifest.json").write_text("{}")
-        _locked_build(final, build, progress)
+        common.locked_build(final, build, progress)
     return final / "model"
 
 

@@ -154,14 +154,12 @@ def _build(tmp: Path, kinds=BUILT) -> None:
 def ensure_matrix_models(progress=print) -> Path:
     """The folder of the architectures built here (BUILT), built when missing (in a worker
     process: torch and the exporter stay out of the caller)."""
-    from .families import _locked_build
-
     final = common.cache_root() / f"{matrix_key()}-matrix"
     if not (final / "manifest.json").is_file():
         def build(tmp: Path) -> None:
             common.run_logged(common.worker_command("matrix", tmp), final.parent / f"{final.name}.log",
                               env=common.worker_env())
-        _locked_build(final, build, progress)
+        common.locked_build(final, build, progress)
     return final
 
 

@@ -18,9 +18,6 @@ an ``fcntl`` lock, into a temporary sibling renamed into place. ~10 s.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import time
 from pathlib import Path
 
 from . import common
@@ -70,38 +67,11 @@ def _build(tmp: Path) -> None:
 
 def ensure_window_models(progress=print) -> dict[str, Path]:
     """Paths of the sliding-window models (WINDOW_MODELS), built when missing."""
-    import fcntl
-
-    base = common.cache_root()
-    key = windows_key()
-    final = base / f"{key}-windows"
+    final = common.cache_root() / f"{windows_key()}-windows"
     paths = {k: final / k for k in WINDOW_MODELS}
-    if (final / "manifest.json").is_file():
-        return paths
-    base.mkdir(parents=True, exist_ok=True)
-    with open(base / f".{key}-windows.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (final / "manifest.json").is_file():
-                return paths
-            shutil.rmtree(final, ignore_errors=True)
-            tmp = base / f".{key}-windows.building-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            started = time.time()
-            progress(f"[test-models] building the sliding-window models into {final}")
-            saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-            os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-            try:
+    if not (final / "manifest.json").is_file():
+        def build(tmp: Path) -> None:
+            with common.offline_environ():
                 _build(tmp)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            finally:
-                for k, v in saved.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-            os.rename(tmp, final)
-            progress(f"[test-models] sliding-window models built in {time.time() - started:.1f}s -> {final}")
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        common.locked_build(final, build, progress)
     return paths
