@@ -94,14 +94,15 @@ class FakeBatcher:
         self.step_seconds_per_row = step_seconds_per_row
         self.running = self.waiting = self.occupied = 0
         self.steps = 0
-        self._waiting: queue.Queue[Request] = queue.Queue()
+        # (priority, arrival, request): lower priorities first, as the scheduler seats them (no preemption here)
+        self._waiting: queue.PriorityQueue = queue.PriorityQueue()
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="raymuter-fake-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
-               prompt_logprobs: int | None = None) -> Request:
+               prompt_logprobs: int | None = None, priority: int = 0) -> Request:
         if self._waiting.qsize() >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
         for i, t in enumerate(prompt):
@@ -118,7 +119,7 @@ class FakeBatcher:
             rest = list(prompt[1:])
             request.prompt_top = prompt_logprobs
             request.prompt_logprobs = from_lists([-0.5] * len(rest), [[t] for t in rest], [[-0.5]] * len(rest))
-        self._waiting.put(request)
+        self._waiting.put((priority, request.id, request))
         self.waiting = self._waiting.qsize()
         return request
 
@@ -136,7 +137,7 @@ class FakeBatcher:
         while not self._stop.is_set():
             while len(live) < self.slots:
                 try:
-                    request = self._waiting.get_nowait()
+                    _, _, request = self._waiting.get_nowait()
                 except queue.Empty:
                     break
                 live.append(request)

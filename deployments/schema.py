@@ -56,6 +56,9 @@ class GenerateRequest(BaseModel):
     # the decoder replica this request would rather run on (a stored response's: its prefix cache
     # holds the conversation); the prefix router sends it there unless that replica is far busier
     affinity: str | None = Field(default=None, max_length=128)
+    # the scheduler's order (vLLM's `priority`): lower first; 0 interactive, batch rows above it
+    # wait for interactive ones and give their slots up to them (preempted and resumed exactly)
+    priority: int = Field(default=0, ge=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -7,7 +7,8 @@
 
 Everything happens at a step boundary: cancelled jobs leave, waiting jobs that fit are admitted
 in arrival order (one batched prefill for the plain ones; a beam search takes num_beams slots;
-a job that does not fit waits at the head, so it is not starved by smaller ones), then one model
+a job that does not fit waits at the head, so it is not starved by smaller ones; with a prefill
+budget, a long prompt runs a chunk per step instead: `prefill_chunk_tokens`), then one model
 run steps every row: plain rows (greedy, sampling, each with its own settings and seed) and
 beam searches (each moves only its own rows, as transformers' `_beam_search`). When no beam
 search runs, prompt-lookup rows (or every row, with a draft model) verify their candidates
@@ -34,6 +35,7 @@ import numpy as np
 from ..assisted.verify import verify
 from ..cache.cross import FirstStepStore
 from ..cache.prefix import PrefixStore
+from ..core.chunks import begin, extend, seat
 from ..core.context import Context, assisted_refusal
 from ..core.preempt import pause, resume
 from ..core.state import (
@@ -87,8 +89,10 @@ class Job:
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache (OpenAI's usage.prompt_tokens_details)
     note: str | None = None  # why a "stop" came before its eos: its constraint left no token (constraints.DeadEnd)
     order: int = 0  # its place in arrival order (the newest running rows are preempted first)
+    priority: int = 0  # lower first: waits behind lower values, and gives its slot up to them
     paused: object = None  # a preempted row waiting to resume (core.preempt.Paused)
     preemptions: int = 0  # times it was preempted
+    partial: object = None  # its prompt part-way through a prefill in chunks (core.chunks.Partial)
 
     @property
     def beams(self) -> int:
@@ -97,6 +101,11 @@ class Job:
     @property
     def done(self) -> bool:
         return self.reason is not None
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Its place in the queue and, running, in the order of preemption (the last first)."""
+        return self.priority, self.order
 
 
 @dataclass
@@ -139,11 +148,29 @@ class Scheduler:
     leave of it, its least recently used prefixes giving way to rows (never the reverse). None
     (or 0): rows are admitted by slots, each growing to the capacity. Only the in_place mode's
     buffers shrink with the rows they hold (`cache.sized`): the append, grow and seq2seq modes
-    and vision-language models admit by slots whatever the budget (`budget` is then None)."""
+    and vision-language models admit by slots whatever the budget (`budget` is then None).
+
+    `prefill_chunk_tokens`: the prompt tokens a step boundary may run (vLLM's chunked prefill;
+    0: none, every seated prompt runs whole at once). Prompts that are part-way through take
+    theirs first, in the order of the queue, then waiting jobs in order: a prompt that fits what
+    is left runs whole (batched, as without a budget); a longer one is seated into its slot and
+    runs what is left now and a chunk at each later boundary (core/chunks.py), its row not live
+    until its last chunk, whose logits choose its first token (its tokens those of the prompt
+    run whole); once nothing is left, the next waiting jobs wait. So the running rows step at
+    every boundary, each boundary's prompt work bounded, whatever arrives. A preempted row
+    resuming runs its tokens the same way. Rows whose prompt does not run in chunks are seated
+    whole, in a boundary whose budget is untouched when they are longer than it: beam
+    searches, prompt log-probabilities (`prompt_logprobs`), encoder-decoders and
+    vision-language models (prompt-only jobs run as without a budget). A prompt part-way
+    through holds its slot and its share of the KV budget (its whole prompt); it may be
+    cancelled, and is preempted (its chunks dropped) as a running row of its place would be."""
 
     def __init__(self, ctx: Context, slots: int, capacity: int, lookup=None, assistant=None, stream: bool = True,
-                 state=None, isolate: bool = True, prefix_cache_bytes: int = 0, kv_cache_bytes: int | None = None):
+                 state=None, isolate: bool = True, prefix_cache_bytes: int = 0, kv_cache_bytes: int | None = None,
+                 prefill_chunk_tokens: int = 0):
+        check_integer("prefill_chunk_tokens", prefill_chunk_tokens, 0, 1 << 31)
         self.ctx, self.slots, self.capacity, self.isolate = ctx, slots, capacity, isolate
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.lookup, self.assistant, self.stream = lookup, assistant, stream
         store = FirstStepStore if ctx.model.is_seq2seq else PrefixStore  # an encoder-decoder's: its first steps
         self.prefix = store(prefix_cache_bytes) if prefix_cache_bytes else None
@@ -151,6 +178,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.holder: dict[int, Job] = {}  # slot -> the job of a plain row
         self.groups: dict[int, Job] = {}  # first slot -> the job of a beam search
+        self.filling: dict[int, Job] = {}  # slot -> the job whose prompt runs in chunks (Job.partial)
         self.steps = 0  # model runs of decode steps (admissions not counted)
         self._admitting: list[Job] = []
         self._ended: list[Job] = []
@@ -177,17 +205,19 @@ class Scheduler:
 
     # -- jobs -----------------------------------------------------------------------------
     def job(self, prompt, seed: int = 0, settings: dict | None = None, encoder=None,
-            prompt_logprobs: int | None = None, key=None, timestamps: bool = False, untempered: bool = False) -> Job:
+            prompt_logprobs: int | None = None, key=None, timestamps: bool = False, untempered: bool = False,
+            priority: int = 0) -> Job:
         """A checked Job: `settings` are generation_config fields by name over the context's;
         `timestamps`: a window decoded with its family's timestamp rules (`timestamp_rules`);
         `untempered`: its log-probabilities before the temperature (Whisper's fallback rates a
-        window by them).
+        window by them); `priority`: lower first (`add`).
         Anything wrong raises SettingError naming the field. Thread-safe (reads the context only)."""
         ctx = self.ctx
         if ctx.model.is_seq2seq and (encoder is None or len(encoder) != 1):
             raise ValueError("an encoder-decoder job needs its encoder outputs (one row): encoder=")
         prompt = check_prompts(ctx, [prompt])[0]
         seed = check_seeds([seed], 1)[0]
+        check_integer("priority", priority, 0, 1 << 31)
         if settings is not None and not (isinstance(settings, dict) and all(isinstance(k, str) for k in settings)):
             raise SettingError("settings", "settings must be an object of generation settings by name")
         resolved = ctx.with_settings(**(settings or {}))
@@ -221,12 +251,23 @@ class Scheduler:
             if ctx.model.is_seq2seq or ctx.model.graph.has_inputs_embeds:
                 raise SettingError("prompt_logprobs", "prompt_logprobs: the prompt's log-probabilities are given "
                                                       "for decoder-only text models")
-        return Job(prompt, seed, resolved, max_new, encoder, prompt_logprobs, key)
+        return Job(prompt, seed, resolved, max_new, encoder, prompt_logprobs, key, priority=priority)
 
     def add(self, job: Job) -> None:
-        """Queue a job (from the scheduler's own thread); it is admitted at a step boundary."""
+        """Queue a job (from the scheduler's own thread); it is admitted at a step boundary, after
+        the jobs of lower priority values and, among its own, in arrival order (vLLM's priority
+        policy). A waiting job takes the slot of a running plain row of a higher value: that row
+        is preempted (core/preempt.py) and waits at its place, so batch rows (priority above 0)
+        fill what interactive ones leave and an interactive row waits at most one step for them."""
         job.order = next(self._arrivals)
-        self.waiting.append(job)
+        self._enqueue(job)
+
+    def _enqueue(self, job: Job) -> None:
+        rank = job.rank
+        at = len(self.waiting)
+        if at and self.waiting[-1].rank > rank:
+            at = next(i for i, waiting in enumerate(self.waiting) if waiting.rank > rank)
+        self.waiting.insert(at, job)
 
     @staticmethod
     def cancel(job: Job) -> None:
@@ -235,19 +276,20 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.holder or self.groups)
+        return bool(self.waiting or self.holder or self.groups or self.filling)
 
     @property
     def running(self) -> int:
-        return len(self.holder) + len(self.groups)
+        return len(self.holder) + len(self.groups) + len(self.filling)
 
     @property
     def occupied(self) -> int:
-        return len(self.holder) + sum(job.beams for job in self.groups.values())
+        return len(self.holder) + len(self.filling) + sum(job.beams for job in self.groups.values())
 
     def jobs(self) -> list[Job]:
-        """Every job not ended yet: running, being admitted, waiting."""
-        return [*self.holder.values(), *self.groups.values(), *self._admitting, *self.waiting]
+        """Every job not ended yet: running, being prefilled or admitted, waiting."""
+        return [*self.holder.values(), *self.groups.values(), *self.filling.values(), *self._admitting,
+                *self.waiting]
 
     # -- the step -------------------------------------------------------------------------
     def step(self, admitted=None) -> tuple[list[Update], list[Job]]:
@@ -260,6 +302,11 @@ class Scheduler:
         for slot, job in [*self.holder.items(), *self.groups.items()]:
             if job.cancelled:
                 self._end_slot(slot, "cancelled")
+        for slot, job in list(self.filling.items()):
+            if job.cancelled:  # mid-prefill: its chunks so far are dropped
+                del self.filling[slot]
+                job.partial = None
+                self._close(job, "cancelled")
         self._admit(updates)
         if admitted is not None and updates:
             admitted(updates)
@@ -288,7 +335,8 @@ class Scheduler:
         elif self.lookup is not None and any(j.settings.prompt_lookup_num_tokens for j in self.holder.values()):
             state, outs = verify(ctx, state, self.lookup)
         elif not self.stream:  # within the budget: the steps the buffers laid out for this one hold
-            state, out = advance(ctx, state, max_steps=state.capacity if self.budget is None else self._reach())
+            steps = 1 if self.filling else state.capacity if self.budget is None else self._reach()
+            state, out = advance(ctx, state, max_steps=steps)  # (prompts part-way through go on at each step)
             outs = [out]
         else:
             state, out = step(ctx, state)
@@ -326,15 +374,23 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------------
     def _admit(self, updates: list[Update]) -> None:
         """Seat the waiting jobs that fit, in arrival order; prompt-only jobs (max_new 0) take no
-        slot: they run together at once."""
+        slot: they run together at once. With a prefill budget, the prompts part-way through run
+        their chunks first, and a waiting job's prompt runs whole, in chunks or not yet as what
+        is left of the budget says (the class docstring)."""
         passes = [job for job in self.waiting if job.max_new == 0 and not job.cancelled]
         if passes:
             taken = {id(job) for job in passes}
             self.waiting = deque(job for job in self.waiting if id(job) not in taken)
-        free = [s for s in self.state.free_slots().tolist()]
+        free = [s for s in self.state.free_slots().tolist() if s not in self.filling]
         plain, beams, resumed = [], [], []
+        left = self.prefill_chunk_tokens or None  # prompt tokens this boundary may still run (None: no budget)
+        chunks = []  # (slot, job, tokens it runs now)
+        ahead = sorted(self.filling.items(), key=lambda item: item[1].rank, reverse=True)  # part-way; the first last
+        starting = False  # a prompt seated this boundary runs in chunks
         while self.waiting:
             job = self.waiting[0]
+            while ahead and ahead[-1][1].rank < job.rank:  # the prompts part-way through before it go first
+                left = self._give(ahead.pop(), left, chunks)
             if job.cancelled:
                 self.waiting.popleft()
                 self._close(job, "cancelled")
@@ -345,23 +401,45 @@ class Scheduler:
                                                                     f"slots; this scheduler has {self.slots}"), True)
                 continue
             if job.beams > len(free):
+                if self._yield_to(job, free):
+                    continue
                 break  # later arrivals wait behind it
             taken = free[:job.beams]
             if self.budget is not None and not self._needs([*plain, *beams, *resumed, (taken, job)]).fits(
                     self.state.cache, self.budget):
-                if self.holder or self.groups or plain or beams or resumed:
+                if self._yield_to(job, free):
+                    continue
+                if self.holder or self.groups or self.filling or plain or beams or resumed:
                     break  # it waits for rows to end (or to be preempted: never for a waiting job)
                 self.waiting.popleft()  # alone, it never fits
                 self._close(job, "error", SettingError("kv_cache_bytes", f"kv_cache_bytes: {self.budget} bytes do not "
                                                                          f"hold the {job.beams} rows of this request"),
                             True)
                 continue
+            if left is not None:
+                cost = job.paused.length if job.paused is not None else len(job.prompt)
+                if cost > left and self._chunked(job):
+                    if not left:
+                        break  # the boundary's prompt budget is spent: it waits for the next
+                    self.waiting.popleft()
+                    free = free[1:]
+                    self.filling[taken[0]] = job  # its slot held, its row not live until its prompt has run
+                    if job.started is None:
+                        job.started = time.perf_counter()
+                    chunks.append((taken[0], job, left))
+                    left, starting = 0, True
+                    continue
+                if cost > left and left < self.prefill_chunk_tokens:
+                    break  # a prompt that runs whole only, longer than what is left: a boundary of its own
+                left = max(0, left - cost)
             self.waiting.popleft()
             free = free[job.beams:]
             (resumed if job.paused is not None else plain if job.beams == 1 else beams).append((taken, job))
-        if not plain and not beams and not passes and not resumed:
+        while ahead:
+            left = self._give(ahead.pop(), left, chunks)
+        if not plain and not beams and not passes and not resumed and not chunks:
             return
-        if self.state.cache.sized:  # before their prompts run into the buffers
+        if self.state.cache.sized and (plain or beams or resumed or starting):  # before prompts run into the buffers
             seated = [*plain, *beams, *resumed]
             self._lay_out(self._needs(seated), self._limits(seated))
         now = time.perf_counter()
@@ -381,8 +459,62 @@ class Scheduler:
             self._admit_beams(slots, job)
         for slots, job in resumed:
             self._resume(slots, job)
+        self._fill(chunks, updates)
         self._admitting = []
         self._trim_prefix()
+
+    def _chunked(self, job: Job) -> bool:
+        """Whether the job's prompt may run in chunks: a plain row of a decoder-only text model
+        (or a preempted one resuming) whose prompt log-probabilities nobody asked for."""
+        model = self.ctx.model
+        return (job.beams == 1 and job.prompt_top is None and not model.is_seq2seq
+                and not model.graph.has_inputs_embeds)
+
+    def _give(self, filling: tuple[int, Job], left: int, chunks: list) -> int:
+        """A chunk of what is `left` of the boundary's prompt budget to a prompt part-way through
+        (`filling`: its slot and job; one preempted meanwhile gets none), into `chunks`; what is
+        left then."""
+        slot, job = filling
+        if left and self.filling.get(slot) is job:
+            chunks.append((slot, job, min(left, job.partial.left)))
+            left -= chunks[-1][2]
+        return left
+
+    def _fill(self, chunks: list, updates: list[Update]) -> None:
+        """Run this boundary's chunks (slot, job, tokens to run), each prompt from where it
+        stopped (core/chunks.py: a new one from its start in the prefix store); the rows whose
+        prompts have run are seated at once (so the prompts after them find them in the prefix
+        store), their first tokens into `updates` as an admission's. A chunk that raises ends its
+        job alone (its slot is free again)."""
+        store = self.state.prefix if isinstance(self.state.prefix, PrefixStore) else None
+        for slot, job, count in chunks:
+            if self.filling.get(slot) is not job:  # preempted after its chunk was given (a job of a lower priority value)
+                continue
+            try:
+                if job.partial is None:  # a resumed row's tokens are nobody's prompt: not looked up
+                    tokens = job.prompt if job.paused is None else job.paused.tokens[:job.paused.length].tolist()
+                    job.partial = begin(self.ctx, tokens, store if job.paused is None else None)
+                job.partial = extend(self.ctx, job.partial, min(count, job.partial.left))
+            except Exception as e:  # noqa: BLE001 - its own prompt, or the run: it ends alone
+                if not self.isolate:
+                    raise
+                del self.filling[slot]
+                job.partial = None
+                self._close(job, "error", e, admitting=True)
+                continue
+            if job.partial.left:
+                continue
+            self._admitting.append(self.filling.pop(slot))
+            if job.paused is None:
+                self._admit_plain([slot], [job], updates, self._seat_batch)
+            else:
+                self._resume([slot], job)
+            job.partial = None
+
+    def _seat_batch(self, slots: list[int], jobs: list[Job]) -> StepTokens:
+        self.state, first = seat(self.ctx, self.state, slots, [j.partial for j in jobs], [j.seed for j in jobs],
+                                 [j.settings for j in jobs], [j.max_new for j in jobs])
+        return first
 
     def _prompt_passes(self, jobs: list[Job], store=None) -> list[Job]:
         """The prompt log-probabilities of the jobs that asked (echo with logprobs, or a
@@ -412,10 +544,13 @@ class Scheduler:
                 done.append(id(job))
         return [job for job in jobs if id(job) in done]
 
-    def _admit_plain(self, slots: list[int], jobs: list[Job], updates: list[Update]) -> None:
-        """One batched admission, or, when it raises, one per job, so only a job that fails alone fails."""
+    def _admit_plain(self, slots: list[int], jobs: list[Job], updates: list[Update], run=None) -> None:
+        """One batched admission, or, when it raises, one per job, so only a job that fails alone
+        fails. `run(slots, jobs)`: the admission, returning the first tokens (default: the prompts
+        run whole; `_seat_batch`: prompts that ran in chunks)."""
+        run = run or self._admit_batch
         try:
-            seated = [(slots, jobs, self._admit_batch(slots, jobs))]
+            seated = [(slots, jobs, run(slots, jobs))]
         except Exception as e:  # noqa: BLE001 - someone's data, or the run: find out one by one
             if not self.isolate:
                 raise
@@ -425,7 +560,7 @@ class Scheduler:
             else:
                 for slot, job in zip(slots, jobs):
                     try:
-                        seated.append(([slot], [job], self._admit_batch([slot], [job])))
+                        seated.append(([slot], [job], run([slot], [job])))
                     except Exception as alone:  # noqa: BLE001 - this job's own failure
                         self._close(job, "error", alone, admitting=True)
         token_logprobs = self.ctx.token_logprobs
@@ -487,6 +622,7 @@ class Scheduler:
         """What the running rows and the rows `seated` (slots, job) need of the cache: a plain
         row its length and the lookahead, a resumed one its paused length and the lookahead, a
         beam search its limit in each of its slots."""
+        seated = [*(([slot], job) for slot, job in self.filling.items()), *seated]  # prompts part-way: seated
         lookahead = self._lookahead([*self.holder.values(), *(job for _, job in seated)])
         needs = Needs.of(self.state, lookahead)
         for slots, job in seated:
@@ -507,8 +643,9 @@ class Scheduler:
         if longest <= cache.length and cache.footprint(cache.held, cache.length) <= self.budget:
             return  # most steps: the layout holds the rows' next tokens (and the beams' limits, since seated)
         needs = self._needs([])
-        while not needs.fits(self.state.cache, self.budget) and self.holder:
-            self._preempt(max(self.holder, key=lambda slot: self.holder[slot].order))
+        while not needs.fits(self.state.cache, self.budget) and (self.holder or self.filling):
+            rows = {**self.holder, **self.filling}
+            self._preempt(max(rows, key=lambda slot: rows[slot].rank))
             needs = self._needs([])
         self._lay_out(needs, self._limits([]))
         self._trim_prefix()
@@ -523,7 +660,7 @@ class Scheduler:
         its limit (prompt and new tokens)."""
         state = self.state
         longest = int(state.limit[state.used].max(initial=0))
-        for _, job in seated:
+        for job in [*self.filling.values(), *(job for _, job in seated)]:
             limit = job.paused.limit if job.paused is not None else len(job.prompt) + job.max_new
             longest = max(longest, min(limit, self.capacity))
         return longest
@@ -551,18 +688,40 @@ class Scheduler:
 
     def _preempt(self, slot: int) -> None:
         """The row in `slot` leaves it, kept (core.preempt.pause), and waits at its place in
-        arrival order: before every job that arrived after it."""
-        job = self.holder.pop(slot)
-        job.paused = pause(self.ctx, self.state, slot)
+        the queue: before every job of its priority that arrived after it. A prompt part-way
+        through its chunks drops them (it runs again from its start when seated)."""
+        if slot in self.filling:
+            job = self.filling.pop(slot)
+            job.partial = None
+        else:
+            job = self.holder.pop(slot)
+            job.paused = pause(self.ctx, self.state, slot)
         job.preemptions += 1
         self.preemptions += 1
-        at = next((i for i, waiting in enumerate(self.waiting) if waiting.order > job.order), len(self.waiting))
-        self.waiting.insert(at, job)
+        self._enqueue(job)
+
+    def _yield_to(self, job: Job, free: list[int]) -> bool:
+        """Make room for the waiting `job`: preempt the running plain row that is last in the
+        order of preemption among those of a higher priority value than its own, its slot into
+        `free`. False where none is (or the model's rows are not preempted: encoder-decoders,
+        vision-language models; beam searches are never preempted)."""
+        model = self.ctx.model
+        if model.is_seq2seq or model.graph.has_inputs_embeds:
+            return False
+        rows = {**self.holder, **self.filling}  # a prompt part-way through its chunks gives its slot up too
+        later = [slot for slot, running in rows.items() if running.priority > job.priority]
+        if not later:
+            return False
+        slot = max(later, key=lambda s: rows[s].rank)
+        self._preempt(slot)
+        free.append(slot)
+        return True
 
     def _resume(self, slots: list[int], job: Job) -> None:
         """A preempted job back into `slots`, its cache recomputed (core.preempt.resume)."""
         try:
-            self.state = resume(self.ctx, self.state, slots, [job.paused], [job.settings])
+            self.state = resume(self.ctx, self.state, slots, [job.paused], [job.settings],
+                                None if job.partial is None else [job.partial.rows()])
         except Exception as e:  # noqa: BLE001 - this job's own failure (its slot is free again)
             if not self.isolate:
                 raise

@@ -305,13 +305,14 @@ class ContinuousBatcher:
     # -- public -----------------------------------------------------------------------------
     def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
                prompt_logprobs: int | None = None, timestamps: bool = False, untempered: bool = False,
-               job=None) -> Request:
+               job=None, priority: int = 0) -> Request:
         """Queue a prompt (token ids) with its generation settings (any generation_config
         field: validated here, so a bad one raises ValueError naming it). An encoder-decoder
         model's request brings its source through the encoder: `encoder`, an EncoderOutputs of
         one row (the prompt is then the decoder's: decoder_start_token_id, ...). `timestamps`: a
         Whisper window, decoded with the timestamp rules; `untempered`: its log-probabilities
-        before the temperature (the window's temperature fallback rates it by them). `job`: the
+        before the temperature (the window's temperature fallback rates it by them). `priority`:
+        lower first (Scheduler.add: batch rows above 0 give their slots up). `job`: the
         scheduler's Job of these, checked already (engine_process: in the parent)."""
         if self._stop.is_set():
             raise RuntimeError("the batcher is closed")
@@ -319,7 +320,7 @@ class ContinuousBatcher:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
         if job is None:
             job = self.scheduler.job(prompt, seed, settings, encoder, prompt_logprobs, timestamps=timestamps,
-                                     untempered=untempered)
+                                     untempered=untempered, priority=priority)
         request = Request(next(self._ids), job.prompt, job.seed, job.settings, job.max_new, job=job,
                           beams=job.beams, encoder=encoder, prompt_top=prompt_logprobs)
         job.key = request

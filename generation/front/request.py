@@ -35,6 +35,7 @@ class EngineRequest:
     echo: bool = False
     prompt_logprobs: int | None = None
     request_id: str | None = None
+    priority: int = 0  # lower first (engine/scheduler.py): 0 interactive; batch rows above
 
     @classmethod
     def of(cls, values: dict) -> "EngineRequest":

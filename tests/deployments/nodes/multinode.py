@@ -20,12 +20,13 @@ sys.path.insert(0, str(ROOT))
 
 STREAMS = 12  # two replicas of 4 slots: 8 run, 4 wait for a slot
 RUNNING = 8
-TOKENS = 150  # 150 steps of 40 ms: 6 s a stream
+TOKENS = 250  # 250 steps of 40 ms: 10 s a stream, so none ends before the kill on a loaded machine
 
 
 def stream(url: str, prompt: str, started: dict, tokens: int = TOKENS, timeout: float = 60) -> dict:
     """One streamed completion of the fake app at `url`, as a client sees it: its text, finish
-    reason, error event (or exception) and status; `started[prompt]` is set at its first chunk."""
+    reason, error event (or exception), status and `ended` (time.time() when its stream
+    closed); `started[prompt]` is set at its first chunk."""
     import httpx
 
     body = dict(model="fake", prompt=prompt, max_tokens=tokens, stream=True)
@@ -46,7 +47,8 @@ def stream(url: str, prompt: str, started: dict, tokens: int = TOKENS, timeout: 
                 started.setdefault(prompt, time.time())
     except Exception as e:  # noqa: BLE001 - what a client sees, reported
         error = f"{type(e).__name__}: {e}"
-    return {"prompt": prompt, "text": "".join(text), "finish": finish, "error": error, "status": status}
+    return {"prompt": prompt, "text": "".join(text), "finish": finish, "error": error, "status": status,
+            "ended": time.time()}
 
 
 def replica_nodes(ray, app: str, deployment: str) -> dict[str, str]:
@@ -120,11 +122,16 @@ def main(port: int) -> None:
             time.sleep(0.05)
         time.sleep(0.5)  # the 4 others reach their replicas' queues
         at_kill = set(started)
-        report["under_way"] = len(at_kill)
+        kill_at = time.time()
         victim = next(w for w in workers if w.node_id in nodes_before.values())
         lost = kill_node(cluster, victim)  # the node is gone, as a lost machine: every process on it
         removed_at = time.time()
         results = [f.result() for f in futures]
+    # a loaded machine may take longer than a stream to start the first 8: count what ran at the
+    # kill (started, not ended) apart from what had ended (its slot then went to a waiting one)
+    ended_before = {r["prompt"] for r in results if r["prompt"] in at_kill and r["ended"] < kill_at}
+    report["ended_before_kill"] = len(ended_before)
+    report["under_way"] = len(at_kill - ended_before)
     report["removed_after_s"] = round(time.time() - removed_at, 2)
     report["killed_processes"] = lost
     whole = 0
@@ -140,7 +147,7 @@ def main(port: int) -> None:
     report["silent"] = sum(1 for r in results if not r["whole"] and not r["error"])
     report["errors"] = sorted({r["error"][:200] for r in results if r["error"]})
     # afterwards: new requests are served (by the surviving replica, then by the one Serve restarts)
-    after = [stream(url, f"after {i}", {}) for i in range(4)]
+    after = [stream(url, f"after {i}", {}, tokens=60) for i in range(4)]
     report["after_whole"] = sum(1 for r in after if r["finish"] == "length" and not r["error"])
     print(json.dumps(report), flush=True)
     serve.shutdown()

@@ -32,8 +32,10 @@ def test_a_lost_node_under_load_loses_no_request_silently():
     report = json.loads(lines[-1])
     streams = 12
     assert len(set(report["decoder_nodes"])) == 2 and -1 not in report["decoder_nodes"], report  # spread
+    # every slot ran at the kill; the rest waited (or, on a slow start, had run and ended)
     assert report["under_way"] == 8 and report["killed_processes"] >= 2, report
-    assert report["queued"] == 4 and report["queued_whole"] == 4, report  # the waiting ones moved
+    assert report["queued"] + report["under_way"] + report["ended_before_kill"] == streams, report
+    assert report["queued"] >= 1 and report["queued_whole"] == report["queued"], report  # the waiting ones moved
     assert report["silent"] == 0, report
     assert report["whole"] + report["failed_clearly"] == streams, report
     assert report["failed_clearly"] >= 1, report  # the lost node held some of them
