@@ -5,7 +5,9 @@ Invariants: two decoder replicas land on two different worker nodes (max_replica
 when one of those nodes is lost under load (every process on it killed), every stream under way
 either completes whole or ends with a clear error event naming the lost replica (none is cut
 silently), the requests still waiting for a slot move to the surviving replica and complete
-whole, and new requests are served afterwards.
+whole, and new requests are served afterwards. `raymuter batch --address` on a cluster of three
+nodes (batch_multinode.py) runs its engine actors on more than one node, answers every line once
+with the engine's answer, and a run killed midway resumes against the same cluster.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from ports import quiet_port
 
 SCRIPT = Path(__file__).with_name("multinode.py")
+BATCH_SCRIPT = Path(__file__).with_name("batch_multinode.py")
 
 
 def test_a_lost_node_under_load_loses_no_request_silently():
@@ -41,3 +44,19 @@ def test_a_lost_node_under_load_loses_no_request_silently():
     assert report["failed_clearly"] >= 1, report  # the lost node held some of them
     assert all("decoder replica serving this request failed" in e for e in report["errors"]), report
     assert report["after_whole"] == 4, report
+
+
+def test_raymuter_batch_on_a_cluster_spreads_its_engines_and_resumes_after_a_kill(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="disabled")
+    done = subprocess.run([sys.executable, str(BATCH_SCRIPT), str(tmp_path)], capture_output=True, text=True,
+                          timeout=500, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    report = json.loads(lines[-1])
+    assert 8 <= report["kept_after_kill"] < 120, report  # killed midway, its whole lines kept
+    assert report["rerun_rc"] == 0, report
+    assert f"{report['kept_after_kill']} already in" in report["rerun_stderr"], report  # the rerun skipped them
+    assert report["engine_actor_nodes"] >= 2, report  # the engine actors ran on more than one node
+    assert report["lines"] == report["distinct"] == 120, report  # every line once
+    assert report["equal"] == 120, report  # each the fake engine's answer to its prompt
