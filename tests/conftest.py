@@ -35,18 +35,24 @@ class Oracle:
     ``greedy(name, prompt, max_new_tokens, **generate_kwargs) -> list[int]``: the new tokens of
     ``model.generate`` (``do_sample=False``) for ONE prompt alone, without a trailing eos.
     ``logits(name, prompt) -> np.ndarray [len(prompt), vocab]``: one forward pass.
+    ``eager``: names loaded with eager attention (transformers' default is sdpa, which ignores
+    Gemma 2's cap on the scores: a model exported from eager attention is compared with eager).
     """
 
-    def __init__(self, models: dict[str, Path]):
+    def __init__(self, models: dict[str, Path], eager=()):
         self._paths = models
+        self._eager = {self._key(name) for name in eager}
         self._models = {}
         self._greedy = {}
         self._logits = {}
         self._torch_ready = False
 
+    @staticmethod
+    def _key(name: str) -> str:
+        return name if name.startswith("hf/") else f"hf/{name}"
+
     def hf_dir(self, name: str) -> Path:
-        key = name if name.startswith("hf/") else f"hf/{name}"
-        return self._paths[key]
+        return self._paths[self._key(name)]
 
     def model(self, name: str):
         key = self.hf_dir(name)
@@ -57,7 +63,8 @@ class Oracle:
             if not self._torch_ready:
                 torch.set_num_threads(2)
                 self._torch_ready = True
-            m = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+            eager = {"attn_implementation": "eager"} if self._key(name) in self._eager else {}
+            m = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32, **eager)
             self._models[key] = m.eval()
         return self._models[key]
 

@@ -60,10 +60,11 @@ CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache, "s
 def new_cache(model, mode: str, slots: int, capacity: int, max_position: int):
     """The cache of `mode` for `model`'s decoder; a decoder that takes inputs_embeds gets the
     model's embedding (only the append cache takes one: the others refuse such a graph). An
-    append cache of a model with a sliding window keeps each row's rows where the graph's
-    window looks for them (windowed.py)."""
+    append cache of a model with a sliding window, or of a graph that reads buffer columns
+    (MPT's ALiBi: graph.keys_at_end), keeps each row's rows where the graph looks for them
+    (windowed.py)."""
     kind = CACHES[mode]
-    if kind is AppendCache and model.attention_window:
+    if kind is AppendCache and (model.attention_window or model.graph.keys_at_end):
         kind = WindowedAppendCache
     if model.graph.has_inputs_embeds:
         cache = kind(model.session, model.graph, slots, capacity, max_position, embed=model.embed)

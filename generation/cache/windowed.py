@@ -1,6 +1,7 @@
-"""The append cache of a graph whose attention has a sliding window: each slot's rows end at the
-buffer's width (left-padded, as transformers lays out a batch), where the plain append cache keeps
-them at the start.
+"""The append cache of a graph whose attention has a sliding window (or that biases keys by their
+column's distance, as MPT's ALiBi: runtime/positions.py): each slot's rows end at the buffer's
+width (left-padded, as transformers lays out a batch), where the plain append cache keeps them at
+the start.
 
 Why: an Optimum / transformers.js graph computes its sliding-window mask over buffer COLUMNS,
 not over a row's positions (transformers 4.57: `kv_idx > cache_position - sliding_window`, with

@@ -8,7 +8,9 @@ The cache mode follows the seed's rules, read from the graph itself:
   output; rows of different lengths share it.
 - `append`: the graph declares `position_ids`, so the mask can hide free rows of a fixed buffer.
 - `grow`: neither (positions come from the cache length, or GroupQueryAttention counts rows from
-  the mask LENGTH): an exact-length cache, one per prompt length.
+  the mask LENGTH): an exact-length cache, one per prompt length. A graph without position_ids
+  whose family places tokens by the mask or by column distances (BLOOM's and MPT's ALiBi) runs
+  `append` after all: runtime/positions.py, applied when a model is loaded (`keys_at_end`: MPT's).
 
 A graph can also run in any "lower" mode it supports: `in_place` and `append` graphs also run
 as `grow` (used by benchmarks to compare modes on one model).
@@ -75,6 +77,9 @@ class DecoderGraph:
     hidden_size: int = 0
     # the LM head runs at the positions of `logits_positions` [n, P] only (runtime.head's rewrite)
     has_logits_positions: bool = False
+    # the append cache keeps each row's keys ending at the buffer's width (cache/windowed.py): the
+    # graph reads buffer columns, not positions (runtime/positions.py)
+    keys_at_end: bool = False
 
     @property
     def is_seq2seq(self) -> bool:

@@ -18,6 +18,9 @@ from pathlib import Path
 
 POSITIONS = "logits_positions"
 _HEADS = ("MatMul", "MatMulNBits")  # row-wise in their first input: gathering rows first changes nothing
+#: elementwise after the head, with scalar constants (Gemma 2's soft-cap: Mul(Tanh(Div(logits, c)), c)):
+#: gathering rows before the head gives the rows they would have picked
+_ELEMENTWISE = ("Tanh", "Div", "Mul", "Add", "Sub")
 
 
 def head_positions(path: Path):
@@ -25,7 +28,8 @@ def head_positions(path: Path):
     logits are not a MatMul of [n, S, hidden] hidden states: at the top of the graph, or in each
     branch of a merged decoder's If (its branches see the input from the outer graph). Refused:
     a quantized head whose activation scale spans every position (DynamicQuantizeLinear), a bias
-    or a cast after the MatMul."""
+    or a cast after the MatMul (elementwise operators with scalar constants may follow it: a
+    soft-cap)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -51,6 +55,9 @@ def _cut(graph, name: str, count: list) -> str | None:
     from onnx import TensorProto, helper
 
     head = next((n for n in graph.node if name in n.output), None)
+    tail = _elementwise_input(graph, head)
+    if tail is not None:
+        return _cut(graph, tail, count)
     if head is not None and head.op_type == "If":
         at = list(head.output).index(name)
         for attribute in head.attribute:
@@ -76,3 +83,17 @@ def _cut(graph, name: str, count: list) -> str | None:
     for node in reversed(nodes):
         graph.node.insert(at, node)
     return None
+
+
+def _elementwise_input(graph, node) -> str | None:
+    """The one varying input of `node` where it is elementwise (_ELEMENTWISE) over it and scalar
+    constants and nothing else reads that input; else None."""
+    if node is None or node.op_type not in _ELEMENTWISE or node.domain not in ("", "ai.onnx"):
+        return None
+    scalars = {t.name for t in graph.initializer if not list(t.dims) or list(t.dims) == [1]}
+    scalars |= {n.output[0] for n in graph.node if n.op_type == "Constant" and n.attribute
+                and n.attribute[0].name in ("value", "value_float") and not list(n.attribute[0].t.dims)}
+    varying = [name for name in node.input if name not in scalars]
+    if len(varying) != 1 or sum(varying[0] in n.input for n in graph.node) != 1:
+        return None
+    return varying[0]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +30,7 @@ import numpy as np
 from .fusion import fused_decoder
 from .graph import DecoderGraph, GraphError, read_graph
 from .hooks import Hooks
+from .positions import append_layout
 
 log = logging.getLogger(__name__)
 
@@ -377,12 +378,27 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
         source = None  # the source's weights are not kept beside the fused graph's
         session, used = open_session(path, provider, threads, spin_wait, head=True)
         graph = read_graph(path, session, _config_dims(config), present_names)
+    graph = _placed(graph, config, path)
     model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,
                   generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path,
                   fused_from=decoder_path if fused else None)
     if graph.has_inputs_embeds:
         _load_vision_parts(model, variant, provider, threads)
     return model
+
+
+def _placed(graph: DecoderGraph, config: dict, path: Path) -> DecoderGraph:
+    """A graph that takes no position_ids runs `append` where its family places tokens by the
+    attention mask or by column distances (runtime/positions.py), else `grow`; the log says which
+    and why."""
+    if graph.native_mode != "grow" or graph.has_group_query_attention or graph.has_position_ids:
+        return graph
+    layout, why = append_layout(config)
+    if layout is None:
+        log.info("%s runs in the grow cache mode: %s", path.name, why)
+        return graph
+    log.info("%s runs in the append cache mode without position_ids: %s", path.name, why)
+    return replace(graph, native_mode="append", keys_at_end=layout == "end")
 
 
 def _text_fields(config: dict) -> dict:

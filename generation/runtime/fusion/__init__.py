@@ -28,13 +28,16 @@ from .weights import FusionError
 
 log = logging.getLogger(__name__)
 
-VERSION = 6  # bump when what is rewritten or emitted changes: it is part of every cache key (refusals too)
+VERSION = 7  # bump when what is rewritten or emitted changes: it is part of every cache key (refusals too)
 _CONFIG_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "num_hidden_layers", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta",
                   "rope_scaling", "max_position_embeddings", "hidden_act", "hidden_activation", "tie_word_embeddings",
                   "partial_rotary_factor", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
                   "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
-                  "attention_bias", "mlp_bias")
+                  "attention_bias", "mlp_bias", "query_pre_attn_scalar", "attn_logit_softcapping",
+                  "final_logit_softcapping", "rope_local_base_freq", "sliding_window_pattern",
+                  "_sliding_window_pattern", "use_bidirectional_attention", "no_rope_layers", "no_rope_layer_interval",
+                  "clip_qkv", "norm_eps", "layer_norm_eps", "qk_layernorm")
 PROBE_TOLERANCE = 1e-3  # of the logits' scale: a misplaced weight moves them by O(1)
 
 

@@ -10,7 +10,13 @@ model calls them. So the weights are the constants the graph reads, in node orde
     Mul(norm)  MatMul lm_head (a copy of the table where tied: exporters write it out)
 
 with each family's differences (families.py): Qwen3's Mul(q_norm) after MatMul q and Mul(k_norm)
-after MatMul k ([head_dim] weights); Phi-3's one MatMul qkv and one MatMul gate_up, split here.
+after MatMul k ([head_dim] weights); Phi-3's one MatMul qkv and one MatMul gate_up, split here;
+Gemma 2 / 3's Mul(post_attention_layernorm) after MatMul o and Mul(post_feedforward_layernorm)
+after MatMul down (Gemma 3's q/k norms after MatMul v); LayerNormalization(scale, bias) where a
+family's norms are LayerNorms (OLMo, Nemotron, Phi; a LayerNorm traced as Mul(scale) then
+Add(bias) reads the same); OLMo 2's Mul(q_norm) and Mul(k_norm) over all heads, and no norm before
+attention or the MLP; Nemotron's and Phi's MLP without MatMul gate; Phi's biases on every
+projection and the LM head.
 
 A weight reaches its MatMul as an initializer, a Constant, or through Transpose / Identity / Cast / Gemm
 (transB); a quantized one is a MatMulNBits (4-bit: onnx-community `_q4`) or the int8 dynamic
@@ -51,17 +57,21 @@ class Linear:
 
 @dataclass
 class Layer:
-    input_norm: np.ndarray
     q: Linear
     k: Linear
     v: Linear
     o: Linear
-    post_norm: np.ndarray
-    gate: Linear
     up: Linear
     down: Linear
-    q_norm: np.ndarray | None = None  # [head_dim]: Qwen3's per-head norms
+    input_norm: np.ndarray | None = None  # None: OLMo 2, no norm before attention
+    post_norm: np.ndarray | None = None  # None: OLMo 2 and Phi, no norm before the MLP
+    gate: Linear | None = None  # None: Nemotron and Phi, an MLP without a gate
+    input_norm_bias: np.ndarray | None = None  # LayerNorm families' biases
+    post_norm_bias: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # [head_dim]: Qwen3's per-head norms; [heads * head_dim]: OLMo 2's
     k_norm: np.ndarray | None = None
+    attention_output_norm: np.ndarray | None = None  # [hidden]: Gemma 2 / 3's norm of o's output
+    mlp_output_norm: np.ndarray | None = None  # [hidden]: and of down's
 
 
 @dataclass
@@ -70,6 +80,10 @@ class DecoderWeights:
     layers: list[Layer] = field(default_factory=list)
     norm: np.ndarray | None = None
     lm_head: Linear | None = None  # [hidden, vocab]
+    norm_bias: np.ndarray | None = None  # LayerNorm families' final norm bias
+    # Gemma 2's scores pass through c * tanh(x / c) in the source: transformers 4.57 caps them in its
+    # eager attention only (sdpa, which exporters trace by default, leaves them as they are)
+    scores_softcapped: bool = False
 
 
 def _attr(node, name, default=None):
@@ -183,7 +197,12 @@ def read_weights(model_proto, config: dict, layout) -> DecoderWeights:
     hidden = int(config["hidden_size"])
     head_dim = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
     norm_sizes = {hidden} | ({head_dim} if "q_norm" in layout.norms else set())
+    if layout.qk_norm_span == "all":  # OLMo 2's q / k norms: [heads * head_dim], [kv_heads * head_dim]
+        heads = int(config["num_attention_heads"])
+        norm_sizes |= {heads * head_dim, int(config.get("num_key_value_heads") or heads) * head_dim}
     embed, norms, linears = None, [], []
+    norm_biases: dict[int, np.ndarray] = {}  # a LayerNorm's bias, by its weight's index in norms
+    norm_outputs: dict[str, int] = {}  # Mul(norm) outputs, where an Add of a bias may follow
     by_output: dict[str, Linear] = {}
     taken: set[int] = set()  # nodes inside a quantized projection
     for node in graph.node:
@@ -206,6 +225,14 @@ def read_weights(model_proto, config: dict, layout) -> DecoderWeights:
                 value = const_through(name)
                 if value is not None and value.ndim == 1 and value.shape[0] in norm_sizes:
                     norms.append(value)
+                    norm_outputs[node.output[0]] = len(norms) - 1
+        elif op == "LayerNormalization" and layout.layer_norm:
+            scale = const_through(node.input[1])
+            bias = const_through(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+            if scale is not None and scale.ndim == 1 and scale.shape[0] in norm_sizes:
+                norms.append(scale)
+                if bias is not None:
+                    norm_biases[len(norms) - 1] = bias
         elif op in ("MatMul", "Gemm"):
             weight = const_through(node.input[1])
             if weight is None or weight.ndim != 2:
@@ -223,10 +250,36 @@ def read_weights(model_proto, config: dict, layout) -> DecoderWeights:
             bias = [const(name) for name in node.input if name not in by_output]
             if source and bias and bias[0] is not None and bias[0].ndim == 1 and source[0].bias is None:
                 source[0].bias = bias[0]
+            elif layout.layer_norm and any(name in norm_outputs for name in node.input):
+                index = next(norm_outputs[name] for name in node.input if name in norm_outputs)
+                bias = [const_through(name) for name in node.input if name not in norm_outputs]
+                if bias and bias[0] is not None and bias[0].ndim == 1 and index not in norm_biases:
+                    norm_biases[index] = bias[0]
     for array in (embed, *norms, *(x.weight for x in linears if not x.quantized)):
         if array is not None and array.dtype != np.float32:
             raise FusionError(f"weights of type {array.dtype} are not rewritten (float32 only)")
-    return _as_layers(embed, norms, linears, config, layout)
+    out = _as_layers(embed, norms, linears, config, layout, norm_biases)
+    if layout.attention_softcap:
+        capped = _capped(graph.node, producer, const_through, layout.attention_softcap)
+        out.scores_softcapped = capped >= len(out.layers)
+    return out
+
+
+def _capped(nodes, producer, const_through, cap: float) -> int:
+    """How many Tanh(x / cap) the graph computes on x that is not a projection's output (the
+    logits' cap is: Tanh(Div(MatMul(h, W), c)))."""
+    count = 0
+    for node in nodes:
+        divide = producer.get(node.input[0]) if node.op_type == "Tanh" else None
+        if divide is None or divide.op_type != "Div":
+            continue
+        value = const_through(divide.input[1])
+        source = producer.get(divide.input[0])
+        projected = source is not None and source.op_type in ("MatMul", "Gemm") and \
+            const_through(source.input[1]) is not None
+        if value is not None and value.size == 1 and np.isclose(float(value), cap) and not projected:
+            count += 1
+    return count
 
 
 def _dequantized(table: np.ndarray, consumers: list, const) -> np.ndarray:
@@ -241,7 +294,7 @@ def _dequantized(table: np.ndarray, consumers: list, const) -> np.ndarray:
     return ((table.astype(np.int32) - np.int32(zero)).astype(np.float32) * np.float32(scale)).astype(np.float32)
 
 
-def _as_layers(embed, norms, linears, config, layout) -> DecoderWeights:
+def _as_layers(embed, norms, linears, config, layout, norm_biases=None) -> DecoderWeights:
     layers = int(config["num_hidden_layers"])
     hidden = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
@@ -261,14 +314,18 @@ def _as_layers(embed, norms, linears, config, layout) -> DecoderWeights:
     shapes = {"q": (hidden, q_size), "k": (hidden, kv_size), "v": (hidden, kv_size),
               "qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden), "gate": (hidden, inner),
               "up": (hidden, inner), "gate_up": (hidden, 2 * inner), "down": (inner, hidden)}
-    norm_shapes = {"input_norm": (hidden,), "post_norm": (hidden,), "q_norm": (head_dim,), "k_norm": (head_dim,)}
-    out = DecoderWeights(embed=embed, norm=norms[-1])
+    norm_shapes = {"input_norm": (hidden,), "post_norm": (hidden,), "q_norm": (head_dim,), "k_norm": (head_dim,),
+                   "attention_output_norm": (hidden,), "mlp_output_norm": (hidden,)}
+    if layout.qk_norm_span == "all":
+        norm_shapes.update(q_norm=(q_size,), k_norm=(kv_size,))
+    norm_biases = norm_biases or {}
+    out = DecoderWeights(embed=embed, norm=norms[-1], norm_bias=norm_biases.get(len(norms) - 1))
     for i in range(layers):
         parts = dict(zip(layout.linears, linears[per_linears * i:per_linears * (i + 1)]))
         for name, linear in parts.items():
             if linear.shape != shapes[name]:
                 raise FusionError(f"layer {i} {name}_proj has shape {linear.shape}, expected {shapes[name]}")
-            if linear.bias is not None and name not in ("q", "k", "v"):
+            if linear.bias is not None and name not in layout.biased:
                 raise FusionError(f"layer {i} {name}_proj has a bias: not rewritten")
         if "qkv" in parts:
             parts.update(zip("qkv", _split(parts.pop("qkv"), (q_size, kv_size, kv_size), f"layer {i} qkv_proj")))
@@ -278,9 +335,15 @@ def _as_layers(embed, norms, linears, config, layout) -> DecoderWeights:
         for name, weight in named.items():
             if weight.shape != norm_shapes[name]:
                 raise FusionError(f"layer {i} {name} has shape {weight.shape}, expected {norm_shapes[name]}")
+        for j, name in enumerate(layout.norms):
+            bias = norm_biases.get(per_norms * i + j)
+            if bias is not None:
+                if name not in ("input_norm", "post_norm") or bias.shape != norm_shapes[name]:
+                    raise FusionError(f"layer {i} {name} has a bias of shape {bias.shape}: not rewritten")
+                named[f"{name}_bias"] = bias
         out.layers.append(Layer(**named, **parts))
     out.lm_head = linears[-1]
-    if out.lm_head.shape != (hidden, vocab) or out.lm_head.bias is not None:
+    if out.lm_head.shape != (hidden, vocab) or (out.lm_head.bias is not None and "lm_head" not in layout.biased):
         raise FusionError(f"lm_head has shape {out.lm_head.shape}, expected {(hidden, vocab)} and no bias")
     return out
 

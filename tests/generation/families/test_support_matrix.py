@@ -9,7 +9,9 @@ append to grow is a regression, even when its tokens stay right); in one batch o
 and 11 tokens, every row gets the 16 tokens transformers 4.57 `generate` gives its prompt alone
 (min_new_tokens=16 on both sides: no row ends early, every step is compared); a beam search equals
 transformers' on an architecture of each cache mode without a fused graph (MLA + experts in append,
-sinks + experts + a window in grow).
+sinks + experts + a window in grow, ALiBi by column distance in append with each row's keys at the
+buffer's end); the exports without position_ids that run append (BLOOM's and MPT's ALiBi) stay
+exact as rows join a running batch, and the one that runs grow says why in the log.
 """
 
 # Not in the matrix (optimum-onnx 0.1.0 lists them for text-generation-with-past):
@@ -31,19 +33,21 @@ import generation
 MAX_NEW = 16
 LENGTHS = (1, 5, 11)
 #: architecture (llama-merged: Llama's decoder_model_merged.onnx) -> the cache mode it loads in with
-#: fuse=True: in_place where the fused rewrite takes it, append where the export has position_ids,
-#: grow where it has none (bloom and mpt: ALiBi; gemma2, gemma3_text, gpt_oss, nemotron: Optimum
-#: exports them without position_ids)
+#: fuse=True: in_place where the fused rewrite takes it, append where the export has position_ids or
+#: places tokens by the attention mask or column distances (bloom and mpt: ALiBi; runtime/positions.py),
+#: grow where it takes positions from the cache's length (gpt_oss: Optimum exports it without
+#: position_ids)
 MODES = {
-    "arcee": "append", "bloom": "grow", "codegen": "append", "cohere": "append", "deepseek_v3": "append",
-    "falcon": "append", "gemma": "in_place", "gemma2": "grow", "gemma3_text": "grow", "glm": "append",
+    "arcee": "append", "bloom": "append", "codegen": "append", "cohere": "append", "deepseek_v3": "append",
+    "falcon": "append", "gemma": "in_place", "gemma2": "in_place", "gemma3_text": "in_place", "glm": "append",
     "gpt2": "append", "gpt_bigcode": "append", "gpt_neo": "append", "gpt_neox": "append", "gpt_oss": "grow",
     "gptj": "append", "granite": "in_place", "helium": "append", "llama": "in_place", "llama-merged": "in_place",
-    "mistral": "in_place", "mpt": "grow", "nemotron": "grow", "olmo": "append", "olmo2": "append",
-    "opt": "append", "phi": "append", "phi3": "in_place", "qwen2": "in_place", "qwen3": "in_place",
-    "qwen3_moe": "append", "smollm3": "append", "stablelm": "append",
+    "mistral": "in_place", "mpt": "append", "nemotron": "in_place", "olmo": "in_place", "olmo2": "in_place",
+    "opt": "append", "phi": "in_place", "phi3": "in_place", "qwen2": "in_place", "qwen3": "in_place",
+    "qwen3_moe": "append", "smollm3": "in_place", "stablelm": "append",
 }
-BEAMS = ("deepseek_v3", "gpt_oss")
+BEAMS = ("deepseek_v3", "gpt_oss", "mpt")
+WITHOUT_POSITIONS = ("bloom", "mpt")  # append without position_ids (runtime/positions.py)
 WINDOWED = ("gemma2", "gemma3_text", "gpt_oss")  # built here with a window (mistral, gpt_neo, qwen2: test_windows)
 
 
@@ -112,3 +116,59 @@ def test_the_window_matters(matrix, oracle, prompts, arch):
         out = model.eval().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
                                     min_new_tokens=MAX_NEW, pad_token_id=0)
     assert out[0, ids.shape[1]:].tolist() != oracle.greedy(arch, prompts[2], MAX_NEW, min_new_tokens=MAX_NEW)
+
+
+def _run_joining(ctx, prompts) -> list:
+    """Through the Scheduler, 3 slots: the 11-token row alone, the 1-token row joining at step 3, the
+    5-token one at step 9 with two more that wait for the slots finished rows leave."""
+    from generation.engine.scheduler import Scheduler
+    from test_windows import run_all
+
+    scheduler = Scheduler(ctx, slots=3, capacity=64)
+    jobs = [scheduler.job(p, seed=i, settings=dict(max_new_tokens=MAX_NEW - 2 * i, min_new_tokens=MAX_NEW - 2 * i))
+            for i, p in enumerate(prompts)]
+    run_all(scheduler, {0: jobs[:1], 3: jobs[1:2], 9: jobs[2:]})
+    return [j.tokens for j in jobs]
+
+
+@pytest.fixture(scope="module")
+def joining(prompts, prompts_of):
+    return [prompts[2], prompts[0], prompts[1]] + prompts_of((3, 9), seed=7)
+
+
+@pytest.mark.parametrize("steps", ["whole", "pieces"])
+@pytest.mark.parametrize("arch", WITHOUT_POSITIONS)
+def test_rows_joining_a_running_batch_without_position_ids(matrix, load_model, oracle, joining, arch, steps):
+    """BLOOM and MPT in the append mode: rows of other lengths join mid-run, and every row is
+    transformers' alone (MPT's keys end at the buffer's width, where its ALiBi reads them)."""
+    model = load_model(matrix[arch][0], fuse=True)
+    assert model.graph.native_mode == "append" and not model.graph.has_position_ids
+    ctx = generation.context(model, prompt_steps=steps)
+    expected = [oracle.greedy(arch, p, MAX_NEW - 2 * i, min_new_tokens=MAX_NEW - 2 * i) for i, p in enumerate(joining)]
+    assert _run_joining(ctx, joining) == expected
+
+
+@pytest.mark.parametrize("arch,keys_at_end", [("mpt", False), ("gpt_oss", False), ("gpt_oss", True)])
+def test_where_append_would_not_be_exact(matrix, oracle, joining, arch, keys_at_end):
+    """Guard: MPT with each row's keys at the buffer's start, and gpt-oss (positions from the cache's
+    length) in either append layout, answer a joining row otherwise than transformers."""
+    import dataclasses
+
+    model = generation.load(matrix[arch][0], threads=1)
+    model.graph = dataclasses.replace(model.graph, native_mode="append", keys_at_end=keys_at_end)
+    expected = [oracle.greedy(arch, p, MAX_NEW - 2 * i, min_new_tokens=MAX_NEW - 2 * i) for i, p in enumerate(joining)]
+    assert _run_joining(generation.context(model), joining) != expected
+
+
+@pytest.mark.parametrize("arch,logged", [
+    ("bloom", "runs in the append cache mode without position_ids: its ALiBi positions are the attention mask's"),
+    ("mpt", "runs in the append cache mode without position_ids: its ALiBi bias is the distance between buffer"),
+    ("gpt_oss", "runs in the grow cache mode: model_type 'gpt_oss' takes a token's position from the cache's length"),
+])
+def test_an_export_without_position_ids_says_which_mode_and_why(matrix, caplog, arch, logged):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="generation.runtime.model"):
+        model = generation.load(matrix[arch][0], threads=1)
+    assert model.graph.native_mode == MODES[arch] and model.graph.keys_at_end == (arch == "mpt")
+    assert any(logged in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
