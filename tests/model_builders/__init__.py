@@ -13,6 +13,9 @@ every ONNX layout the engine serves.  Nothing is downloaded.
                layouts, built on demand
     matrix     the support matrix: every decoder-only architecture optimum-onnx exports, tiny, in
                the Optimum layout (those above reused, not rebuilt), built on demand
+    layouts    the matrix's other layouts from its Hugging Face folders: onnxruntime-genai builds of
+               every architecture its builder takes, the transformers.js onnx/ folder (with q4, int8
+               and fp16 variants) and merged decoder, built on demand
 
 Each set is cached under ``$RAYMUTER_TEST_MODELS`` (else ``~/.cache/raymuter/test-models``) in a
 folder named by a hash of the builder files that make it (``generation/default_model/export.py``

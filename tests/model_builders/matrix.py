@@ -13,8 +13,9 @@ in the plain Optimum layout:
 Architectures another builder already makes are not built again: :func:`matrix_models` takes
 them from there (:data:`REUSED`: llama, its merged decoder and gpt2 from text.py, mistral and gpt_neo
 from windows.py, qwen2 (with its window), qwen3, granite, phi3 and gemma from families.py).
-optimum-onnx 0.1.0 writes no merged decoder for these, and its no-past export has no present outputs
-to merge: Llama's ``llama-merged`` is the one merged layout in the matrix.
+optimum-onnx 0.1.0 writes no merged decoder for these: Llama's ``llama-merged`` is the one merged
+layout here; :mod:`model_builders.layouts` makes the other layouts (genai builds, transformers.js's
+``onnx/`` folder and merged decoder) from these Hugging Face folders.
 
 Folders under ``<cache root>/<matrix_key()>-matrix`` (the key hashes this file, common.py and the
 package versions); built on demand in a worker process, under an ``fcntl`` lock, into a temporary
@@ -100,8 +101,11 @@ def matrix_config(kind: str):
             vocab_size=common.TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, rotary_pct=0.5, max_position_embeddings=256, tie_word_embeddings=False, **ids)
     if kind == "gpt_oss":  # experts, attention sinks; layer 0 local, layer 1 global
+        # swiglu_limit as the released checkpoints' config.json has it: transformers 4.57 clamps the
+        # experts at 7.0 whatever the config says, onnxruntime-genai's builder only where it says so
         return tf.GptOssForCausalLM, tf.GptOssConfig(
-            **llama_like, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)
+            **llama_like, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+            swiglu_limit=7.0)
     if kind == "gptj":
         return tf.GPTJForCausalLM, tf.GPTJConfig(**gpt_like, rotary_dim=8, tie_word_embeddings=False)
     if kind == "helium":
