@@ -18,7 +18,11 @@ operators but one rotation per NoPE layer), its tokens not compared. "append" is
 it runs unfused (grow for Gemma 2 / 3 and Nemotron: Optimum exports them without position_ids).
 The builder does not know OLMo 2 (its row: fused and append only); its OLMo leaves out clip_qkv,
 and it reads OLMo's, Nemotron's and Phi's norm epsilon as 1e-6 (rms_norm_eps, which they do not
-have; transformers: 1e-5), so its tokens may part from transformers' there.
+have; transformers: 1e-5), so its tokens may part from transformers' there. gpt_oss is the support
+matrix's (tests/model_builders/matrix.py: 4 experts, 2 per token, sinks, a window of 8 on layer 0;
+"append" is grow: its Optimum export has no position_ids); the builder clamps its experts only
+where config.json has swiglu_limit (the matrix's does), so without it its tokens part from
+transformers', which clamps at 7 whatever the config says.
 
     PYTHONPATH=. python bench/fusion.py                 # all families, B=1 and 8: ~3 min on 2 cores
     PYTHONPATH=. python bench/fusion.py --families qwen3,gemma --batch 1
@@ -39,7 +43,7 @@ from decode_systems import load_genai, load_raymuter  # noqa: E402  (bench/decod
 from models import builders  # noqa: E402  (bench/models.py: tests/ on the path)
 
 FAMILIES = ("llama", "mistral", "qwen2_window", "qwen3", "granite", "phi3", "gemma", "gemma2_capped", "gemma3_scaled",
-            "smollm3_window", "olmo_clipped", "olmo2", "nemotron", "phi")
+            "smollm3_window", "olmo_clipped", "olmo2", "nemotron", "phi", "gpt_oss")
 SYSTEMS = {"fused": load_raymuter("fused"), "append": load_raymuter("append"), "genai": load_genai}
 
 
@@ -56,6 +60,11 @@ def family_dirs(name: str) -> dict[str, Path]:
 
         paths = ensure_window_models()
         return {"hf": paths["hf/mistral"], "optimum": paths["mistral-optimum"], "genai": paths["mistral-genai"]}
+    if name == "gpt_oss":
+        from model_builders.matrix import matrix_models
+
+        optimum, hf = matrix_models()["gpt_oss"]
+        return {"hf": hf, "optimum": optimum, "genai": genai_build(hf)}
     paths = ensure_family_models()
     dirs = {"hf": paths[f"hf/{name}"], "optimum": paths[f"{name}-optimum"]}
     try:

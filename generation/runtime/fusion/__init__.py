@@ -3,10 +3,10 @@
 The layout users download most (Optimum exports, onnx-community merged decoders) runs its
 attention, rotary embedding and norms as hundreds of small operators: 0.28-0.84x the speed of the
 same weights in onnxruntime-genai's fused graph. At load, `fused_decoder` reads the weights out of
-such a graph (weights.py), writes the fused graph (emit.py) under the cache folder keyed by a hash
-of the source files, and keeps it only when its logits equal the source's on a probe prompt and
-step. A graph it cannot rewrite loads as before, with the reason in the log (and remembered under
-the same key, so it is not retried at every load).
+such a graph (weights.py), writes the fused graph (emit.py; its rotary tables: rotary.py) under the
+cache folder keyed by a hash of the source files, and keeps it only when its logits equal the
+source's on a probe prompt and step. A graph it cannot rewrite loads as before, with the reason in
+the log (and remembered under the same key, so it is not retried at every load).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .weights import FusionError
 
 log = logging.getLogger(__name__)
 
-VERSION = 7  # bump when what is rewritten or emitted changes: it is part of every cache key (refusals too)
+VERSION = 8  # bump when what is rewritten or emitted changes: it is part of every cache key (refusals too)
 _CONFIG_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "num_hidden_layers", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta",
                   "rope_scaling", "max_position_embeddings", "hidden_act", "hidden_activation", "tie_word_embeddings",
@@ -37,7 +37,7 @@ _CONFIG_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_v
                   "attention_bias", "mlp_bias", "query_pre_attn_scalar", "attn_logit_softcapping",
                   "final_logit_softcapping", "rope_local_base_freq", "sliding_window_pattern",
                   "_sliding_window_pattern", "use_bidirectional_attention", "no_rope_layers", "no_rope_layer_interval",
-                  "clip_qkv", "norm_eps", "layer_norm_eps", "qk_layernorm")
+                  "clip_qkv", "norm_eps", "layer_norm_eps", "qk_layernorm", "num_local_experts", "num_experts_per_tok")
 PROBE_TOLERANCE = 1e-3  # of the logits' scale: a misplaced weight moves them by O(1)
 
 

@@ -19,112 +19,23 @@ rotary embedding (do_rotary=0, no tables); OLMo, Nemotron and Phi's LayerNorms (
 and SkipLayerNormalization with their biases, as the builder writes them), OLMo's Clip of q|k|v,
 OLMo 2's q / k norms over all heads and its residual adds after each block's norm (Add: no norm
 follows them), Nemotron's and Phi's MLP without a gate (relu squared: Relu, Mul), Phi's attention
-and MLP on one norm's output, summed (Add) into the next norm's residual, and partial rotary
-dimensions laid out for GroupQueryAttention where it cannot rotate them as they are (gqa_rotary).
+and MLP on one norm's output, summed (Add) into the next norm's residual, partial rotary
+dimensions laid out for GroupQueryAttention where it cannot rotate them as they are (gqa_rotary),
+and gpt-oss's sinks (GroupQueryAttention's head_sink), YaRN tables and experts: its router (MatMul,
+Add, Reshape to [tokens, experts]) and onnxruntime's MoE operator (the interleaved SwiGLU with its
+alpha, clamp and +1, the top-k logits softmaxed: normalize_routing_weights), as the genai builder
+writes them for the CPU.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .families import Family
-from .weights import DecoderWeights, FusionError, Linear
+from .rotary import _reordered, gqa_rotary, rope_tables
+from .weights import DecoderWeights, Linear
 
 IR_VERSION, OPSET = 10, 21  # what onnxruntime 1.20+ reads, as the genai builder writes
-
-
-def rope_tables(config: dict, head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [positions, rotary_dim / 2] of transformers 4.57's rotary embedding (the default,
-    linear and llama3 rope types; float32 throughout, as its forward computes them). rotary_dim is
-    head_dim * partial_rotary_factor: GroupQueryAttention rotates that many leading dimensions of
-    each head, as Phi-3's apply_rotary_pos_emb does."""
-    scaling = config.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    dim = int(head_dim * float(config.get("partial_rotary_factor") or 1.0))
-    if dim % 2 or dim <= 0:
-        raise FusionError(f"partial_rotary_factor {config['partial_rotary_factor']} leaves {dim} rotary dimensions: "
-                          "not rewritten (an even count is)")
-    base = float(config.get("rope_theta", 10000.0))
-    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (1.0 / (np.float32(base) ** exponents)).astype(np.float32)
-    if kind == "linear":
-        inv_freq = (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
-    elif kind == "llama3":
-        factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
-        old = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
-        smooth = (old / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
-    elif kind == "longrope":  # its factors switch for the whole sequence once it passes the original length
-        raise FusionError("rope_scaling of type 'longrope' is not rewritten: transformers switches every "
-                          "position's frequencies once a sequence passes original_max_position_embeddings, "
-                          "which one table of positions cannot hold")
-    elif kind != "default":
-        raise FusionError(f"rope_scaling of type '{kind}' is not rewritten (default, linear and llama3 are)")
-    freqs = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
-    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
-
-
-def gqa_rotary(cos: np.ndarray, sin: np.ndarray, head_dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The tables GroupQueryAttention takes for transformers' `cos`, `sin` [positions, r], and the
-    order of each head's q and k dimensions that makes its rotation transformers' (None: as they are).
-
-    transformers rotates a head's first 2r dimensions, pairing dimension j with j + r (its
-    rotate_half); GroupQueryAttention pairs j with j + T for tables of T columns, T a multiple of 8.
-    Where r is not, the tables get T - r more columns of cos 1 and sin 0 (pairs left as they are),
-    and each head's dimensions are laid out so that transformers' pairs meet: [0, r) stay, [r, 2r)
-    move to [T, T + r), the dimensions past 2r fill the rest in order. q and k (their projections'
-    columns) take the same order, so every score q . k sums the same products.
-
-    Example: head_dim 16, 2r = 8 rotary (r = 4, T = 8); the new place of each dimension:
-        dimension  0 1 2 3 | 4 5 6 7    | 8 9 10 11 | 12 13 14 15
-        place      0 1 2 3 | 8 9 10 11  | 4 5 6 7   | 12 13 14 15
-    so GroupQueryAttention's pair (1, 9) is transformers' (1, 5), and (5, 13) two dimensions it
-    leaves alone (8 and 12 here: cos 1, sin 0)."""
-    r = cos.shape[1]
-    if r % 8 == 0:
-        return cos, sin, None
-    t = -(-r // 8) * 8
-    if 2 * t > head_dim:
-        raise FusionError(f"{2 * r} rotary dimensions of {head_dim}: GroupQueryAttention rotates a multiple of 16, "
-                          f"and {2 * t} do not fit a head")
-    rows = len(cos)
-    cos = np.concatenate([cos, np.ones((rows, t - r), np.float32)], axis=1)
-    sin = np.concatenate([sin, np.zeros((rows, t - r), np.float32)], axis=1)
-    rest = list(range(2 * r, head_dim))
-    order = list(range(r)) + rest[:t - r] + list(range(r, 2 * r)) + rest[t - r:]
-    return cos, sin, np.array(order, np.int64)
-
-
-def _reordered(weights: DecoderWeights, order: np.ndarray, heads: int, kv_heads: int) -> DecoderWeights:
-    """`weights` with each head's q and k dimensions in `order` (gqa_rotary): the q / k projections'
-    columns and biases, and their norms' weights."""
-    from dataclasses import replace
-
-    head_dim = len(order)
-
-    def columns(count: int) -> np.ndarray:
-        return (np.arange(count)[:, None] * head_dim + order[None, :]).ravel()
-
-    def linear(x: Linear, count: int, name: str) -> Linear:
-        if x.quantized:
-            raise FusionError(f"a quantized {name}_proj with partial rotary dimensions GroupQueryAttention cannot "
-                              "rotate as they are: not rewritten")
-        index = columns(count)
-        return Linear(np.ascontiguousarray(x.weight[:, index]), None if x.bias is None else x.bias[index], x.shape)
-
-    def norm(w: np.ndarray | None, count: int) -> np.ndarray | None:
-        return None if w is None else w[order] if len(w) == head_dim else w[columns(count)]
-
-    layers = [replace(layer, q=linear(layer.q, heads, "q"), k=linear(layer.k, kv_heads, "k"),
-                      q_norm=norm(layer.q_norm, heads), k_norm=norm(layer.k_norm, kv_heads))
-              for layer in weights.layers]
-    return replace(weights, layers=layers)
 
 
 def fused_graph(weights: DecoderWeights, config: dict, layout: Family):
@@ -250,6 +161,22 @@ def fused_graph(weights: DecoderWeights, config: dict, layout: Family):
         sigmoid = node("Sigmoid", [g], [f"{p}/act/sigmoid"])[0]
         return node("Mul", [g, sigmoid], [f"{p}/act/silu"])[0]
 
+    def experts(layer, x: str, p: str) -> str:
+        """onnxruntime's MoE over x [B, S, hidden]: the router's logits [B * S, experts], the
+        experts' weights as it takes them ([experts, out, in]: transformers' transposed)."""
+        moe = layout.experts
+        logits = project(layer.router, x, f"{p}/router/output", f"{p}/src")
+        logits = node("Reshape", [logits, init(f"{p}/router/shape", np.array([-1, moe.count], np.int64))],
+                      [f"{p}/router/logits"])[0]
+        weights = [init(f"{p}/gate_up.weight", layer.experts.gate_up.transpose(0, 2, 1)),
+                   init(f"{p}/gate_up.bias", layer.experts.gate_up_bias),
+                   init(f"{p}/down.weight", layer.experts.down.transpose(0, 2, 1)),
+                   init(f"{p}/down.bias", layer.experts.down_bias)]
+        limit = {} if moe.limit is None else {"swiglu_limit": moe.limit}  # without it: no clamp
+        return node("MoE", [x, logits, *weights], [f"{p}/output"], domain="com.microsoft", k=moe.top_k,
+                    activation_type="swiglu", swiglu_fusion=1, activation_alpha=moe.alpha, activation_beta=1.0,
+                    normalize_routing_weights=1, use_sparse_mixer=0, **limit)[0]
+
     # each row's valid cache rows - 1 (seqlens_k) and the mask's width, as GroupQueryAttention takes them
     one = init("/constants/one", np.array([1], np.int64))
     node("ReduceSum", ["attention_mask", one], ["/mask/sum"], keepdims=0)
@@ -306,10 +233,12 @@ def fused_graph(weights: DecoderWeights, config: dict, layout: Family):
         if layer.q_norm is not None:
             q, k = qk_norm(q, layer.q_norm, f"{p}/q_norm"), qk_norm(k, layer.k_norm, f"{p}/k_norm")
         cos_cache, sin_cache = tables[rotary[i]]
+        # gpt-oss's sinks: head_sink, after position_ids and attention_bias (unused)
+        sink = [] if layer.sinks is None else ["", "", init(f"{p}/attention/sinks", layer.sinks)]
         attention = node(
             "GroupQueryAttention",
             [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "/mask/seqlens_k",
-             "/mask/total_sequence_length", cos_cache, sin_cache][:9 if cos_cache else 7],
+             "/mask/total_sequence_length", cos_cache, sin_cache][:9 if cos_cache or sink else 7] + sink,
             [f"{p}/attention/output", f"present.{i}.key", f"present.{i}.value"], domain="com.microsoft",
             num_heads=heads, kv_num_heads=kv_heads, scale=layout.attention_scale, do_rotary=int(bool(cos_cache)),
             rotary_interleaved=0, local_window_size=layout.windows[i], **softcap)[0]
@@ -325,13 +254,16 @@ def fused_graph(weights: DecoderWeights, config: dict, layout: Family):
             normed = residual
         else:
             normed, residual = skip_norm(residual, x, layer.post_norm, layer.post_norm_bias, f"{p}/post_norm")
-        if layer.gate is None:  # Nemotron, Phi: down(act(up(x)))
-            gated = activate(project(layer.up, normed, f"{p}/up/output", f"{p}/src"), p)
+        if layer.experts is not None:  # gpt-oss: its router's logits pick and weigh the experts
+            x = experts(layer, normed, f"{p}/moe")
         else:
-            gate = project(layer.gate, normed, f"{p}/gate/output", f"{p}/src")
-            up = project(layer.up, normed, f"{p}/up/output", f"{p}/src")
-            gated = node("Mul", [activate(gate, p), up], [f"{p}/mlp/gated"])[0]
-        x = scaled(layer.down, gated, f"{p}/down/output", f"{p}/src", layout.residual_scale)
+            if layer.gate is None:  # Nemotron, Phi: down(act(up(x)))
+                gated = activate(project(layer.up, normed, f"{p}/up/output", f"{p}/src"), p)
+            else:
+                gate = project(layer.gate, normed, f"{p}/gate/output", f"{p}/src")
+                up = project(layer.up, normed, f"{p}/up/output", f"{p}/src")
+                gated = node("Mul", [activate(gate, p), up], [f"{p}/mlp/gated"])[0]
+            x = scaled(layer.down, gated, f"{p}/down/output", f"{p}/src", layout.residual_scale)
         if layer.mlp_output_norm is not None:
             weight = init(f"{p}/mlp_output_norm", layer.mlp_output_norm)
             x = node("SimplifiedLayerNormalization", [x, weight], [f"{p}/mlp_output_norm/output"], axis=-1,

@@ -35,9 +35,19 @@ builder does for the same family:
     phi             attention and the MLP side by side on one LayerNorm's output, both added to the
                     residual; biases on every projection and on the LM head, a gelu-tanh MLP
                     without a gate, partial rotary dimensions
+    gpt_oss         biases on q, k, v and o, a learned sink per head in each softmax's denominator
+                    (GroupQueryAttention's head_sink), windows on the layers `layer_types` names
+                    (without it: the even layers), YaRN rotary tables (rope_tables), and a mixture of
+                    experts for the MLP: a biased router whose top `num_experts_per_tok` logits are
+                    softmaxed into the chosen experts' weights, each expert a biased gate|up
+                    projection (gate and up interleaved), the clamped SwiGLU
+                    gate * sigmoid(1.702 gate) * (up + 1) with gate <= 7 and -7 <= up <= 7, and a
+                    biased down projection: onnxruntime's MoE operator, as the genai builder writes
+                    it for the CPU (transformers 4.57 fixes 1.702 and 7.0 in GptOssExperts: it does
+                    not read config.json's swiglu_limit)
 
 Partial rotary dimensions that GroupQueryAttention cannot rotate as they are (it takes a table
-half that is a multiple of 8) are laid out so it can: emit.gqa_rotary.
+half that is a multiple of 8) are laid out so it can: rotary.gqa_rotary.
 
 Families that are not rewritten are named with the reason (NOT_REWRITTEN: what their block adds
 that is not emitted; an attribute GroupQueryAttention's kernel refuses surfaces as the probe's
@@ -52,12 +62,11 @@ from dataclasses import dataclass
 from .weights import FusionError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma", "gemma2", "gemma3_text", "smollm3",
-            "olmo", "olmo2", "nemotron", "phi")
+            "olmo", "olmo2", "nemotron", "phi", "gpt_oss")
 
 #: families near these that the rewrite does not take, and what their block adds that it does not emit
 NOT_REWRITTEN = {
-    "phimoe": "a mixture of experts is not rewritten",
-    "gpt_oss": "a mixture of experts with attention sinks is not rewritten",
+    "phimoe": "a mixture of experts routed by sparsemixer (not a softmax over the top-k) is not rewritten",
 }
 
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
@@ -77,6 +86,19 @@ def _activation(config: dict) -> str:
     defaults = {"gemma": "gelu_pytorch_tanh", "phi": "gelu_new", "nemotron": "relu2"}
     default = defaults.get(config.get("model_type"), "silu")
     return config.get("hidden_act") or default
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture of experts in place of the MLP (gpt-oss): `count` experts, the `top_k` highest
+    router logits softmaxed into the chosen ones' weights; each expert's SwiGLU is
+    min(g, limit) * sigmoid(alpha * min(g, limit)) * (clip(u, -limit, limit) + 1) over its
+    interleaved gate|up projection (g the even columns, u the odd ones); limit None: no clamp."""
+
+    count: int
+    top_k: int
+    alpha: float = 1.702
+    limit: float | None = 7.0
 
 
 @dataclass(frozen=True)
@@ -108,13 +130,17 @@ class Family:
     # eps: every norm's epsilon; parallel: Phi's attention and MLP both on the input norm's output,
     # their outputs summed into the residual (no post_norm); clip_qkv: q, k and v clipped to
     # +-clip_qkv (0: not); biased: the linears (and 'lm_head') that may carry a bias;
-    # qk_norm_span: q_norm / k_norm over each head ('head') or over all heads together ('all')
+    # qk_norm_span: q_norm / k_norm over each head ('head') or over all heads together ('all');
+    # sinks: a learned logit per head in each softmax's denominator; experts: a mixture of experts
+    # in place of the MLP ('router' among the linears), None: an MLP
     layer_norm: bool = False
     eps: float = 1e-6
     parallel: bool = False
     clip_qkv: float = 0.0
     biased: tuple[str, ...] = ("q", "k", "v")
     qk_norm_span: str = "head"
+    sinks: bool = False
+    experts: Experts | None = None
 
 
 def check(config: dict) -> None:
@@ -127,11 +153,14 @@ def check(config: dict) -> None:
         raise FusionError(f"model_type '{kind}' is not one of {', '.join(FAMILIES)}")
     act, allowed = _activation(config), ("silu", "gelu_pytorch_tanh", "gelu") if kind in _GEMMAS else \
         ("gelu_new", "gelu_pytorch_tanh", "gelu") if kind == "phi" else ("relu2",) if kind == "nemotron" else ("silu",)
-    if act not in allowed:
+    if act not in allowed and kind != "gpt_oss":  # GptOssExperts' SwiGLU does not read hidden_act
         raise FusionError(f"hidden_act '{act}' is not {' or '.join(allowed)}")
     for field in ("attention_bias", "mlp_bias"):
-        if config.get(field) and kind != "qwen2":
-            raise FusionError(f"{field} is true: biases outside qwen2's q/k/v are not rewritten")
+        if config.get(field) and kind not in ("qwen2", "gpt_oss"):
+            raise FusionError(f"{field} is true: biases outside qwen2's q/k/v and gpt_oss's attention are not "
+                              "rewritten")
+    if kind == "gpt_oss":
+        _experts(config)
     if kind == "phi" and config.get("qk_layernorm"):
         raise FusionError("qk_layernorm is true: Phi's per-head LayerNorms of q and k are not rewritten")
     if kind == "gemma3_text" and config.get("use_bidirectional_attention"):
@@ -148,9 +177,10 @@ def family(config: dict) -> Family:
     return Family(
         name=kind,
         linears=("qkv", "o", "gate_up", "down") if kind == "phi3" else ("q", "k", "v", "o", "up", "down")
-        if kind in _UNGATED else ("q", "k", "v", "o", "gate", "up", "down"),
+        if kind in _UNGATED else ("q", "k", "v", "o", "router") if kind == "gpt_oss" else
+        ("q", "k", "v", "o", "gate", "up", "down"),
         norms=_norms(kind),
-        activation=_ACTIVATIONS[_activation(config)],
+        activation="swiglu" if kind == "gpt_oss" else _ACTIVATIONS[_activation(config)],
         embed_scale=float(config.get("embedding_multiplier", 1.0)) if granite else
         math.sqrt(hidden) if kind in _GEMMAS else 1.0,
         attention_scale=float(config.get("attention_multiplier", 1.0)) if granite else
@@ -166,17 +196,33 @@ def family(config: dict) -> Family:
         eps=_norm_eps(config),
         parallel=kind == "phi",
         clip_qkv=float(config.get("clip_qkv") or 0.0) if kind == "olmo" else 0.0,
-        biased=("q", "k", "v", "o", "up", "down", "lm_head") if kind == "phi" else ("q", "k", "v"),
-        qk_norm_span="all" if kind == "olmo2" else "head")
+        biased=("q", "k", "v", "o", "up", "down", "lm_head") if kind == "phi" else ("q", "k", "v", "o", "router")
+        if kind == "gpt_oss" else ("q", "k", "v"),
+        qk_norm_span="all" if kind == "olmo2" else "head",
+        sinks=kind == "gpt_oss",
+        experts=_experts(config) if kind == "gpt_oss" else None)
+
+
+def _experts(config: dict) -> Experts:
+    """gpt-oss's mixture of experts as GptOssConfig reads config.json (128 experts, 4 per token where
+    it says none), or FusionError naming the field out of range."""
+    count = config.get("num_local_experts", 128)
+    top_k = config.get("num_experts_per_tok", 4)
+    if not isinstance(count, int) or count < 1:
+        raise FusionError(f"num_local_experts {count!r} is not a positive integer")
+    if not isinstance(top_k, int) or not 1 <= top_k <= count:
+        raise FusionError(f"num_experts_per_tok {top_k!r} is not an integer from 1 to num_local_experts ({count})")
+    return Experts(count, top_k)
 
 
 def _norm_eps(config: dict) -> float:
     """The norms' epsilon as transformers 4.57 reads it: OLMo's LayerNorm fixes 1e-5, Nemotron's
-    reads `norm_eps`, Phi's `layer_norm_eps`, the RMSNorms `rms_norm_eps`."""
+    reads `norm_eps`, Phi's `layer_norm_eps`, the RMSNorms `rms_norm_eps` (GptOssConfig's default 1e-5)."""
     kind = config.get("model_type")
     if kind == "olmo":
         return 1e-5
-    field, default = {"nemotron": ("norm_eps", 1e-5), "phi": ("layer_norm_eps", 1e-5)}.get(kind, ("rms_norm_eps", 1e-6))
+    field, default = {"nemotron": ("norm_eps", 1e-5), "phi": ("layer_norm_eps", 1e-5),
+                      "gpt_oss": ("rms_norm_eps", 1e-5)}.get(kind, ("rms_norm_eps", 1e-6))
     value = config.get(field)
     return float(default if value is None else value)
 
@@ -197,17 +243,17 @@ def _norms(kind: str) -> tuple[str, ...]:
 
 
 def _layer_types(config: dict) -> list[str]:
-    """`layer_types` as transformers 4.57 fills it where config.json has none: Gemma 2 local on
-    even layers, Gemma 3 global on every `sliding_window_pattern`-th (6) layer, SmolLM3 local on
-    its NoPE layers where `use_sliding_window`."""
+    """`layer_types` as transformers 4.57 fills it where config.json has none: Gemma 2 and gpt-oss
+    local on even layers, Gemma 3 global on every `sliding_window_pattern`-th (6) layer, SmolLM3
+    local on its NoPE layers where `use_sliding_window`."""
     layers = int(config["num_hidden_layers"])
     types = config.get("layer_types")
     if isinstance(types, list) and len(types) == layers:
         return types
     kind = config.get("model_type")
-    if kind in _SANDWICHED:
-        pattern = 2 if kind == "gemma2" else int(config.get("sliding_window_pattern") or
-                                                 config.get("_sliding_window_pattern") or 6)
+    if kind in _SANDWICHED or kind == "gpt_oss":
+        pattern = 2 if kind in ("gemma2", "gpt_oss") else int(config.get("sliding_window_pattern") or
+                                                              config.get("_sliding_window_pattern") or 6)
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if kind == "smollm3" and config.get("use_sliding_window") and config.get("sliding_window") is not None:
         return ["full_attention" if rope else "sliding_attention" for rope in _rope_layers(config)]
@@ -240,8 +286,8 @@ def layer_windows(config: dict) -> tuple[int, ...]:
     """Each layer's sliding window as transformers 4.57 reads config.json (-1: none): Mistral's
     and Phi-3's `sliding_window` on every layer; Qwen2 / Qwen3's, where `use_sliding_window`, on
     the layers `layer_types` names 'sliding_attention' (without layer_types: from
-    `max_window_layers` on); Gemma 2 / 3's and SmolLM3's on the layers `layer_types` names
-    (without it: as their configs fill it; SmolLM3's `use_sliding_window` only changes that
+    `max_window_layers` on); Gemma 2 / 3's, SmolLM3's and gpt-oss's on the layers `layer_types`
+    names (without it: as their configs fill it; SmolLM3's `use_sliding_window` only changes that
     filling: its masks follow layer_types); a window the context cannot cross is none."""
     layers = int(config["num_hidden_layers"])
     window = config.get("sliding_window")
@@ -256,6 +302,6 @@ def layer_windows(config: dict) -> tuple[int, ...]:
             return tuple(window if t == "sliding_attention" else -1 for t in types)
         first = int(config.get("max_window_layers") or 0)
         return tuple(window if i >= first else -1 for i in range(layers))
-    if kind in _SANDWICHED or kind == "smollm3":  # the layer's mask, whatever use_sliding_window says
+    if kind in _SANDWICHED or kind in ("smollm3", "gpt_oss"):  # the layer's mask, whatever use_sliding_window is
         return tuple(window if t == "sliding_attention" else -1 for t in _layer_types(config))
     return (-1,) * layers  # llama, granite and gemma read no window

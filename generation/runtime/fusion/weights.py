@@ -16,7 +16,10 @@ after MatMul down (Gemma 3's q/k norms after MatMul v); LayerNormalization(scale
 family's norms are LayerNorms (OLMo, Nemotron, Phi; a LayerNorm traced as Mul(scale) then
 Add(bias) reads the same); OLMo 2's Mul(q_norm) and Mul(k_norm) over all heads, and no norm before
 attention or the MLP; Nemotron's and Phi's MLP without MatMul gate; Phi's biases on every
-projection and the LM head.
+projection and the LM head; gpt-oss's biases on q, k, v and o, its sinks (a [heads] constant the
+graph reshapes or expands to join the scores before their softmax), and in place of the MLP its
+router (MatMul or Gemm [+bias]) and its experts: MatMul over [experts, in, out] constants (gate|up,
+then down) with an Add of [experts, 1, out] biases, as the export computes every expert at once.
 
 A weight reaches its MatMul as an initializer, a Constant, or through Transpose / Identity / Cast / Gemm
 (transB); a quantized one is a MatMulNBits (4-bit: onnx-community `_q4`) or the int8 dynamic
@@ -56,13 +59,23 @@ class Linear:
 
 
 @dataclass
+class Experts:
+    """A mixture of experts' weights as transformers' GptOssExperts holds them."""
+
+    gate_up: np.ndarray  # [experts, hidden, 2 * inner]: gate and up interleaved along the last axis
+    gate_up_bias: np.ndarray  # [experts, 2 * inner]
+    down: np.ndarray  # [experts, inner, hidden]
+    down_bias: np.ndarray  # [experts, hidden]
+
+
+@dataclass
 class Layer:
     q: Linear
     k: Linear
     v: Linear
     o: Linear
-    up: Linear
-    down: Linear
+    up: Linear | None = None  # None: gpt-oss, experts in place of the MLP
+    down: Linear | None = None
     input_norm: np.ndarray | None = None  # None: OLMo 2, no norm before attention
     post_norm: np.ndarray | None = None  # None: OLMo 2 and Phi, no norm before the MLP
     gate: Linear | None = None  # None: Nemotron and Phi, an MLP without a gate
@@ -72,6 +85,9 @@ class Layer:
     k_norm: np.ndarray | None = None
     attention_output_norm: np.ndarray | None = None  # [hidden]: Gemma 2 / 3's norm of o's output
     mlp_output_norm: np.ndarray | None = None  # [hidden]: and of down's
+    router: Linear | None = None  # [hidden, experts]: gpt-oss's router logits
+    experts: Experts | None = None
+    sinks: np.ndarray | None = None  # [heads]: gpt-oss's learned logit in each softmax's denominator
 
 
 @dataclass
@@ -195,12 +211,14 @@ def read_weights(model_proto, config: dict, layout) -> DecoderWeights:
                       source_input=source, source_output=output)
 
     hidden = int(config["hidden_size"])
-    head_dim = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
     norm_sizes = {hidden} | ({head_dim} if "q_norm" in layout.norms else set())
     if layout.qk_norm_span == "all":  # OLMo 2's q / k norms: [heads * head_dim], [kv_heads * head_dim]
-        heads = int(config["num_attention_heads"])
         norm_sizes |= {heads * head_dim, int(config.get("num_key_value_heads") or heads) * head_dim}
     embed, norms, linears = None, [], []
+    stacked: list[Linear] = []  # experts' projections, [experts, in, out] each (gate|up, down per layer)
+    sinks: list[np.ndarray] = []
     norm_biases: dict[int, np.ndarray] = {}  # a LayerNorm's bias, by its weight's index in norms
     norm_outputs: dict[str, int] = {}  # Mul(norm) outputs, where an Add of a bias may follow
     by_output: dict[str, Linear] = {}
@@ -233,8 +251,16 @@ def read_weights(model_proto, config: dict, layout) -> DecoderWeights:
                 norms.append(scale)
                 if bias is not None:
                     norm_biases[len(norms) - 1] = bias
+        elif layout.sinks and op in ("Expand", "Reshape"):
+            value = const_through(node.input[0])
+            if value is not None and value.dtype.kind == "f" and value.shape in ((heads,), (1, heads, 1, 1)):
+                sinks.append(value.reshape(heads))
         elif op in ("MatMul", "Gemm"):
             weight = const_through(node.input[1])
+            if weight is not None and weight.ndim == 3 and layout.experts and op == "MatMul":
+                stacked.append(Linear(weight, shape=weight.shape))
+                by_output[node.output[0]] = stacked[-1]
+                continue
             if weight is None or weight.ndim != 2:
                 continue  # attention's own products (q @ k^T, scores @ v)
             if op == "Gemm":
@@ -250,19 +276,44 @@ def read_weights(model_proto, config: dict, layout) -> DecoderWeights:
             bias = [const(name) for name in node.input if name not in by_output]
             if source and bias and bias[0] is not None and bias[0].ndim == 1 and source[0].bias is None:
                 source[0].bias = bias[0]
+            elif source and bias and bias[0] is not None and len(source[0].shape) == 3 and \
+                    bias[0].shape == (source[0].shape[0], 1, source[0].shape[2]) and source[0].bias is None:
+                source[0].bias = bias[0][:, 0, :]  # an expert's bias, broadcast over its tokens
             elif layout.layer_norm and any(name in norm_outputs for name in node.input):
                 index = next(norm_outputs[name] for name in node.input if name in norm_outputs)
                 bias = [const_through(name) for name in node.input if name not in norm_outputs]
                 if bias and bias[0] is not None and bias[0].ndim == 1 and index not in norm_biases:
                     norm_biases[index] = bias[0]
-    for array in (embed, *norms, *(x.weight for x in linears if not x.quantized)):
+    for array in (embed, *norms, *sinks, *(x.weight for x in linears + stacked if not x.quantized)):
         if array is not None and array.dtype != np.float32:
             raise FusionError(f"weights of type {array.dtype} are not rewritten (float32 only)")
     out = _as_layers(embed, norms, linears, config, layout, norm_biases)
+    if layout.experts:
+        _add_experts(out, stacked, sinks, config, layout)
     if layout.attention_softcap:
         capped = _capped(graph.node, producer, const_through, layout.attention_softcap)
         out.scores_softcapped = capped >= len(out.layers)
     return out
+
+
+def _add_experts(out: DecoderWeights, stacked: list[Linear], sinks: list[np.ndarray], config: dict, layout) -> None:
+    """Each layer's experts (two stacked projections with their biases: gate|up, then down) and
+    sinks, checked against config.json."""
+    layers, hidden = len(out.layers), int(config["hidden_size"])
+    count, inner = layout.experts.count, int(config["intermediate_size"])
+    if len(sinks) != layers:
+        raise FusionError(f"found {len(sinks)} attention sinks, expected {layers} for {layers} layers")
+    if len(stacked) != 2 * layers:
+        raise FusionError(f"found {len(stacked)} stacked expert projections, expected {2 * layers} for {layers} layers")
+    for i, layer in enumerate(out.layers):
+        gate_up, down = stacked[2 * i:2 * i + 2]
+        for name, x, shape in (("gate_up_proj", gate_up, (count, hidden, 2 * inner)),
+                               ("down_proj", down, (count, inner, hidden))):
+            if x.shape != shape or x.bias is None:
+                found = f"shape {x.shape}" + ("" if x.bias is not None else " and no bias")
+                raise FusionError(f"layer {i} experts.{name} has {found}, expected {shape} and a bias")
+        layer.experts = Experts(gate_up.weight, gate_up.bias, down.weight, down.bias)
+        layer.sinks = sinks[i]
 
 
 def _capped(nodes, producer, const_through, cap: float) -> int:
@@ -312,6 +363,7 @@ def _as_layers(embed, norms, linears, config, layout, norm_biases=None) -> Decod
         raise FusionError(f"found {len(linears)} MatMul weights, expected {per_linears * layers + 1} "
                           f"for {layers} layers")
     shapes = {"q": (hidden, q_size), "k": (hidden, kv_size), "v": (hidden, kv_size),
+              "router": (hidden, layout.experts.count if layout.experts else 0),
               "qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden), "gate": (hidden, inner),
               "up": (hidden, inner), "gate_up": (hidden, 2 * inner), "down": (inner, hidden)}
     norm_shapes = {"input_norm": (hidden,), "post_norm": (hidden,), "q_norm": (head_dim,), "k_norm": (head_dim,),

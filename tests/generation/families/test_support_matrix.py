@@ -8,10 +8,10 @@ Invariants: each architecture loads in the cache mode MODES names (a fallback fr
 append to grow is a regression, even when its tokens stay right); in one batch of prompts of 1, 5
 and 11 tokens, every row gets the 16 tokens transformers 4.57 `generate` gives its prompt alone
 (min_new_tokens=16 on both sides: no row ends early, every step is compared); a beam search equals
-transformers' on an architecture of each cache mode without a fused graph (MLA + experts in append,
-sinks + experts + a window in grow, ALiBi by column distance in append with each row's keys at the
-buffer's end); the exports without position_ids that run append (BLOOM's and MPT's ALiBi) stay
-exact as rows join a running batch, and the one that runs grow says why in the log.
+transformers' on MLA + experts in append, on sinks + experts + a window in the fused graph
+(in_place), and on ALiBi by column distance in append with each row's keys at the buffer's end; the
+exports without position_ids that run append (BLOOM's and MPT's ALiBi) stay exact as rows join a
+running batch, and the one that runs grow unfused (gpt_oss) says why in the log.
 """
 
 # Not in the matrix (optimum-onnx 0.1.0 lists them for text-generation-with-past):
@@ -34,13 +34,12 @@ MAX_NEW = 16
 LENGTHS = (1, 5, 11)
 #: architecture (llama-merged: Llama's decoder_model_merged.onnx) -> the cache mode it loads in with
 #: fuse=True: in_place where the fused rewrite takes it, append where the export has position_ids or
-#: places tokens by the attention mask or column distances (bloom and mpt: ALiBi; runtime/positions.py),
-#: grow where it takes positions from the cache's length (gpt_oss: Optimum exports it without
-#: position_ids)
+#: places tokens by the attention mask or column distances (bloom and mpt: ALiBi; runtime/positions.py);
+#: none runs grow (gpt_oss would, unfused: Optimum exports it without position_ids)
 MODES = {
     "arcee": "append", "bloom": "append", "codegen": "append", "cohere": "append", "deepseek_v3": "append",
     "falcon": "append", "gemma": "in_place", "gemma2": "in_place", "gemma3_text": "in_place", "glm": "append",
-    "gpt2": "append", "gpt_bigcode": "append", "gpt_neo": "append", "gpt_neox": "append", "gpt_oss": "grow",
+    "gpt2": "append", "gpt_bigcode": "append", "gpt_neo": "append", "gpt_neox": "append", "gpt_oss": "in_place",
     "gptj": "append", "granite": "in_place", "helium": "append", "llama": "in_place", "llama-merged": "in_place",
     "mistral": "in_place", "mpt": "append", "nemotron": "in_place", "olmo": "in_place", "olmo2": "in_place",
     "opt": "append", "phi": "in_place", "phi3": "in_place", "qwen2": "in_place", "qwen3": "in_place",
@@ -150,25 +149,26 @@ def test_rows_joining_a_running_batch_without_position_ids(matrix, load_model, o
 
 @pytest.mark.parametrize("arch,keys_at_end", [("mpt", False), ("gpt_oss", False), ("gpt_oss", True)])
 def test_where_append_would_not_be_exact(matrix, oracle, joining, arch, keys_at_end):
-    """Guard: MPT with each row's keys at the buffer's start, and gpt-oss (positions from the cache's
-    length) in either append layout, answer a joining row otherwise than transformers."""
+    """Guard: MPT with each row's keys at the buffer's start, and gpt-oss's export (positions from
+    the cache's length) in either append layout, answer a joining row otherwise than transformers."""
     import dataclasses
 
-    model = generation.load(matrix[arch][0], threads=1)
+    model = generation.load(matrix[arch][0], threads=1, fuse=False)
     model.graph = dataclasses.replace(model.graph, native_mode="append", keys_at_end=keys_at_end)
     expected = [oracle.greedy(arch, p, MAX_NEW - 2 * i, min_new_tokens=MAX_NEW - 2 * i) for i, p in enumerate(joining)]
     assert _run_joining(generation.context(model), joining) != expected
 
 
-@pytest.mark.parametrize("arch,logged", [
-    ("bloom", "runs in the append cache mode without position_ids: its ALiBi positions are the attention mask's"),
-    ("mpt", "runs in the append cache mode without position_ids: its ALiBi bias is the distance between buffer"),
-    ("gpt_oss", "runs in the grow cache mode: model_type 'gpt_oss' takes a token's position from the cache's length"),
+@pytest.mark.parametrize("arch,mode,logged", [
+    ("bloom", "append", "runs in the append cache mode without position_ids: its ALiBi positions are the attention"),
+    ("mpt", "append", "runs in the append cache mode without position_ids: its ALiBi bias is the distance between"),
+    ("gpt_oss", "grow", "runs in the grow cache mode: model_type 'gpt_oss' takes a token's position from the cache's"),
 ])
-def test_an_export_without_position_ids_says_which_mode_and_why(matrix, caplog, arch, logged):
+def test_an_export_without_position_ids_says_which_mode_and_why(matrix, caplog, arch, mode, logged):
+    """Each export as exported (gpt_oss's fused graph runs in_place: test_fusion_gpt_oss.py)."""
     import logging
 
     with caplog.at_level(logging.INFO, logger="generation.runtime.model"):
-        model = generation.load(matrix[arch][0], threads=1)
-    assert model.graph.native_mode == MODES[arch] and model.graph.keys_at_end == (arch == "mpt")
+        model = generation.load(matrix[arch][0], threads=1, fuse=False)
+    assert model.graph.native_mode == mode and model.graph.keys_at_end == (arch == "mpt")
     assert any(logged in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -20,7 +20,7 @@ import pytest
 
 import generation
 from generation.runtime import fusion
-from generation.runtime.fusion import emit, weights
+from generation.runtime.fusion import rotary, weights
 
 FUSED = [("llama-optimum", "llama"), ("qwen2-optimum", "qwen2"), ("llama-merged", "llama")]
 
@@ -190,21 +190,21 @@ def test_rope_tables_are_transformers(rope_scaling):
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=512, rope_theta=50000.0,
                          rope_scaling=rope_scaling)
-    rotary = LlamaRotaryEmbedding(config)
+    embedding = LlamaRotaryEmbedding(config)
     positions = torch.arange(512)[None, :]
-    cos, sin = rotary(torch.zeros(1, 512, 16), positions)
-    ours_cos, ours_sin = emit.rope_tables(config.to_dict(), 16, 512)
+    cos, sin = embedding(torch.zeros(1, 512, 16), positions)
+    ours_cos, ours_sin = rotary.rope_tables(config.to_dict(), 16, 512)
     # (float32 angles up to 511 rad: one ulp of the angle is 3e-5)
     np.testing.assert_allclose(ours_cos, cos[0, :, :8].numpy(), atol=3e-5)
     np.testing.assert_allclose(ours_sin, sin[0, :, :8].numpy(), atol=3e-5)
     if rope_scaling:  # the scaling changes the tables: the test can tell
-        plain, _ = emit.rope_tables({**config.to_dict(), "rope_scaling": None}, 16, 512)
+        plain, _ = rotary.rope_tables({**config.to_dict(), "rope_scaling": None}, 16, 512)
         assert np.abs(plain - ours_cos).max() > 0.1
 
 
 def test_rope_types_not_rewritten_are_named():
-    with pytest.raises(weights.FusionError, match="rope_scaling of type 'yarn' is not rewritten"):
-        emit.rope_tables({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, 16, 32)
+    with pytest.raises(weights.FusionError, match="rope_scaling of type 'dynamic' is not rewritten"):
+        rotary.rope_tables({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, 16, 32)
 
 
 def test_a_mode_only_the_export_has_names_fuse(fused):

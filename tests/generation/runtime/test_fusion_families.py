@@ -15,7 +15,7 @@ import pytest
 
 import generation
 from generation.runtime import fusion
-from generation.runtime.fusion import emit, families
+from generation.runtime.fusion import families, rotary
 
 MAX_NEW = 24
 LENGTHS = (1, 5, 11)
@@ -106,7 +106,7 @@ def test_a_beam_search_beside_a_greedy_row(fused, oracle, prompts):
 
 
 @pytest.mark.parametrize("config,reason", [
-    (dict(model_type="phimoe"), "model_type 'phimoe': a mixture of experts is not rewritten"),
+    (dict(model_type="phimoe"), "model_type 'phimoe': a mixture of experts routed by sparsemixer"),
     (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention is true"),
     (dict(model_type="gpt2"), "model_type 'gpt2' is not one of llama, mistral, qwen2, qwen3, granite, phi3, gemma"),
     (dict(model_type="gemma", hidden_act="relu"), "hidden_act 'relu' is not silu or gelu_pytorch_tanh or gelu"),
@@ -142,10 +142,10 @@ def test_partial_rotary_tables_are_transformers():
     config = Phi3Config(hidden_size=128, num_attention_heads=2, max_position_embeddings=64,
                         original_max_position_embeddings=64, partial_rotary_factor=0.5)
     cos, sin = Phi3RotaryEmbedding(config)(torch.zeros(1, 64, 64), torch.arange(64)[None, :])
-    ours_cos, ours_sin = emit.rope_tables(config.to_dict(), 64, 64)
+    ours_cos, ours_sin = rotary.rope_tables(config.to_dict(), 64, 64)
     assert ours_cos.shape == (64, 16)
     np.testing.assert_allclose(ours_cos, cos[0, :, :16].numpy(), atol=3e-5)
     np.testing.assert_allclose(ours_sin, sin[0, :, :16].numpy(), atol=3e-5)
-    assert emit.rope_tables({"partial_rotary_factor": 0.5}, 16, 64)[0].shape == (64, 4)  # laid out: emit.gqa_rotary
+    assert rotary.rope_tables({"partial_rotary_factor": 0.5}, 16, 64)[0].shape == (64, 4)  # laid out: rotary.gqa_rotary
     with pytest.raises(fusion.FusionError, match="'longrope' is not rewritten"):
-        emit.rope_tables({"rope_scaling": {"rope_type": "longrope"}}, 16, 64)
+        rotary.rope_tables({"rope_scaling": {"rope_type": "longrope"}}, 16, 64)
