@@ -110,15 +110,17 @@ class InPlaceCache(BaseCache):
         """Run fresh prompts straight into their free slots' buffer rows; the last logits [n, V].
 
         Slots in one contiguous run share the first piece (GroupQueryAttention's first prompt
-        takes any batch); later pieces run slot by slot, as onnxruntime requires. No copy: the
-        operator writes into the slots, bound by pointer. (`apart` is not needed: the prompts
-        never run apart from the buffer.)"""
+        takes any batch; under int8 dynamic quantization, prompts of one length only); later
+        pieces run slot by slot, as onnxruntime requires. No copy: the operator writes into the
+        slots, bound by pointer. (`apart` is not needed: the prompts never run apart from the
+        buffer.)"""
         self._grow(max(slots) + 1, max(len(p) for p in prompts) + 1)
         last = np.zeros((len(prompts), self.graph.vocab_size), np.float32)
         order = sorted(range(len(slots)), key=lambda j: slots[j])
         runs, run = [], [order[0]]
+        by_length = self.graph.prompts_by_length  # int8 scales: no padding position in a run (runtime/int8_rows.py)
         for j in order[1:]:
-            if slots[j] == slots[run[-1]] + 1:
+            if slots[j] == slots[run[-1]] + 1 and not (by_length and len(prompts[j]) != len(prompts[run[-1]])):
                 run.append(j)
             else:
                 runs.append(run)

@@ -9,6 +9,9 @@ How rows share a run depends on what the graph allows:
 - `append` (position_ids, the mask hides holes): all rows in one run per piece.
 - `grow` (positions from the cache length): rows of equal length in one run, group by group.
 - `in_place`: as `append`, all rows in one run.
+A graph under int8 dynamic quantization (`graph.prompts_by_length`) runs its prompts as `grow` does,
+rows of one length together: its activation scale spans each row's positions
+(runtime/int8_rows.py), which padding positions would enter.
 A graph with GroupQueryAttention batches its first piece, but onnxruntime refuses a later piece
 longer than one token for more than one row ("batch_size must be 1 when sequence_length > 1 and
 past context is given"), so there the later pieces run row by row.
@@ -107,7 +110,7 @@ def run_prompts(session, graph: DecoderGraph, mode: str, steps: str, prompts: li
             if deltas[b] is not None:
                 rows[b]["position_delta"] = deltas[b]
 
-    if mode == "grow":  # positions come from the cache length: one run per prompt length
+    if mode == "grow" or graph.prompts_by_length:  # positions from the cache length, or int8 scales
         groups = [np.flatnonzero(lengths == length) for length in np.unique(lengths)]
     else:  # the mask hides each row's free rows: one run for all
         groups = [np.arange(n)]

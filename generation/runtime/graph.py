@@ -80,6 +80,10 @@ class DecoderGraph:
     # the append cache keeps each row's keys ending at the buffer's width (cache/windowed.py): the
     # graph reads buffer columns, not positions (runtime/positions.py)
     keys_at_end: bool = False
+    # int8 dynamic quantization (DynamicQuantizeLinear): a row's activation scale spans its positions
+    # (runtime.int8_rows makes it per row), so a prompt's padding positions would enter it: prompts
+    # run in groups of one length (cache/prefill.py, cache/in_place.py)
+    prompts_by_length: bool = False
 
     @property
     def is_seq2seq(self) -> bool:
@@ -186,7 +190,8 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
             raise GraphError(f"{path.name}: cannot tell the width of 'inputs_embeds' ({ins['inputs_embeds'].shape}, "
                              "no hidden_size in config)")
     pos_axes = 3 if has_pos and len(ins["position_ids"].shape) == 3 else 1
-    counting = None if seq2seq else _gqa_counting(read_nodes(path), set(ins))
+    nodes = read_nodes(path)
+    counting = None if seq2seq else _gqa_counting(nodes, set(ins))
     if seq2seq:
         native = "seq2seq"  # positions from the cache length, plus the encoder's outputs
     elif counting == "values":
@@ -215,4 +220,5 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         has_inputs_embeds=embeds,
         hidden_size=int(hidden),
         has_logits_positions="logits_positions" in ins,
+        prompts_by_length=any(n.op_type == "DynamicQuantizeLinear" for n in flatten(nodes)),
     )

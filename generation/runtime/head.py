@@ -23,17 +23,21 @@ _HEADS = ("MatMul", "MatMulNBits")  # row-wise in their first input: gathering r
 _ELEMENTWISE = ("Tanh", "Div", "Mul", "Add", "Sub")
 
 
-def head_positions(path: Path):
+def head_positions(source: Path | object):
     """(ModelProto with the `logits_positions` input, None), or (None, why not) where the graph's
     logits are not a MatMul of [n, S, hidden] hidden states: at the top of the graph, or in each
     branch of a merged decoder's If (its branches see the input from the outer graph). Refused:
     a quantized head whose activation scale spans every position (DynamicQuantizeLinear), a bias
     or a cast after the MatMul (elementwise operators with scalar constants may follow it: a
-    soft-cap)."""
+    soft-cap). source: the decoder's file, or its ModelProto (without weights; a copy is changed)."""
     import onnx
     from onnx import TensorProto, helper
 
-    model = onnx.load(str(path), load_external_data=False)
+    if isinstance(source, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(source)
+    else:
+        model = onnx.load(str(source), load_external_data=False)
     graph = model.graph
     if not any(o.domain in ("", "ai.onnx") and o.version >= 13 for o in model.opset_import):
         return None, "its opset is older than 13 (Unsqueeze takes its axes as an input from 13)"

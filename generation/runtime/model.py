@@ -252,10 +252,12 @@ def _provider(provider: str | None) -> str:
     return "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
 
 
-def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool = True, head: bool = False):
+def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool = True, head: bool = False,
+                 int8_rows: bool = False):
     """An onnxruntime session of `path` and the provider it got. head: a decoder's LM head runs
     only at the positions its `logits_positions` input names, where the graph allows
-    (runtime.head; the reason logged where not)."""
+    (runtime.head; the reason logged where not). int8_rows: int8 dynamic quantization takes each
+    batch row's own scale (runtime.int8_rows; the reason logged where it cannot)."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -277,8 +279,8 @@ def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool
         raise ModelError("provider 'cuda' asked for, but this onnxruntime has no CUDA provider "
                          "(install raymuter[gpu] on a CUDA node)")
     source = str(path)
-    if head:
-        source = _head_source(path, options)
+    if head or int8_rows:
+        source = _rewritten_source(path, options, head, int8_rows)
     try:
         session = ort.InferenceSession(source, options, providers=names[provider])
     except Exception as e:
@@ -289,24 +291,41 @@ def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool
     return session, used
 
 
-def _head_source(path: Path, options):
-    """The decoder at `path` with its LM head at the read positions only, as bytes whose weights
-    onnxruntime reads from `path`'s folder; `path` itself where the graph does not allow it."""
-    from .head import head_positions
+def _rewritten_source(path: Path, options, head: bool, int8_rows: bool):
+    """The decoder at `path` rewritten in memory (runtime.int8_rows, then runtime.head) as bytes whose
+    weights onnxruntime reads from `path`'s folder; `path` itself where neither rewrite applies."""
+    import onnx
 
-    data = None
+    from .head import head_positions
+    from .int8_rows import rows_apart
+
     try:
-        rewritten, reason = head_positions(path)
-        if rewritten is not None:
-            data = rewritten.SerializeToString()
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # noqa: BLE001 - an unreadable graph fails below, with onnxruntime's own message
-        reason = f"{type(e).__name__}: {e}"
-    if data is None:
-        log.info("%s computes logits at every position: %s", path.name, reason)
+        log.info("%s is not rewritten: %s: %s", path.name, type(e).__name__, e)
+        return str(path)
+    changed = False
+    if int8_rows:
+        count, reason = rows_apart(model)
+        if reason:
+            log.warning("%s quantizes its activations over the whole batch: %s", path.name, reason)
+        elif count:
+            log.info("%s quantizes its activations per batch row (%d DynamicQuantizeLinear)", path.name, count)
+        changed = count > 0
+    if head:
+        try:
+            rewritten, reason = head_positions(model)
+        except Exception as e:  # noqa: BLE001 - as above
+            rewritten, reason = None, f"{type(e).__name__}: {e}"
+        if rewritten is None:
+            log.info("%s computes logits at every position: %s", path.name, reason)
+        else:
+            log.info("%s computes logits only at the positions read", path.name)
+            model, changed = rewritten, True
+    if not changed:
         return str(path)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
-    log.info("%s computes logits only at the positions read", path.name)
-    return data
+    return model.SerializeToString()
 
 
 def default_threads() -> int:
@@ -367,7 +386,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     if fuse and not genai_path.exists():
         def load_source():  # asked for only when the cache has no answer for this file yet
             nonlocal source
-            session, used = open_session(decoder_path, provider, threads, spin_wait, head=True)
+            session, used = open_session(decoder_path, provider, threads, spin_wait, head=True, int8_rows=True)
             source = session, used, read_graph(decoder_path, session, _config_dims(config), present_names)
             return source[0], source[2]
         fused = fused_decoder(decoder_path, config, _provider(provider), load_source)
@@ -376,7 +395,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
         session, used, graph = source
     else:
         source = None  # the source's weights are not kept beside the fused graph's
-        session, used = open_session(path, provider, threads, spin_wait, head=True)
+        session, used = open_session(path, provider, threads, spin_wait, head=True, int8_rows=True)
         graph = read_graph(path, session, _config_dims(config), present_names)
     graph = _placed(graph, config, path)
     model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,

@@ -11,8 +11,8 @@ alone; where the builder departs from transformers (DEPARTS, with the reason, wh
 every row is onnxruntime-genai's own generator's on that prompt alone, and transformers' differs; the
 onnx/ folder and the merged decoder are exact against transformers in the cache mode the Optimum
 export loads in (MODES), the merged one as exported too (its If branches); a q4 or fp16 variant's
-batch is its own graph's, each prompt alone as exported (an int8 one's only a prompt at a time: its
-activations share one scale across the batch); a beam search equals transformers' in each layout kind.
+batch is its own graph's, each prompt alone as exported, and so is an int8 one's (its activations
+quantized per row at load: runtime.int8_rows); a beam search equals transformers' in each layout kind.
 """
 
 from __future__ import annotations
@@ -211,11 +211,14 @@ def test_the_int8_variant_runs_its_own_graph_row_by_row(layouts, oracle, prompts
     assert rows == [_rows(exported, [p])[0] for p in prompts] != _transformers(oracle, arch, prompts)
 
 
-@pytest.mark.xfail(strict=True, reason="int8 dynamic quantization (DynamicQuantizeLinear) takes one activation scale "
-                                       "over the whole batch, padding rows included: a row's tokens depend on the "
-                                       "rows beside it, in the graph as exported too")
-def test_the_int8_variants_rows_do_not_depend_on_the_batch(layouts, prompts):
-    model = generation.load(layouts["onnx"]["qwen3"], variant="quantized", threads=1, fuse=False)
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("arch", ONNX_FOLDER_ARCHS)
+def test_the_int8_variants_rows_do_not_depend_on_the_batch(layouts, prompts, arch, fuse):
+    """The mixed batch (padding positions in the shorter prompts, padding rows in the steps) gives
+    each row the tokens of its prompt alone, through the same load: each row's activations take
+    their own scale (runtime.int8_rows) and prompts run by length (graph.prompts_by_length)."""
+    model = generation.load(layouts["onnx"][arch], variant="quantized", threads=1, fuse=fuse)
+    assert model.graph.prompts_by_length
     assert _rows(model, prompts) == [_rows(model, [p])[0] for p in prompts]
 
 
