@@ -1,6 +1,8 @@
 """The Ray Serve application: its config (AppConfig), the thin deployments and how they are bound
 together (`build`): a Decoder deployment (the engine and its batching loop) behind an Ingress
-deployment (OpenAI-style HTTP and the Python handle API).
+deployment (OpenAI-style HTTP and the Python handle API), beside the two that every ingress
+replica shares: Responses (the stored responses) and Batches (the files and batches of the Batch
+API, whose lines it sends back through the ingress's routes).
 
     serve run deployments.app:build model=path/to/folder     # or cluster/serve.yaml
     handle = serve.get_app_handle("raymuter")
@@ -12,6 +14,7 @@ failures become OpenAI's error body (4xx naming the field, 503 with Retry-After,
 request id). A client that goes away cancels its request, streaming or not.
 """
 
+import asyncio
 import os
 import time
 from typing import Any, Literal
@@ -26,7 +29,10 @@ from generation.cli import version
 from generation.front import REASONING_PARSERS
 
 from .autoscaling import RUNNING, SLOTS, WAITING, Autoscaling
+from .batch.requests import BatchRequest
+from .batch.route_client import RouteClient
 from .errors import Overloaded, RequestError
+from .http.batches import BatchCalls
 from .http.decoder_calls import DecoderCalls
 from .http.edge import body_limit, install_error_handlers, replica_id
 from .http.ingress_state import IngressState
@@ -36,6 +42,7 @@ from .http.to_decoder import typed, with_id
 from .local_handle import LocalHandle
 from .schema import (EmbedRequest, EmbedResponse, GenerateChunk, GenerateRequest, GenerateResponse, Refusal,
                      Transcription, TranscriptionRequest)
+from .services.batches import BatchService
 from .services.loading import decoder_service, encoding_service
 from .services.response_store import ResponseStore
 from .services.routing import ROUTERS
@@ -64,6 +71,9 @@ class AppConfig(BaseModel):
     # the KV cache's budget per decoder replica (bytes; default a quarter of the machine's memory,
     # 0: none): rows are seated while what they hold fits it, up to `slots` (generation/engine/budget.py)
     kv_cache_bytes: int | None = Field(default=None, ge=0, le=2**46)
+    # the prompt tokens the decoder runs per step (None: generation.front.batching's default; 0: every
+    # prompt whole at once): a long prompt runs in chunks between the running rows' steps
+    prefill_chunk_tokens: int | None = Field(default=None, ge=0, le=2**31)
     max_logprobs: int = Field(default=20, ge=-1, le=20)  # -1: no log-probabilities (the lean greedy loop)
     threads: int | None = Field(default=None, ge=1)  # onnxruntime intra-op threads per decoder replica
     spin: bool = True  # the decoder's idle onnxruntime threads spin between runs (False: they sleep)
@@ -112,6 +122,14 @@ class AppConfig(BaseModel):
     response_store_bytes: int = Field(default=256 * 2**20, ge=2**20, le=2**40)
     response_ttl_seconds: float = Field(default=24 * 3600, gt=0, le=366 * 24 * 3600)
     response_folder: str | None = None
+    # /v1/files and /v1/batches (the Batches deployment, one replica every ingress replica shares): the
+    # files and batches are kept in this folder (a restarted Batches replica resumes the batches that
+    # ran; default: a temporary folder of the replica's, gone with it); an upload takes at most
+    # file_size_limit bytes; the batches keep at most batch_concurrency lines in flight (default:
+    # slots), each at a priority below every interactive request
+    batch_folder: str | None = None
+    file_size_limit: int = Field(default=200 * 2**20, ge=1, le=2**40)
+    batch_concurrency: int | None = Field(default=None, ge=1, le=4096)
 
 
 # Seconds a stopping replica (scaled down, redeployed, its node drained) may take to finish the
@@ -119,8 +137,9 @@ class AppConfig(BaseModel):
 DRAIN_SECONDS = 300
 
 # The deployments of each kind of model, the ingress first.
-PARTS = {"text": ("Ingress", "Decoder", "Responses"), "encoder-decoder": ("Ingress", "Decoder", "Encoder", "Responses"),
-         "vision": ("Ingress", "Decoder", "Vision", "Responses")}
+PARTS = {"text": ("Ingress", "Decoder", "Responses", "Batches"),
+         "encoder-decoder": ("Ingress", "Decoder", "Encoder", "Responses", "Batches"),
+         "vision": ("Ingress", "Decoder", "Vision", "Responses", "Batches")}
 # The same with the routes and the decoder in one Server deployment (AppConfig.colocate).
 COLOCATED_PARTS = {kind: ("Server", *names[2:]) for kind, names in PARTS.items()}
 
@@ -188,6 +207,45 @@ class Responses(ResponseStore):
 
     def __init__(self, store: dict):
         super().__init__(store["response_store_bytes"], store["response_ttl_seconds"], store["response_folder"])
+
+
+# One replica: it holds the files and runs the batches (a second would hold others). It takes no
+# CPU of its own: its lines' work is the routes' (answer_line) and the decoder's. A redeploy that
+# leaves its settings as they are leaves it running where Serve can; a replaced one resumes.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, num_replicas=1)
+class Batches(BatchService):
+    """/v1/files and /v1/batches (deployments.services.batches): each batch line is sent to the
+    routes of a replica of the deployment that serves HTTP (`settings["routes"]`: Ingress, or the
+    colocated Server), which answers it as it answers the same request over HTTP (answer_line)."""
+
+    async def __init__(self, settings: dict):
+        super().__init__(settings["batch_folder"], settings["batch_concurrency"], self._send)
+        self._routes_name, self._routes = settings["routes"], None
+        self.start()
+
+    async def _send(self, custom_id: str, url: str, body: dict) -> dict | None:
+        from ray.serve.exceptions import BackPressureError
+
+        from .http.decoder_calls import cause_of, replica_lost
+
+        if self._routes is None:  # by name: the routes' deployment is bound to this one, not the other way
+            self._routes = serve.get_deployment_handle(self._routes_name, _check_exists=False)
+        reply = self._routes.answer_line.remote(custom_id, url, body)
+        try:
+            return await reply
+        except asyncio.CancelledError:
+            reply.cancel()  # the batch was cancelled: its row is freed at the next step
+            raise
+        except Exception as e:  # noqa: BLE001 - no replica took it (lost, restarting, busy): the line is sent again
+            if replica_lost(cause_of(e)) or isinstance(cause_of(e), BackPressureError):
+                return None
+            raise
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def __del__(self):
+        self.close()
 
 
 # The ingress sends a request to the decoder replica that most likely holds its prompt's prefix
@@ -314,12 +372,14 @@ class Ingress:
     Python handle API over the decoder."""
 
     def __init__(self, decoder: DeploymentHandle, config: dict, encoder: DeploymentHandle | None = None,
-                 vision: DeploymentHandle | None = None, responses: DeploymentHandle | None = None):
+                 vision: DeploymentHandle | None = None, responses: DeploymentHandle | None = None,
+                 batches: DeploymentHandle | None = None):
         cfg = AppConfig(**config)
         max_body = body_limit(cfg.max_body_bytes)
         calls = DecoderCalls(decoder, encoder, vision, Media(cfg.allow_remote_images, max_body))
         self.state = IngressState(calls, cfg.api_key or os.environ.get("RAYMUTER_API_KEY") or None, max_body,
-                                  responses)
+                                  responses, BatchCalls(batches, cfg.file_size_limit))
+        self.lines = None  # the Batches deployment's lines, through these routes (answer_line)
 
     async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:
         """One generation (handle.generate.remote(GenerateRequest(...)))."""
@@ -343,6 +403,17 @@ class Ingress:
     async def models(self) -> list[dict]:
         return [await self.state.model_card()]
 
+    async def answer_line(self, custom_id: str, url: str, body: dict) -> dict:
+        """A batch line answered by this replica's routes as they answer the same request over
+        HTTP (the Batches deployment sends its lines here): its OpenAI batch output line."""
+        if self.lines is None:
+            key = self.state.api_key
+            self.lines = RouteClient(api, {"authorization": f"Bearer {key}"} if key else None)
+        return await self.lines.answer(BatchRequest(custom_id, url, body))
+
+    def pid(self) -> int:
+        return os.getpid()
+
 
 # The routes and the decoder in one replica (AppConfig.colocate): the ingress's code over a
 # LocalHandle of its own Decoder, so a request and each streamed chunk cost no Ray message.
@@ -354,9 +425,10 @@ class Server(Ingress.func_or_class):
     """HTTP routes and the Python handle API with the model in the same process."""
 
     async def __init__(self, config: dict, encoder: DeploymentHandle | None = None,
-                       vision: DeploymentHandle | None = None, responses: DeploymentHandle | None = None):
+                       vision: DeploymentHandle | None = None, responses: DeploymentHandle | None = None,
+                       batches: DeploymentHandle | None = None):
         self.model = Decoder.func_or_class(config, encoder)
-        await super().__init__(LocalHandle(self.model), config, encoder, vision, responses)
+        await super().__init__(LocalHandle(self.model), config, encoder, vision, responses, batches)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return self.model.record_autoscaling_stats()
@@ -425,9 +497,11 @@ def application(cfg: AppConfig, kind: str):
     # only its own settings: a redeploy that changes the others leaves the store as it is where Serve can
     responses = Responses.bind({k: config[k] for k in ("response_store_bytes", "response_ttl_seconds",
                                                        "response_folder")})
+    batches = Batches.bind({"batch_folder": cfg.batch_folder, "batch_concurrency": cfg.batch_concurrency or cfg.slots,
+                            "routes": "Server" if cfg.colocate else "Ingress"})
     if cfg.colocate:
-        return decoder.bind(config, encoder, vision, responses)
-    return ingress.bind(decoder.bind(config, encoder), config, encoder, vision, responses)
+        return decoder.bind(config, encoder, vision, responses, batches)
+    return ingress.bind(decoder.bind(config, encoder), config, encoder, vision, responses, batches)
 
 
 def _cluster_has_gpu() -> bool:

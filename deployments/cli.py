@@ -36,6 +36,10 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=None,
                         help="the KV cache's budget per decoder replica: requests are seated while what their rows "
                              "hold fits it, up to --slots (default: a quarter of the machine's memory; 0: none)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help="prompt tokens the decoder runs per step: a long prompt (or a burst) runs in chunks "
+                             "between the running rows' steps, which keep their pace (default: "
+                             "generation.front.batching.DEFAULT_PREFILL_CHUNK_TOKENS; 0: every prompt whole at once)")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="most alternatives per token a request may ask; -1: no log-probabilities")
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
@@ -77,6 +81,7 @@ def engine_config(args) -> dict:
             settings[name.strip()] = value
     return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
                 prefix_cache_bytes=args.prefix_cache_bytes, kv_cache_bytes=args.kv_cache_bytes,
+                prefill_chunk_tokens=args.prefill_chunk_tokens,
                 max_logprobs=args.max_logprobs, threads=args.threads,
                 spin=args.spin, provider=args.provider, variant=args.variant, fuse=args.fuse, draft=args.draft,
                 settings=settings, engine=args.engine, grammar_budget=grammar_budget_of(args.grammar_budget),
@@ -103,6 +108,13 @@ def add_arguments(parser) -> None:
                         help="/v1/responses: seconds a stored response is kept after it was last written (default: a day)")
     parser.add_argument("--response-folder", help="/v1/responses: persist the stored responses to this folder "
                         "(a restarted server keeps them; default: memory only)")
+    parser.add_argument("--batch-folder", help="/v1/files and /v1/batches: keep the files and batches in this folder "
+                        "(a restarted server resumes the batches that ran; default: a temporary folder, gone at stop)")
+    parser.add_argument("--file-size-limit", type=int, default=200 * 2**20, metavar="BYTES",
+                        help="/v1/files: the largest file an upload may bring (default: 200 MiB)")
+    parser.add_argument("--batch-concurrency", type=int, metavar="LINES",
+                        help="/v1/batches: the lines the running batches keep in flight together, each at a priority "
+                             "below every interactive request (default: --slots)")
     parser.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (off: saves ~1 s and memory)")
     parser.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: the machine's)")
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
@@ -256,6 +268,8 @@ def app_config(args) -> dict:
                 api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
                 response_store_bytes=args.response_store_bytes, response_ttl_seconds=args.response_ttl,
                 response_folder=args.response_folder and os.path.abspath(args.response_folder),
+                batch_folder=args.batch_folder and os.path.abspath(args.batch_folder),
+                file_size_limit=args.file_size_limit, batch_concurrency=args.batch_concurrency,
                 **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
                          engine=args.engine, routes_scaled="ingress" in autoscaling))
 

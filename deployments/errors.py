@@ -21,3 +21,8 @@ class RequestError(ValueError):
 
 class Overloaded(RuntimeError):
     """The decoder's queue is full (HTTP 503 with Retry-After)."""
+
+
+class NotFound(RequestError):
+    """A request names a stored thing that is not there: an unknown or deleted file or batch
+    (HTTP 404 naming the field that named it)."""

@@ -9,40 +9,15 @@ joins a cluster (INPUT must then be readable from every node: shared storage, or
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
 
-from .requests import custom_id_of, table_line
+from .requests import answered_ids, custom_id_of, table_line
 
 TABLES = (".parquet", ".pq")
-
-
-def answered_ids(output: Path) -> set[str]:
-    """The custom_ids OUTPUT holds; a last line cut short (a run killed mid-write) is dropped
-    from the file, so appending goes on from a whole line."""
-    if not output.exists():
-        return set()
-    kept, ids = [], set()
-    with output.open() as lines:
-        for text in lines:
-            try:
-                line = json.loads(text)
-            except ValueError:
-                continue
-            if not text.endswith("\n"):
-                continue
-            kept.append(text)
-            ids.add(line.get("custom_id"))
-    whole = "".join(kept)
-    if whole != output.read_text():
-        partial = output.with_suffix(output.suffix + ".part")
-        partial.write_text(whole)
-        os.replace(partial, output)
-    return ids
 
 
 def run_batch(input_path: str, output_path: str, config: dict, replicas: int = 1, cpus: float | None = None,

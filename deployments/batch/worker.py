@@ -1,17 +1,16 @@
 """One engine replica's worth of a batch: the server's application in this process (its routes
 over a Decoder, and an Encoder or Vision where the model has them, called directly), each
-request sent to its route as the server would get it, so an output line is what the server
-answers the same request (same engine path, same seeds).
+request sent to its route as the server would get it (route_client.py), so an output line is what
+the server answers the same request (same engine path, same seeds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import mimetypes
-from pathlib import Path
 
-from .requests import AUDIO, output_line, parsed_line
+from .requests import answered_ok, output_line, parsed_line
+from .route_client import RouteClient
 
 
 class _Reply:
@@ -81,48 +80,19 @@ class BatchWorker:
             return self.state
 
         api.dependency_overrides[replica_state] = this_state
-        self.api = api
-        self._client = None
+        self.routes = RouteClient(api, local_files=True)
 
     async def __call__(self, batch: dict) -> dict:
         outputs = await asyncio.gather(*(self.answer(str(line)) for line in batch["line"]))
         return {"output": [json.dumps(o) for o in outputs],
-                "ok": [o["error"] is None and o["response"]["status_code"] == 200 for o in outputs]}
+                "ok": [answered_ok(o) for o in outputs]}
 
     async def answer(self, line: str) -> dict:
         """The output line of one input line."""
-        import httpx
-
         request = parsed_line(line)
         if request.error is not None:
             return output_line(request.custom_id, error=request.error)
-        if self._client is None:  # on the loop the batches run on
-            self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.api), base_url="http://batch",
-                                             timeout=None)
-        try:
-            if request.url in AUDIO:
-                answer = await self._audio(request)
-            else:
-                answer = await self._client.post(request.url, json=request.body)
-        except (OSError, ValueError) as e:
-            return output_line(request.custom_id, error=f"{request.url}: {e}"[:500])
-        try:
-            body = answer.json()
-        except ValueError:
-            body = answer.text
-        request_id = answer.headers.get("x-request-id") or (body.get("id") if isinstance(body, dict) else None)
-        return output_line(request.custom_id, answer.status_code, body, request_id)
-
-    async def _audio(self, request):
-        """A transcription or translation: the body's `file` is a path the worker reads."""
-        fields = dict(request.body)
-        path = fields.pop("file", None)
-        if not isinstance(path, str):
-            raise ValueError("body.file: the audio file's path (a batch sends the file it names)")
-        data = Path(path).read_bytes()
-        kind = mimetypes.guess_type(path)[0] or "application/octet-stream"
-        form = {k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()}
-        return await self._client.post(request.url, data=form, files={"file": (Path(path).name, data, kind)})
+        return await self.routes.answer(request)
 
     def __del__(self):
         decoder = getattr(self, "decoder", None)

@@ -44,8 +44,9 @@ async def gathered(http: Request, calls: list) -> list:
     gone = asyncio.ensure_future(client_gone(http))
     try:
         done, _ = await asyncio.wait([gathered, gone], return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
+    except BaseException:  # this request cancelled (a cancelled batch's line, a replica that stops)
         gathered.cancel()
+        gathered.add_done_callback(_retrieved)  # its CancelledError is this one: not logged as never retrieved
         raise
     finally:
         gone.cancel()
@@ -59,6 +60,11 @@ async def gathered(http: Request, calls: list) -> list:
         for call in calls:  # one choice failed: the others are not waited for
             call.cancel()
         raise
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def event_stream(calls: DecoderCalls, jobs, rid, model, fingerprint, chat, body) -> StreamingResponse:

@@ -51,14 +51,23 @@ def replica_lost(error: BaseException) -> bool:
     return isinstance(error, (RayActorError, ActorUnavailableError, DeploymentUnavailableError))
 
 
-def api_error_of(error: BaseException, request_id_: str) -> ApiError:
-    """What a failed decoder call means to the client."""
-    from ray.exceptions import RayActorError, RayTaskError
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+def cause_of(error: BaseException) -> BaseException:
+    """What a failed call raised in its replica (Ray wraps it in a RayTaskError, once per hop: an
+    encoder's failure reaches us through the decoder call that took its reply)."""
+    from ray.exceptions import RayTaskError
 
     cause = error
     while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None and cause.cause is not cause:
-        cause = cause.cause  # an encoder's failure reaches us through the decoder call that took its reply
+        cause = cause.cause
+    return cause
+
+
+def api_error_of(error: BaseException, request_id_: str) -> ApiError:
+    """What a failed decoder call means to the client."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    cause = cause_of(error)
     if isinstance(cause, ApiError):
         return cause
     if isinstance(cause, RequestError):

@@ -152,9 +152,10 @@ def body_of(model, content_type: str = "application/json", schema: dict | None =
     return {"requestBody": {"required": True, "content": {content_type: {"schema": schema}}}}
 
 
-def answers(model, *statuses: int, stream: bool = False, text: bool = False) -> dict:
+def answers(model, *statuses: int, stream: bool = False, text: bool = False, binary: bool = False) -> dict:
     """A route's `responses`: `model` for 200 (with server-sent events where it streams, plain
-    text where it can answer text), OpenAI's error body for each of `statuses`."""
+    text where it can answer text, bytes where it answers a file's), OpenAI's error body for each
+    of `statuses`."""
     from .openai import ErrorResponse
 
     ok: dict = {"description": "OK"}
@@ -166,6 +167,8 @@ def answers(model, *statuses: int, stream: bool = False, text: bool = False) -> 
             "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}}
     if text:
         extra["text/plain"] = {"schema": {"type": "string"}}
+    if binary:
+        extra["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
     if extra:
         ok["content"] = extra
     out = {200: ok}
@@ -176,9 +179,9 @@ def answers(model, *statuses: int, stream: bool = False, text: bool = False) -> 
 
 # What a route that reads a body may answer besides 200.
 ERRORS = (400, 401, 404, 413, 500, 503)
-_REASONS = {400: "bad request: param names the field", 401: "missing or wrong API key", 404: "unknown model",
-            413: "body over the limit", 422: "unprocessable", 500: "server error: the log has the request id",
-            503: "busy or restarting: retry after Retry-After seconds"}
+_REASONS = {400: "bad request: param names the field", 401: "missing or wrong API key",
+            404: "unknown model, file or batch", 413: "body (or file) over the limit", 422: "unprocessable",
+            500: "server error: the log has the request id", 503: "busy or restarting: retry after Retry-After seconds"}
 
 
 def openapi_document(api: FastAPI, request_models: list) -> dict:

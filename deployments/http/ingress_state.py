@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from ..metrics import IngressMetrics
 from ..schema import Transcription, TranscriptionRequest
+from .batches import BatchCalls
 from .decoder_calls import DecoderCalls
 from .edge import read_json, replica_id, request_id
 from .openai import ApiError
@@ -27,10 +28,13 @@ class IngressState:
     """The ingress's state behind its routes: `calls` (the decoder and its helpers by handle), the
     API key (None: open), the largest body, the metrics, the model card once asked."""
 
-    def __init__(self, calls: DecoderCalls, api_key: str | None, max_body: int, responses=None):
+    def __init__(self, calls: DecoderCalls, api_key: str | None, max_body: int, responses=None,
+                 batches: BatchCalls | None = None):
         self.calls, self.api_key, self.max_body = calls, api_key, max_body
         # /v1/responses: its runs, over the shared store (a handle to deployments.app.Responses)
         self.responses = ResponseRuns(calls, responses if responses is not None else _local_store())
+        # /v1/files and /v1/batches: the Batches deployment's calls (none: the API is not served here)
+        self.batches = batches if batches is not None else BatchCalls(None, 0)
         self.metrics = IngressMetrics()
         self.openapi: dict | None = None  # the OpenAPI document once built (routes/meta.py)
         self.replica = replica_id() or "local"  # this ingress replica's id ("local" outside Serve)

@@ -30,10 +30,11 @@ AUDIO_FORM = {"type": "object", "required": ["file", "model"], "properties": {
     "condition_on_prev_tokens": {"type": "boolean"}}}
 
 
-# -- an audio upload ----------------------------------------------------------------------------------
-async def audio_form(request: Request, max_body: int):
-    """The multipart form of an audio route and its file (not read yet); 413 for a body declared
-    over `max_body`, 400 for a body that is no multipart form or has no file."""
+# -- an upload (audio, a batch's file) ----------------------------------------------------------
+async def upload_form(request: Request, max_body: int, what: str = "the audio file"):
+    """The multipart form of an upload route (audio, /v1/files) and its file `what` (not read
+    yet); 413 for a body declared over `max_body`, 400 for a body that is no multipart form or
+    has no file."""
     check_length(request, max_body)
     try:
         form = await request.form()
@@ -41,7 +42,7 @@ async def audio_form(request: Request, max_body: int):
         raise ApiError(400, f"the body must be multipart/form-data with a file: {e}"[:300]) from None
     upload = form.get("file")
     if upload is None or not hasattr(upload, "read"):
-        raise ApiError(400, "file: required (the audio file, as a multipart upload)", param="file")
+        raise ApiError(400, f"file: required ({what}, as a multipart upload)", param="file")
     return form, upload
 
 

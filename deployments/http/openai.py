@@ -171,6 +171,9 @@ class _Request(_Strict):
     guided_grammar: GRAMMAR_TEXT | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # vLLM's
+    # the scheduler's order, lower first: 0 (interactive) by default; a batch's lines run at 1, after
+    # every interactive request (deployments/services/batches.py)
+    priority: int = Field(default=0, ge=0, le=1_000_000)
     stop_token_ids: list[TOKEN_ID] | None = Field(default=None, max_length=limits.MAX_SEQUENCES)
     min_tokens: int | None = Field(default=None, ge=0, le=INT_MAX)
     ignore_eos: bool = False  # generate to max_tokens whatever the eos token

@@ -5,11 +5,11 @@ OpenAI fields map onto transformers' settings: max_tokens -> max_new_tokens, tem
 greedy), top_p, seed, stop -> stop_strings, logit_bias -> sequence_bias, logprobs / top_logprobs;
 vLLM's stop_token_ids join the eos tokens, min_tokens is min_new_tokens, ignore_eos drops the eos
 tokens. Raymuter's own fields (EXTRA_SETTINGS) carry the rest of the generation config
-(num_beams, length_penalty, repetition_penalty, no_repeat_ngram_size, top_k, min_p, ...). The
-output's constraint (response_format, structured_outputs, guided_*) is the engine's
-structured_outputs setting. The engine validates the settings when it uses them; a refusal comes
-back naming its setting, and `for_request` names the request's field instead (stop, not
-stop_strings).
+(num_beams, length_penalty, repetition_penalty, no_repeat_ngram_size, top_k, min_p, ...). vLLM's
+`priority` is the scheduler's order (GenerateRequest.priority: lower first). The output's
+constraint (response_format, structured_outputs, guided_*) is the engine's structured_outputs
+setting. The engine validates the settings when it uses them; a refusal comes back naming its
+setting, and `for_request` names the request's field instead (stop, not stop_strings).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def generate_request(request: OpenAIRequest, prompt=None, index: int = 0) -> dic
     """The decoder's GenerateRequest fields for choice `index` of `prompt` (one of the
     request's prompts; chat: its messages). Choice j of a seeded request takes seed + j."""
     body: dict = {"settings": settings_of(request), "logprobs": wants_logprobs(request),
-                  "stop_token_ids": request.stop_token_ids}
+                  "stop_token_ids": request.stop_token_ids, "priority": request.priority}
     if request.seed is not None:
         body["seed"] = (request.seed + index) % 2**63
     if isinstance(request, ChatCompletionRequest):

@@ -32,7 +32,7 @@ def decoder_service(cfg, default_name: str):
     return TextGenerator.from_model(
         model, name=cfg.name or (default_name if cfg.model is None else None), slots=cfg.slots,
         capacity=cfg.capacity, max_waiting=cfg.max_waiting, prefix_cache_bytes=cfg.prefix_cache_bytes,
-        kv_cache_bytes=cfg.kv_cache_bytes,
+        kv_cache_bytes=cfg.kv_cache_bytes, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
         max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
         fuse=cfg.fuse, stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft,
         grammar_budget=cfg.grammar_budget, engine_process=cfg.engine_process, spin=cfg.spin,

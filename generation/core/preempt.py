@@ -70,17 +70,23 @@ def pause(ctx: Context, state: DecodeState, slot: int) -> Paused:
     return paused
 
 
-def resume(ctx: Context, state: DecodeState, slots, rows: list[Paused], settings: list[Settings]) -> DecodeState:
+def resume(ctx: Context, state: DecodeState, slots, rows: list[Paused], settings: list[Settings],
+           caches: list[dict] | None = None) -> DecodeState:
     """Put paused `rows` into free `slots`, their caches recomputed from their tokens (one
     prompt run, apart from the prefix store: their new tokens are nobody's prompt); `settings`:
-    each row's, as it was admitted with."""
+    each row's, as it was admitted with. `caches`: their caches recomputed already ([heads,
+    length, head_dim] per cache input: a resume run in chunks, core/chunks.py), inserted."""
     slots = [int(s) for s in slots]
     for j, slot in enumerate(slots):
         if not 0 <= slot < state.slots or state.used[slot] or slot in slots[:j]:
             raise ValueError(f"slots[{j}] = {slot} is not a free slot of this state")
     with _undone_on_error(ctx, state, slots):
-        state.cache.prefill(slots, [row.tokens[:row.length].tolist() for row in rows], ctx.prompt_steps,
-                            ctx.settings.pad_token_id, lambda prompts: _prompt_cache(ctx, prompts))
+        if caches is None:
+            state.cache.prefill(slots, [row.tokens[:row.length].tolist() for row in rows], ctx.prompt_steps,
+                                ctx.settings.pad_token_id, lambda prompts: _prompt_cache(ctx, prompts))
+        else:
+            for slot, row, cache in zip(slots, rows, caches):
+                state.cache.insert(slot, cache, row.length)
         for slot, row, s in zip(slots, rows, settings):
             _place(state, slot, row, s)
     state.refresh()

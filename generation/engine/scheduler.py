@@ -488,7 +488,7 @@ class Scheduler:
         job alone (its slot is free again)."""
         store = self.state.prefix if isinstance(self.state.prefix, PrefixStore) else None
         for slot, job, count in chunks:
-            if self.filling.get(slot) is not job:  # preempted after its chunk was given (a job of a lower priority value)
+            if self.filling.get(slot) is not job:  # preempted after its chunk was given (for a lower priority value)
                 continue
             try:
                 if job.partial is None:  # a resumed row's tokens are nobody's prompt: not looked up

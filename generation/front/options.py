@@ -23,7 +23,9 @@ class EngineOptions:
     `draft`: a small model with the same tokenizer whose proposals every step verifies;
     `prefix_cache_bytes`: prompt prefixes kept for reuse (0: none); `kv_cache_bytes`: the KV
     cache's budget, rows admitted while what they hold fits it (None: a quarter of the machine's
-    memory; 0: none, each slot may hold the whole capacity); `engine_process`: the batching
+    memory; 0: none, each slot may hold the whole capacity); `prefill_chunk_tokens`: the prompt
+    tokens a step may run, a long prompt in chunks between the running rows' steps (None:
+    batching.DEFAULT_PREFILL_CHUNK_TOKENS; 0: every prompt whole); `engine_process`: the batching
     loop in a child process (decoder-only text models); `grammar_budget`: what a request's
     constraint may cost (generation.logits.constraints.GrammarBudget, or a dict of its fields);
     `reasoning_parser`: how a chat's reasoning is told from its answer (front/reasoning.py: "auto"
@@ -40,6 +42,7 @@ class EngineOptions:
     draft: str | Path | None = None
     prefix_cache_bytes: int = 0
     kv_cache_bytes: int | None = None
+    prefill_chunk_tokens: int | None = None
     fuse: bool = True
     spin: bool = True
     engine_process: bool = False

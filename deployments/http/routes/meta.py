@@ -13,12 +13,13 @@ from ..edge import answers, openapi_document
 from ..ingress_state import IngressState, replica_state
 from ..openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
                       VersionResponse)
+from ..batches import BatchCreateRequest
 from ..responses import ResponseRequest
 
 router = APIRouter()
 # What /openapi.json lists as request bodies (the routes read their bodies themselves).
 REQUEST_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest,
-                  ResponseRequest]
+                  ResponseRequest, BatchCreateRequest]
 
 
 @router.get("/health", responses=answers(None))

@@ -1,5 +1,5 @@
 """The batch file's lines (deployments/batch/requests.py) and a resumed run's output file
-(run.answered_ids): what can be sent, what is an error line, what a table's row becomes."""
+(requests.answered_ids): what can be sent, what is an error line, what a table's row becomes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from deployments.batch.requests import custom_id_of, output_line, parsed_line, table_line
-from deployments.batch.run import answered_ids
+from deployments.batch.requests import answered_ids, custom_id_of, output_line, parsed_line, table_line
 
 
 def test_a_line_becomes_its_request():

@@ -1,0 +1,192 @@
+"""The Files and Batches API at the ingress: OpenAI's shapes (the body POST /v1/batches validates,
+the objects the OpenAPI document names) and the calls of the Batches deployment that holds the
+files and runs the batches (deployments/services/batches.py): an upload sent to it a piece at a
+time, a file's content streamed back a piece at a time, every refusal as OpenAI's error naming
+its field (404 for an unknown id, 413 for a file over the size limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Literal
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+
+from ..errors import NotFound, RequestError
+from ..services.batches import ENDPOINTS
+from .decoder_calls import cause_of, replica_lost
+from .edge import RETRY_AFTER_SECONDS, request_id, server_error
+from .media import upload_form
+from .openai import ApiError, _Strict
+
+PIECE_BYTES = 2**20  # the bytes of one message between the ingress and the Batches replica
+FORM_BYTES = 64 * 2**10  # what a multipart form holds beside its file (its boundaries, headers, purpose)
+# The multipart form of POST /v1/files (the OpenAPI document's).
+FILE_FORM = {"type": "object", "required": ["file", "purpose"], "properties": {
+    "file": {"type": "string", "format": "binary", "description": "a batch's requests: OpenAI's batch JSONL"},
+    "purpose": {"type": "string", "enum": ["batch"]}}}
+
+
+class BatchCreateRequest(_Strict):
+    """POST /v1/batches: the requests of an uploaded file (purpose batch), each to `endpoint`."""
+
+    input_file_id: str = Field(max_length=256)
+    endpoint: Literal[ENDPOINTS]
+    completion_window: Literal["24h"]
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
+        Field(default=None, max_length=16)
+    output_expires_after: dict | None = None  # OpenAI's; accepted: the files are kept until deleted
+
+
+# -- the OpenAPI document's shapes (the Batches deployment builds them as dicts) ---------------------
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["uploaded", "processed", "error"]
+    expires_at: int | None
+    status_details: str | None
+
+
+class FileList(BaseModel):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class DeletedFile(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int  # answered 200: in the output file
+    failed: int  # answered otherwise: in the error file
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    param: str | None
+    line: int | None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"]
+    data: list[BatchError]
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                    "cancelled"]
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"]
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class BatchCalls:
+    """The Batches deployment by handle (or a LocalHandle of a BatchService; None: this
+    application has none, and every route of the API says so), with the largest file an
+    upload may bring."""
+
+    def __init__(self, service, file_size_limit: int):
+        self._service, self.file_size_limit = service, file_size_limit
+
+    @property
+    def service(self):
+        """The Batches deployment's handle (404 where the application has none)."""
+        if self._service is None:
+            raise ApiError(404, "this application serves no Files and Batches API (it has no Batches deployment)",
+                           code="unknown_url")
+        return self._service
+
+    async def upload(self, request: Request) -> dict:
+        """POST /v1/files: the multipart form's file (purpose batch) into the store, a piece at a time."""
+        service = self.service
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.file_size_limit + FORM_BYTES:  # refused before it is read
+            raise self._too_large(f"the upload has {declared} bytes")
+        form, upload = await upload_form(request, self.file_size_limit + FORM_BYTES, "the batch's JSONL file")
+        purpose = form.get("purpose")
+        if purpose != "batch":
+            raise ApiError(400, f"purpose: this server keeps files for batches (purpose 'batch'), not "
+                                f"{str(purpose)[:40]!r}", param="purpose")
+        size = upload.size if upload.size is not None else len(await upload.read())
+        if size > self.file_size_limit:
+            raise self._too_large(f"the file has {size} bytes")
+        await upload.seek(0)
+        filename = (getattr(upload, "filename", None) or "file")[:256]
+        file_id = await self.call(service.begin_file.remote(filename, purpose, size))
+        try:
+            while piece := await upload.read(PIECE_BYTES):
+                await self.call(service.append_file.remote(file_id, piece))
+            return await self.call(service.finish_file.remote(file_id))
+        except BaseException:  # the client left, or the store refused: nothing half-kept
+            try:
+                await asyncio.shield(service.abort_file.remote(file_id))
+            except Exception:  # noqa: BLE001 - the store's replica is gone: its successor drops the upload
+                pass
+            raise
+
+    def _too_large(self, what: str) -> ApiError:
+        return ApiError(413, f"file: {what}; this server takes files of at most {self.file_size_limit} bytes",
+                        param="file", code="file_too_large")
+
+    async def content(self, file_id: str) -> StreamingResponse:
+        """GET /v1/files/{id}/content: the file's bytes, read from the store a piece at a time."""
+        record = await self.call(self.service.file.remote(file_id))
+
+        async def pieces():
+            for offset in range(0, record["bytes"], PIECE_BYTES):
+                yield await self.call(self.service.file_piece.remote(file_id, offset, PIECE_BYTES))
+
+        return StreamingResponse(pieces(), media_type="application/octet-stream",
+                                 headers={"content-length": str(record["bytes"])})
+
+    async def call(self, response):
+        """A Batches call's reply; its refusal as OpenAI's error naming the field (NotFound: 404,
+        RequestError: 400), its replica gone as 503 with Retry-After, anything else a logged 500."""
+        try:
+            return await response
+        except Exception as e:  # noqa: BLE001
+            cause = cause_of(e)
+            if isinstance(cause, RequestError):
+                status, code = (404, "not_found") if isinstance(cause, NotFound) else (400, None)
+                raise ApiError(status, str(cause), param=cause.field, code=code) from None
+            if replica_lost(cause):
+                raise ApiError(503, f"the Batches replica is restarting; retry after {RETRY_AFTER_SECONDS} s",
+                               kind="server_overloaded") from None
+            raise server_error(request_id(), "the Batches call failed", cause) from None
