@@ -378,18 +378,42 @@ class LogProbs:
 
 def logprobs(scores: np.ndarray, tokens: np.ndarray, top: int = 0) -> LogProbs:
     """log_softmax(scores) at `tokens` (compute_transition_scores with normalize_logits=True
-    when `scores` are the final scores), and the `top` best tokens of each row.
+    when `scores` are the final scores), and the `top` best tokens of each row (ties by id).
+
+    Each step of a server that offers log-probabilities runs this over the whole batch, so it
+    reads the vocabulary twice (max, then exp and sum) and writes no [n, V] log-probabilities:
+    the values are log_softmax's, each `(score - max) - log(sum)` as it computes them; the best
+    come from top_k_candidates (O(V) compares), not a partition of the vocabulary.
 
     >>> logprobs(np.log(np.array([[0.5, 0.25, 0.25]])), np.array([1]), top=1).top_ids.tolist()
     [[0]]
     """
-    logp = log_softmax(scores.astype(np.float32, copy=False))
-    rows = np.arange(len(scores))
-    out = LogProbs(logp[rows, tokens])
+    scores = scores.astype(np.float32, copy=False)
+    n, vocab = scores.shape
+    peak = scores.max(axis=1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0).astype(scores.dtype)
+    with np.errstate(divide="ignore"):
+        log_sum = np.log(np.exp(scores - peak).sum(axis=1, keepdims=True))
+    rows = np.arange(n)
+    out = LogProbs((scores[rows, tokens] - peak[:, 0]) - log_sum[:, 0])
     if top:
-        top = min(top, scores.shape[1])
-        ids = np.argpartition(-logp, top - 1, axis=1)[:, :top]
-        values = np.take_along_axis(logp, ids, axis=1)
-        order = np.argsort(-values, axis=1, kind="stable")
-        out.top_ids, out.top = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+        top = min(top, vocab)
+        ids = None
+        if vocab >= 2048:  # where the sampled threshold pays; every row needs `top` finite candidates
+            ids, values = top_k_candidates(scores, np.full(n, top))
+            if values.shape[1] < top or np.isfinite(values).sum(axis=1).min() < top:
+                ids = None
+        if ids is None:
+            ids = np.argpartition(-scores, top - 1, axis=1)[:, :top]
+            values = np.take_along_axis(scores, ids, axis=1)
+        order = _best_first(ids, values, top)
+        ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+        out.top_ids, out.top = ids, (values - peak) - log_sum
     return out
+
+
+def _best_first(ids: np.ndarray, values: np.ndarray, top: int) -> np.ndarray:
+    """Per row, the columns of the `top` largest values, best first, equal values by id."""
+    by_id = np.argsort(ids, axis=1, kind="stable")
+    by_value = np.argsort(-np.take_along_axis(values, by_id, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(by_id, by_value, axis=1)[:, :top]
