@@ -158,7 +158,7 @@ def add_batch_arguments(parser) -> None:
 def batch_command(args) -> int:
     from .batch.run import run_batch
 
-    config = engine_config(args)
+    config = batch_engine_config(args)
     if args.replicas < 1:
         raise ValueError("--replicas: at least 1")
     if args.prompt_column and args.messages_column:
@@ -168,6 +168,16 @@ def batch_command(args) -> int:
     print(f"[raymuter] batch: {summary['done']} lines answered ({summary['errors']} not 200), {summary['skipped']} "
           f"already in {args.output}, {summary['seconds']:.1f} s", file=sys.stderr)
     return 0
+
+
+def batch_engine_config(args) -> dict:
+    """`serve`'s engine options, but prompts whole unless --prefill-chunk-tokens says otherwise: a
+    batch has no interactive rows whose pace chunks would keep (bench/batch.py measured ~4% more
+    lines/s unchunked)."""
+    config = engine_config(args)
+    if config["prefill_chunk_tokens"] is None:
+        config["prefill_chunk_tokens"] = 0
+    return config
 
 
 def _table_options(args) -> dict | None:

@@ -102,7 +102,7 @@ class FakeBatcher:
         self._thread.start()
 
     def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
-               prompt_logprobs: int | None = None, priority: int = 0) -> Request:
+               prompt_logprobs: int | None = None, priority: int = 0, logprobs: bool = True) -> Request:
         if self._waiting.qsize() >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
         for i, t in enumerate(prompt):

@@ -29,7 +29,7 @@ from ..cache.prefill import PromptCache, run_from, run_prompts
 from ..cache.prefix import PrefixStore
 from ..logits.constraints import Grammars, dead_ends
 from ..logits.processors import RowSettings, apply
-from ..logits.selection import LogProbs, SamplingRows, logprobs, pick
+from ..logits.selection import LogProbs, SamplingRows, logprobs, pick, wanted
 from ..params.settings import SettingError, Settings
 from ..runtime.encoders import EncoderOutputs
 from ..search.beam import BeamGroup, advance_groups, beam_min_keep, new_group
@@ -250,7 +250,7 @@ def _select(ctx: Context, scores: np.ndarray, rows: RowSettings, processes: bool
         processed[list(dead)] = 0
     tokens, lp = pick(processed, SamplingRows.of(rows), seeds, draws, of_processed, ctx.top_logprobs)
     if ctx.token_logprobs and not of_processed:
-        lp = logprobs(scores, tokens, ctx.top_logprobs)
+        lp = logprobs(scores, tokens, ctx.top_logprobs, wanted(rows.no_logprobs))
     return tokens, lp, dead
 
 

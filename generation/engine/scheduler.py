@@ -123,9 +123,14 @@ class Update:
         got = [i for i in np.flatnonzero(out.token >= 0).tolist() if i not in out.failed]
         token = out.token[got].tolist()
         logprob = [None] * len(got) if out.logprob is None else out.logprob[got].tolist()
-        top = [None] * len(got) if out.top is None else [
-            list(zip(ids, lps)) for ids, lps in zip(out.top_ids[got].tolist(), out.top[got].tolist())]
-        return [(self.jobs[i], t, lp, tp) for i, t, lp, tp in zip(got, token, logprob, top)]
+        top = [None] * len(got)
+        if out.top is not None:
+            read = [j for j, i in enumerate(got) if not self.jobs[i].settings.no_logprobs]
+            for j, ids, lps in zip(read, out.top_ids[[got[j] for j in read]].tolist(),
+                                   out.top[[got[j] for j in read]].tolist()):
+                top[j] = list(zip(ids, lps))
+        return [(self.jobs[i], t, None if self.jobs[i].settings.no_logprobs else lp, tp)
+                for i, t, lp, tp in zip(got, token, logprob, top)]
 
 
 class Scheduler:
@@ -206,11 +211,12 @@ class Scheduler:
     # -- jobs -----------------------------------------------------------------------------
     def job(self, prompt, seed: int = 0, settings: dict | None = None, encoder=None,
             prompt_logprobs: int | None = None, key=None, timestamps: bool = False, untempered: bool = False,
-            priority: int = 0) -> Job:
+            priority: int = 0, logprobs: bool = True) -> Job:
         """A checked Job: `settings` are generation_config fields by name over the context's;
         `timestamps`: a window decoded with its family's timestamp rules (`timestamp_rules`);
         `untempered`: its log-probabilities before the temperature (Whisper's fallback rates a
-        window by them); `priority`: lower first (`add`).
+        window by them); `priority`: lower first (`add`); `logprobs=False`: its reader takes no
+        log-probabilities (the steps compute none for its row, its tokens come without them).
         Anything wrong raises SettingError naming the field. Thread-safe (reads the context only)."""
         ctx = self.ctx
         if ctx.model.is_seq2seq and (encoder is None or len(encoder) != 1):
@@ -225,6 +231,8 @@ class Scheduler:
             resolved = replace(resolved, timestamp_rules=timestamp_rules(ctx.model))
         if untempered:
             resolved = replace(resolved, untempered_logprobs=True)
+        elif not logprobs and ctx.token_logprobs:
+            resolved = replace(resolved, no_logprobs=True)
         if not prompt:
             raise SettingError("prompt", "prompt is empty")
         vision = getattr(ctx.model, "vision_session", None) is not None

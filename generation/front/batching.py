@@ -319,7 +319,7 @@ class ContinuousBatcher:
     # -- public -----------------------------------------------------------------------------
     def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
                prompt_logprobs: int | None = None, timestamps: bool = False, untempered: bool = False,
-               job=None, priority: int = 0) -> Request:
+               job=None, priority: int = 0, logprobs: bool = True) -> Request:
         """Queue a prompt (token ids) with its generation settings (any generation_config
         field: validated here, so a bad one raises ValueError naming it). An encoder-decoder
         model's request brings its source through the encoder: `encoder`, an EncoderOutputs of
@@ -327,14 +327,15 @@ class ContinuousBatcher:
         Whisper window, decoded with the timestamp rules; `untempered`: its log-probabilities
         before the temperature (the window's temperature fallback rates it by them). `priority`:
         lower first (Scheduler.add: batch rows above 0 give their slots up). `job`: the
-        scheduler's Job of these, checked already (engine_process: in the parent)."""
+        scheduler's Job of these, checked already (engine_process: in the parent). `logprobs=False`:
+        the reader takes none (its row's steps compute none)."""
         if self._stop.is_set():
             raise RuntimeError("the batcher is closed")
         if self._waiting.qsize() + len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
         if job is None:
             job = self.scheduler.job(prompt, seed, settings, encoder, prompt_logprobs, timestamps=timestamps,
-                                     untempered=untempered, priority=priority)
+                                     untempered=untempered, priority=priority, logprobs=logprobs)
         request = Request(next(self._ids), job.prompt, job.seed, job.settings, job.max_new, job=job,
                           beams=job.beams, encoder=encoder, prompt_top=prompt_logprobs)
         job.key = request

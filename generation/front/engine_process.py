@@ -109,13 +109,13 @@ class EngineProcess:
     # -- ContinuousBatcher's interface -----------------------------------------------------------
     def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
                prompt_logprobs: int | None = None, timestamps: bool = False, untempered: bool = False,
-               priority: int = 0) -> Request:
+               priority: int = 0, logprobs: bool = True) -> Request:
         """As ContinuousBatcher.submit (settings checked here, ValueError naming the field)."""
         if self._stopped:
             raise RuntimeError(f"the batcher is closed ({self._stopped})")
         if encoder is not None or timestamps or untempered:
             raise ValueError("the engine process runs decoder-only text requests")
-        job = self._checks.job(prompt, seed, settings, None, prompt_logprobs, priority=priority)
+        job = self._checks.job(prompt, seed, settings, None, prompt_logprobs, priority=priority, logprobs=logprobs)
         request = _Request(next(self._ids), job.prompt, job.seed, job.settings, job.max_new, beams=job.beams,
                            prompt_top=prompt_logprobs)
         request.engine = self

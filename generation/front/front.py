@@ -243,7 +243,8 @@ class EngineFront:
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         try:
             return self.batcher.submit(row.prompt, seed=seed, settings=row.settings, encoder=row.encoder,
-                                       prompt_logprobs=request.prompt_logprobs, priority=request.priority)
+                                       prompt_logprobs=request.prompt_logprobs, priority=request.priority,
+                                       logprobs=request.logprobs is not None)
         except QueueFull as e:
             raise Overloaded(str(e)) from None
         except ValueError as e:

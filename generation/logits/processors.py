@@ -305,6 +305,7 @@ class RowSettings:
         self.min_keep = np.ones(n, i64)
         self.renormalize = np.zeros(n, bool)
         self.untempered = np.zeros(n, bool)  # Settings.untempered_logprobs
+        self.no_logprobs = np.zeros(n, bool)  # Settings.no_logprobs
         self.repetition_penalty = np.ones(n, f32)
         self.encoder_repetition_penalty = np.ones(n, np.float64)  # transformers rounds 1 / penalty from the double
         self.no_repeat_ngram, self.encoder_no_repeat_ngram = np.zeros(n, i64), np.zeros(n, i64)
@@ -385,6 +386,7 @@ class RowSettings:
                                                   "processor (the model's family decodes no timestamps)")
         self.timestamp_rules[i] = s.timestamp_rules or (-1, -1, -1)
         self.untempered[i] = s.untempered_logprobs
+        self.no_logprobs[i] = s.no_logprobs
         self.constraints[i] = None
         if s.structured_outputs is not None:
             if self.grammars is None:

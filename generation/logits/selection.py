@@ -35,12 +35,13 @@ class SamplingRows:
     min_keep: np.ndarray | None = None  # int64, >= 1
     renormalize: np.ndarray | None = None  # bool
     untempered: np.ndarray | None = None  # bool: log-probabilities of the scores x temperature
+    no_logprobs: np.ndarray | None = None  # bool: rows whose log-probabilities nobody reads
 
     def __post_init__(self):
         n = len(self.do_sample)
         for name, value, dtype in (("min_p", 0, np.float32), ("typical_p", 1, np.float32), ("epsilon", 0, np.float32),
                                    ("eta", 0, np.float32), ("min_keep", 1, np.int64), ("renormalize", False, bool),
-                                   ("untempered", False, bool)):
+                                   ("untempered", False, bool), ("no_logprobs", False, bool)):
             if getattr(self, name) is None:
                 setattr(self, name, np.full(n, value, dtype))
 
@@ -52,7 +53,7 @@ class SamplingRows:
         """From a RowSettings (processors.py), whose fields have the same names."""
         return cls(settings.do_sample, settings.temperature, settings.top_k, settings.top_p, settings.min_p,
                    settings.typical_p, settings.epsilon, settings.eta, settings.min_keep, settings.renormalize,
-                   settings.untempered)
+                   settings.untempered, settings.no_logprobs)
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
@@ -335,7 +336,7 @@ def pick(scores: np.ndarray, rows: SamplingRows, seeds: np.ndarray, draws: np.nd
         their log-probabilities are those of `rated` (default: `final`)."""
         tokens[where] = chosen if ids is None else np.take_along_axis(ids, chosen[:, None], axis=1)[:, 0]
         if out is not None:
-            lp = logprobs(final if rated is None else rated, chosen, top)
+            lp = logprobs(final if rated is None else rated, chosen, top, wanted(rows.no_logprobs[where]))
             out.token[where] = lp.token
             if top:
                 width = lp.top.shape[1]
@@ -376,9 +377,15 @@ class LogProbs:
     top: np.ndarray | None = None
 
 
-def logprobs(scores: np.ndarray, tokens: np.ndarray, top: int = 0) -> LogProbs:
+def wanted(no_logprobs: np.ndarray) -> np.ndarray | None:
+    """`logprobs`' rows: those not flagged (None: every row)."""
+    return None if not no_logprobs.any() else ~no_logprobs
+
+
+def logprobs(scores: np.ndarray, tokens: np.ndarray, top: int = 0, rows: np.ndarray | None = None) -> LogProbs:
     """log_softmax(scores) at `tokens` (compute_transition_scores with normalize_logits=True
     when `scores` are the final scores), and the `top` best tokens of each row (ties by id).
+    `rows` (bool [n]): only those (the others nan, their top ids -1: nobody reads them).
 
     Each step of a server that offers log-probabilities runs this over the whole batch, so it
     reads the vocabulary twice (max, then exp and sum) and writes no [n, V] log-probabilities:
@@ -388,6 +395,17 @@ def logprobs(scores: np.ndarray, tokens: np.ndarray, top: int = 0) -> LogProbs:
     >>> logprobs(np.log(np.array([[0.5, 0.25, 0.25]])), np.array([1]), top=1).top_ids.tolist()
     [[0]]
     """
+    if rows is not None:
+        n, width = len(scores), min(top, scores.shape[1])
+        out = LogProbs(np.full(n, np.nan, np.float32))
+        if top:
+            out.top_ids, out.top = np.full((n, width), -1, np.int64), np.full((n, width), np.nan, np.float32)
+        if rows.any():
+            some = logprobs(scores[rows], tokens[rows], top)
+            out.token[rows] = some.token
+            if top:
+                out.top_ids[rows], out.top[rows] = some.top_ids, some.top
+        return out
     scores = scores.astype(np.float32, copy=False)
     n, vocab = scores.shape
     peak = scores.max(axis=1, keepdims=True)

@@ -97,6 +97,9 @@ class Settings:
     # a sampled row's log-probabilities of its scores before the temperature (scores x temperature),
     # as Whisper's temperature fallback rates a window (`_retrieve_avg_logprobs`): set by the engine
     untempered_logprobs: bool = False
+    # a row whose reader takes no log-probabilities (a served request without `logprobs`): the step
+    # computes none for it, where the context computes them for every other row; set by the engine
+    no_logprobs: bool = False
 
     def token_ids(self) -> dict[str, tuple[int, ...]]:
         """Every token id a setting names, by setting (for the check against the vocabulary)."""
@@ -119,7 +122,7 @@ class Settings:
         return max(0, self.max_length - prompt_length)
 
 
-_FIELDS = {f.name for f in fields(Settings)} - {"timestamp_rules", "untempered_logprobs"}  # what config and requests may set
+_FIELDS = {f.name for f in fields(Settings)} - {"timestamp_rules", "untempered_logprobs", "no_logprobs"}  # what config and requests may set
 ANY_TOKEN_ID = 2**31 - 1  # the bounds when no model is given (make_settings without vocab, context)
 ANY_LENGTH = 2**30  # as Context.max_position for a model whose config gives no context
 

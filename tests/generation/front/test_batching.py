@@ -165,6 +165,48 @@ def test_events_carry_the_engines_log_probabilities(test_models, load_model, pro
         batcher.close()
 
 
+@pytest.mark.parametrize("logprobs_of", ["processed", "raw"])
+def test_rows_that_take_no_log_probabilities_compute_none_beside_rows_that_do(test_models, load_model, prompts_of,
+                                                                              logprobs_of, monkeypatch):
+    """A server's context computes log-probabilities, but a request without `logprobs` reads none:
+    its row's steps skip them (they cost a vocabulary pass a row), its tokens are unchanged, and the
+    rows that ask get each their own, equal to theirs alone."""
+    import generation.core.state as state_module
+    import generation.logits.selection as selection
+
+    rows_seen, rows_computed, plain = [0], [0], selection.logprobs
+
+    def counted(scores, tokens, top=0, rows=None):
+        rows_seen[0] += len(scores)
+        rows_computed[0] += len(scores) if rows is None else int(rows.sum())
+        return plain(scores, tokens, top, rows)
+
+    monkeypatch.setattr(selection, "logprobs", counted)
+    monkeypatch.setattr(state_module, "logprobs", counted)
+    model = load_model(test_models["llama-genai"])
+    common = dict(max_new_tokens=8, top_logprobs=3, logprobs_of=logprobs_of)
+    ctx = generation.context(model, **common)
+    batcher = ContinuousBatcher(ctx, slots=4, capacity=64)
+    try:
+        prompts = prompts_of(6, seed=7)
+        rows = [dict(settings=SETTINGS[i % 2], logprobs=i % 3 == 0) for i in range(6)]
+        requests = [batcher.submit(p, seed=i, settings=r["settings"], logprobs=r["logprobs"])
+                    for i, (p, r) in enumerate(zip(prompts, rows))]
+        for i, (request, row) in enumerate(zip(requests, rows)):
+            events = list(request.events(timeout=30))
+            alone = generation.generate(generation.context(model, **common, **row["settings"]), [prompts[i]],
+                                        seeds=[i])[0]
+            assert [e.id for e in events] == alone.tokens, i
+            if row["logprobs"]:
+                np.testing.assert_allclose([e.logprob for e in events], alone.logprobs, rtol=1e-5, atol=1e-6)
+                assert all(len(e.top) == 3 for e in events)
+            else:
+                assert all(e.logprob is None and e.top is None for e in events), i
+        assert 0 < rows_computed[0] < rows_seen[0]
+    finally:
+        batcher.close()
+
+
 def test_a_beam_request_holds_num_beams_slots_and_equals_beam_search_alone(ctx, prompts_of):
     batcher = ContinuousBatcher(ctx, slots=4, capacity=64)
     try:
