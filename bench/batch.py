@@ -12,9 +12,9 @@ greedy, `--prompt` tokens a prompt, `--new` new tokens a line (ignore_eos: every
      engine at full slots, in a worker process of its own: bench/peers.py's);
    - `raymuter batch INPUT OUTPUT --replicas 1 --slots N`: the command as a user runs it (a local
      Ray, its engine actor, Ray Data reading and writing). Two rates: whole (tokens over the
-     command's wall time, Ray's and the model's start included) and steady (the same tokens over
-     that time less the command's fixed cost: its wall time over one line of one token, the same
-     round).
+     command's wall time, Ray's and the model's start included) and steady (while the answers
+     come: the tokens of the lines from the first N answers seen in OUTPUT to the last, over the
+     seconds between; OUTPUT is polled every 0.2 s).
    The goal (issue 41): steady >= 0.95x offline.
 2. Interactive first tokens under a batch. `raymuter serve` (its defaults); `--probes` streamed
    completions one after another, a `--gap` apart: their TTFT p50 alone, then again while a batch
@@ -49,27 +49,40 @@ def batch_file(path: Path, prompts: list[list[int]], new: int, model: str) -> No
                                   "body": body}) + "\n")
 
 
-def run_command(dirs, prompts, args, logs: Path, tag: str, new: int | None = None) -> dict:
-    """`raymuter batch` over the prompts: its wall seconds and tokens/s."""
+def run_command(dirs, prompts, args, logs: Path, tag: str) -> dict:
+    """`raymuter batch` over the prompts: its wall seconds, tokens, and its steady tokens/s: the
+    lines' tokens over the time they took to come, from the first `--slots` answers seen in
+    OUTPUT (the command appends them as they come) to the last (Ray's start, the model's load and
+    the first rows' prompts before; the shut-down after)."""
     work = Path(tempfile.mkdtemp(prefix=f"batch-{tag}-", dir=logs))
     source, output = work / "in.jsonl", work / "out.jsonl"
-    new = args.new if new is None else new
-    batch_file(source, prompts, new, dirs["genai"].name)  # the served name: the folder's
+    batch_file(source, prompts, args.new, dirs["genai"].name)  # the served name: the folder's
     command = [str(Path(sys.executable).with_name("raymuter")), "batch", str(source), str(output),
                "--model", str(dirs["genai"]), "--slots", str(args.slots), "--replicas", "1", "--quiet",
                *args.raymuter_arg]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     began = time.monotonic()
+    seen = []  # (seconds, lines in OUTPUT)
     with open(logs / f"batch-{tag}.log", "w") as log:
-        done = subprocess.run(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            time.sleep(0.2)
+            if output.exists():
+                with output.open("rb") as f:
+                    seen.append((time.monotonic() - began, sum(1 for _ in f)))
     seconds = time.monotonic() - began
-    if done.returncode != 0:
-        raise RuntimeError(f"raymuter batch failed ({done.returncode}); see {logs / f'batch-{tag}.log'}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"raymuter batch failed ({proc.returncode}); see {logs / f'batch-{tag}.log'}")
     tokens = 0
     for text in output.read_text().splitlines():
         line = json.loads(text)
         tokens += line["response"]["body"]["usage"]["completion_tokens"]
-    return dict(seconds=seconds, tokens=tokens)
+    first = next(((t, c) for t, c in seen if c >= args.slots), None)
+    last = next(((t, c) for t, c in seen if c >= len(prompts)), None)
+    steady = None
+    if first and last and last[0] > first[0]:
+        steady = (last[1] - first[1]) * args.new / (last[0] - first[0])
+    return dict(seconds=seconds, tokens=tokens, steady=steady)
 
 
 def throughput(args, dirs, tokenizer, logs: Path) -> dict:
@@ -90,14 +103,12 @@ def throughput(args, dirs, tokenizer, logs: Path) -> dict:
                         tokens += sum(len(row) for row in answer["tokens"])
                     offline_rates.append(tokens / seconds)
                     print(f"[batch] round {r}: offline {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
-                else:  # the command over one line of one token: its start-up and shut-down, taken off
-                    fixed = run_command(dirs, prompts[:1], args, logs, f"fixed{r}", new=1)["seconds"]
+                else:
                     got = run_command(dirs, prompts, args, logs, f"round{r}")
                     batch_rates.append(got["tokens"] / got["seconds"])
-                    steady_rates.append(got["tokens"] / max(got["seconds"] - fixed, 1e-9))
+                    steady_rates.append(got["steady"])
                     print(f"[batch] round {r}: raymuter batch {batch_rates[-1]:.1f} tok/s whole "
-                          f"({got['seconds']:.1f} s), {steady_rates[-1]:.1f} without its fixed {fixed:.1f} s",
-                          file=sys.stderr, flush=True)
+                          f"({got['seconds']:.1f} s), steady {got['steady'] or 0:.1f}", file=sys.stderr, flush=True)
     finally:
         worker.close()
     return dict(offline=_median(offline_rates), whole=_median(batch_rates), steady=_median(steady_rates))
@@ -186,7 +197,7 @@ def _median(values):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lines", type=int, default=256, help="prompts of the throughput part")
+    parser.add_argument("--lines", type=int, default=512, help="prompts of the throughput part")
     parser.add_argument("--slots", type=int, default=32, help="rows at once (offline batch size, --slots)")
     parser.add_argument("--prompt", type=int, default=32, help="tokens a prompt")
     parser.add_argument("--new", type=int, default=64, help="new tokens a line")

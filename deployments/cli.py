@@ -171,12 +171,14 @@ def batch_command(args) -> int:
 
 
 def batch_engine_config(args) -> dict:
-    """`serve`'s engine options, but prompts whole unless --prefill-chunk-tokens says otherwise: a
-    batch has no interactive rows whose pace chunks would keep (bench/batch.py measured ~4% more
-    lines/s unchunked)."""
+    """`serve`'s engine options, but prompts whole unless --prefill-chunk-tokens says otherwise (a
+    batch has no interactive rows whose pace chunks would keep), and a decoder-only text model's
+    batching loop in a child process of the engine actor, as `serve`'s default layout has it (the
+    lines' routes then do not share the loop's GIL): bench/batch.py."""
     config = engine_config(args)
     if config["prefill_chunk_tokens"] is None:
         config["prefill_chunk_tokens"] = 0
+    config["engine_process"] = args.engine == "onnx" and _generative_text(args.model, args.variant)
     return config
 
 

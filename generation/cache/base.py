@@ -71,9 +71,14 @@ class BaseCache:
     mode sizes its length by classes but keeps every slot's rows; the modes whose arrays follow
     their rows step by step (grow, seq2seq) size nothing ahead (their `fit` has nothing to do).
     Those admit by slots. A sized cache is laid out for its leading `held` slots of `length`
-    cache rows."""
+    cache rows.
+
+    `run_options`: where not None, the RunOptions of the decode runs, whose `terminate` another
+    thread may set to end a step's run early, to be run again unchanged (in_place: a run writes
+    each row's new cache entry at its length, and the run again writes the same)."""
 
     sized = False
+    run_options = None
 
     def fit(self, rows: int, length: int) -> None:
         """Lay the buffers out for slots [0, rows) of up to `length` cache rows each (grow or

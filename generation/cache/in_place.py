@@ -8,7 +8,7 @@ import mmap
 
 import numpy as np
 
-from ..runtime.feeds import Binding, last_read, pieces, prompt_widths, step_inputs
+from ..runtime.feeds import Binding, last_read, pieces, prompt_widths, run_options, step_inputs
 from ..runtime.graph import DecoderGraph
 from .base import BaseCache, CacheInputs, size_class, token_bytes
 
@@ -37,7 +37,10 @@ class InPlaceCache(BaseCache):
 
     def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int):
         self.graph, self.slots, self.capacity = graph, slots, capacity
-        self._inputs_binding = Binding(session)  # the step inputs of every slot; a layout binds their leading rows
+        # the decode runs' options: Scheduler.interrupt_for ends a step's run early (its writes are
+        # the step's own rows at each row's length: the step run again writes them the same)
+        self.run_options = run_options()
+        self._inputs_binding = Binding(session, self.run_options)  # the step inputs of every slot; a layout binds their leading rows
         self.inputs = CacheInputs(self._inputs_binding, graph, slots)
         self.token_input = self.inputs.ids[:, 0]
         self.logits = self.inputs.logits[:, 0]

@@ -26,6 +26,7 @@ it ends with the tokens it has, reason "stop", `Job.note` saying why (constraint
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -56,6 +57,7 @@ from ..logits.selection import LogProbs
 from ..params import limits
 from ..params.inputs import check_prompts, check_seeds
 from ..params.settings import SettingError, Settings, check_integer
+from ..runtime.feeds import terminated
 from ..search.beam import Hypothesis
 from .budget import Needs
 
@@ -168,7 +170,14 @@ class Scheduler:
     searches, prompt log-probabilities (`prompt_logprobs`), encoder-decoders and
     vision-language models (prompt-only jobs run as without a budget). A prompt part-way
     through holds its slot and its share of the KV budget (its whole prompt); it may be
-    cancelled, and is preempted (its chunks dropped) as a running row of its place would be."""
+    cancelled, and is preempted (its chunks dropped) as a running row of its place would be.
+
+    `interrupt_for(priority)`, from another thread: a job of that priority has arrived; where
+    the step now running runs only rows of higher priority values (a batch's), its model run
+    ends early (in_place caches: `BaseCache.run_options`) and the step is run again after the
+    next boundary, which seats the job (preempting a row for it where it must): its first token
+    comes a prompt's run after it arrives, not after the batch's step. The rows' tokens are
+    those of the step uninterrupted; `interruptions` counts the runs ended."""
 
     def __init__(self, ctx: Context, slots: int, capacity: int, lookup=None, assistant=None, stream: bool = True,
                  state=None, isolate: bool = True, prefix_cache_bytes: int = 0, kv_cache_bytes: int | None = None,
@@ -189,6 +198,9 @@ class Scheduler:
         self._ended: list[Job] = []
         self._arrivals = itertools.count()
         self.preemptions = 0
+        self.interruptions = 0
+        self._interrupt_lock = threading.Lock()
+        self._interruptible = None  # the RunOptions of the step running now, while another thread may end it
         self.budget = self._budget(kv_cache_bytes)
 
     def _budget(self, kv_cache_bytes: int | None) -> int | None:
@@ -347,7 +359,22 @@ class Scheduler:
             state, out = advance(ctx, state, max_steps=steps)  # (prompts part-way through go on at each step)
             outs = [out]
         else:
-            state, out = step(ctx, state)
+            options = getattr(state.cache, "run_options", None)
+            if options is None or not self.holder:
+                state, out = step(ctx, state)
+            else:
+                with self._interrupt_lock:
+                    options.terminate, self._interruptible = False, options
+                try:
+                    state, out = step(ctx, state)
+                except Exception as e:
+                    if not terminated(e):
+                        raise
+                    self.interruptions += 1  # nothing of the step was kept: the next boundary runs it again
+                    return
+                finally:
+                    with self._interrupt_lock:
+                        options.terminate, self._interruptible = False, None
             outs = [out]
         self.steps += 1
         for out in outs:  # each position of the step in order, as plain steps give them
@@ -367,6 +394,18 @@ class Scheduler:
                         self._end_slot(slot, None)
         for slot, group in (outs[0].beams if outs else {}).items():  # the engine freed their slots
             self._end_beams(self.groups.pop(slot), group.hypotheses())
+
+    def interrupt_for(self, priority: int) -> bool:
+        """A job of `priority` arrived (another thread): end the running step's model run if
+        every row it runs has a higher priority value (the class docstring). Whether it did."""
+        with self._interrupt_lock:
+            options = self._interruptible
+            if options is None or self.groups:
+                return False
+            if any(job.priority <= priority for job in list(self.holder.values())):
+                return False
+            options.terminate = True
+            return True
 
     def _update(self, out: StepTokens) -> Update:
         slots = np.fromiter(self.holder, np.int64, len(self.holder))

@@ -344,6 +344,7 @@ class ContinuousBatcher:
             self._close_queued()
         self.waiting = self._waiting.qsize() + len(self.scheduler.waiting)
         self._wake.set()
+        self.scheduler.interrupt_for(job.priority)  # a step of batch rows only ends early for it
         return request
 
     def close(self) -> None:

@@ -87,7 +87,11 @@ class EngineProcess:
         """A new child loading the model, once it says it is ready: (its pipe, its process)."""
         spawn = multiprocessing.get_context("spawn")
         conn, child = spawn.Pipe()
-        process = spawn.Process(target=_child_main, args=(child, self.load), name="raymuter-engine", daemon=True)
+        # each submit's priority, read at once by a thread of the child (its loop reads the pipe
+        # between steps only): a step of batch rows ends early for an interactive request
+        self._urgent = spawn.SimpleQueue()
+        process = spawn.Process(target=_child_main, args=(child, self.load, self._urgent), name="raymuter-engine",
+                                daemon=True)
         process.start()
         child.close()  # the child's end lives in the child only: its exit is this end's EOF
         if not conn.poll(self.start_timeout):
@@ -127,6 +131,7 @@ class EngineProcess:
             self._requests[request.id] = request
         try:
             self._send(("submit", request.id, job))
+            self._urgent.put(priority)  # after the submit: the step it ends finds the job at its boundary
         except OSError:  # the child is gone: the reader is about to start another (or has stopped for good)
             self._requests.pop(request.id, None)
             if self._stopped:
@@ -386,7 +391,17 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
             self._stop.set()
 
 
-def _child_main(conn, load: dict) -> None:
+def _interrupts(urgent, scheduler) -> None:
+    """The parent's submits' priorities as they come: Scheduler.interrupt_for each."""
+    while True:
+        try:
+            priority = urgent.get()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        scheduler.interrupt_for(priority)
+
+
+def _child_main(conn, load: dict, urgent=None) -> None:
     """Load the model and run its loop until the parent closes it or goes."""
     _ForwardingBatcher.conn = conn
     batching.Request = _Forwarded  # what ContinuousBatcher.submit makes, in this process
@@ -396,6 +411,9 @@ def _child_main(conn, load: dict) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
+    if urgent is not None:
+        threading.Thread(target=_interrupts, args=(urgent, batcher.scheduler), name="raymuter-interrupts",
+                         daemon=True).start()
     batcher._thread.join()
     conn.close()
 

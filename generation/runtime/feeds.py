@@ -47,11 +47,19 @@ def last_read(lengths: np.ndarray, offset: int, width: int) -> np.ndarray:
     return np.clip(np.asarray(lengths) - offset - 1, 0, width - 1)[:, None]
 
 
-def _run_options():
-    """One RunOptions for every run: without one, each run builds a default (~1.7 us a step)."""
+def run_options():
+    """One RunOptions for every run of a binding: without one, each run builds a default (~1.7 us
+    a step). Another thread may set its `terminate` to end a run early (`terminated`)."""
     import onnxruntime as ort
 
-    return ort.RunOptions()
+    options = ort.RunOptions()
+    options.log_severity_level = 3  # a terminated run is not an error worth a log line
+    return options
+
+
+def terminated(error: BaseException) -> bool:
+    """Whether `error` is onnxruntime's for a run whose RunOptions.terminate was set."""
+    return "terminate flag" in str(error)
 
 
 class Binding:
@@ -66,10 +74,11 @@ class Binding:
     alive); input(name, array) / output(name, array) bind a C-contiguous array and hold it until
     the name is bound again; run() runs the session. Hot loops may call
     `bind_input(name, device, dtype, shape, pointer)` / `bind_output(...)` with `device`.
+    `options`: the runs' RunOptions (shared with the bindings `leading` makes).
     """
 
-    def __init__(self, session):
-        self.session = session
+    def __init__(self, session, options=None):
+        self.session, self.options = session, options if options is not None else run_options()
         self.io = session.io_binding()
         self._held: dict[str, np.ndarray] = {}
         try:
@@ -86,7 +95,7 @@ class Binding:
         def bind_output(name, device, dtype, shape, pointer):
             io.bind_output(name, "cpu", 0, dtype, list(shape), pointer)
 
-        return "cpu", bind_input, bind_output, functools.partial(session.run_with_iobinding, io, _run_options())
+        return "cpu", bind_input, bind_output, functools.partial(session.run_with_iobinding, io, self.options)
 
     def _direct(self):
         import onnxruntime as ort
@@ -95,7 +104,7 @@ class Binding:
         raw, run = self.io._iobinding, self.session._sess.run_with_iobinding
         probe = np.zeros(1, np.int64)
         raw.bind_input("attention_mask", device, probe.dtype, [1], probe.ctypes.data)  # TypeError if it differs
-        return device, raw.bind_input, raw.bind_output, functools.partial(run, raw, _run_options())
+        return device, raw.bind_input, raw.bind_output, functools.partial(run, raw, self.options)
 
     def input_at(self, name: str, pointer: int, shape, dtype) -> None:
         self.bind_input(name, self.device, dtype, shape, pointer)
@@ -115,7 +124,7 @@ class Binding:
         """A binding of the same session over the first `count` rows of every array bound here
         by `input` / `output` whose first axis is `batch` long (the others as they are): a run of
         the leading rows only, in the same memory (a C-contiguous array's leading rows are)."""
-        out = Binding(self.session)
+        out = Binding(self.session, self.options)
         for key, array in self._held.items():
             part = array[:count] if array.ndim and array.shape[0] == batch else array
             if key.startswith("output:"):

@@ -51,11 +51,14 @@ def test_a_resumed_run_drops_a_line_cut_short(tmp_path):
     assert answered_ids(tmp_path / "none.jsonl") == set()
 
 
-def test_a_batch_runs_prompts_whole_unless_told_to_chunk():
+def test_a_batch_runs_prompts_whole_unless_told_to_chunk_and_its_loop_apart():
     from deployments.cli import batch_engine_config, engine_config, parser
 
     args = parser().parse_args(["batch", "in.jsonl", "out.jsonl"])
     assert batch_engine_config(args)["prefill_chunk_tokens"] == 0
+    assert batch_engine_config(args)["engine_process"]  # the default model: the loop in a child process
+    fake = parser().parse_args(["batch", "in.jsonl", "out.jsonl", "--engine", "fake"])
+    assert not batch_engine_config(fake)["engine_process"]
     assert engine_config(parser().parse_args(["serve"]))["prefill_chunk_tokens"] is None  # the server's default
     args = parser().parse_args(["batch", "in.jsonl", "out.jsonl", "--prefill-chunk-tokens", "64"])
     assert batch_engine_config(args)["prefill_chunk_tokens"] == 64

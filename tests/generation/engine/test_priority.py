@@ -124,9 +124,88 @@ def test_a_priority_is_checked_and_reaches_the_job_through_the_batcher(models, p
     with pytest.raises(SettingError, match="priority"):
         scheduler.job(prompts_of([3], seed=0)[0], 0, {}, priority=-1)
     batcher = ContinuousBatcher(ctx, slots=1, capacity=CAPACITY)
+    told, interrupt_for = [], batcher.scheduler.interrupt_for
+    batcher.scheduler.interrupt_for = lambda priority: told.append(priority) or interrupt_for(priority)
     try:
         request = batcher.submit(prompts_of([3], seed=0)[0], settings=dict(max_new_tokens=2), priority=3)
-        assert request.job.priority == 3
+        assert request.job.priority == 3 and told == [3]  # a step under way would hear of it
         assert len(request.result(timeout=60).tokens) == 2
     finally:
         batcher.close()
+
+
+def test_an_interactive_arrival_ends_a_step_of_batch_rows_early_and_every_row_stays_exact(models, prompts_of,
+                                                                                          monkeypatch):
+    """Scheduler.interrupt_for, as the server's submit calls it from another thread while a step
+    runs: the step's model run (in_place) ends early, the next boundary seats the job in a batch
+    row's slot, and every row's tokens and log-probabilities are those of its run alone."""
+    import generation.engine.scheduler as scheduling
+
+    ctx = generation.context(models["llama-genai"], cache_mode="in_place", token_logprobs=True)
+    prompts = prompts_of([5, 9, 3, 7], seed=8)
+    settings = settings_of(4, seed=9)
+    settings[2] = dict(settings[2], do_sample=True, temperature=0.8, top_k=30)
+    seeds = [70, 71, 72, 73]
+    expected = alone(ctx, prompts, seeds, settings)
+    scheduler = Scheduler(ctx, 3, CAPACITY)
+    assert scheduler.state.cache.run_options is not None
+    batch = [scheduler.job(p, s, dict(st), priority=1) for p, s, st in zip(prompts[:3], seeds[:3], settings[:3])]
+    for job in batch:
+        scheduler.add(job)
+    scheduler.step()
+    scheduler.step()
+    assert not scheduler.interrupt_for(0)  # between steps there is no run to end
+
+    interactive = scheduler.job(prompts[3], seeds[3], dict(settings[3]))
+    real_step, arrivals = scheduling.step, []
+
+    def step_during_which_it_arrives(ctx, state):
+        if not arrivals:  # the job arrives while the batch rows' run is under way
+            scheduler.add(interactive)
+            arrivals.append(scheduler.interrupt_for(1))  # a batch line's arrival ends nothing
+            arrivals.append(scheduler.interrupt_for(0))
+        return real_step(ctx, state)
+
+    monkeypatch.setattr(scheduling, "step", step_during_which_it_arrives)
+    steps, tokens_before = scheduler.steps, [list(job.tokens) for job in batch]
+    updates, ended = scheduler.step()
+    assert arrivals == [False, True] and scheduler.interruptions == 1
+    assert scheduler.steps == steps and not ended and not updates  # the run ended early: nothing of it kept
+    assert [list(job.tokens) for job in batch] == tokens_before
+    scheduler.step()  # the next boundary seats it, in the slot of the batch row last in preemption's order
+    assert interactive in scheduler.holder.values() and batch[2].preemptions == 1
+    assert not scheduler.interrupt_for(0)  # an interactive row runs now: no run ends for an equal priority
+    while scheduler.busy:
+        scheduler.step()
+    assert scheduler.interruptions == 1
+    for job, want in zip(batch + [interactive], expected):
+        assert (job.reason, job.tokens) == (want.reason, want.tokens)
+        np.testing.assert_allclose(job.logprobs, want.logprobs, rtol=0, atol=LOGPROB_TOLERANCE)
+
+
+def test_the_server_s_submits_reach_a_running_step():
+    """ContinuousBatcher.submit tells the scheduler each arrival's priority; the engine process's
+    child reads the parent's from a queue on a thread of its own (its loop reads commands between
+    steps only)."""
+    import multiprocessing
+    import threading
+
+    from generation.front.engine_process import _interrupts
+
+    class Recorded:
+        def __init__(self):
+            self.priorities, self.seen = [], threading.Event()
+
+        def interrupt_for(self, priority):
+            self.priorities.append(priority)
+            if len(self.priorities) == 2:
+                self.seen.set()
+            return False
+
+    scheduler = Recorded()
+    urgent = multiprocessing.get_context("spawn").SimpleQueue()
+    thread = threading.Thread(target=_interrupts, args=(urgent, scheduler), daemon=True)
+    thread.start()
+    urgent.put(1)
+    urgent.put(0)
+    assert scheduler.seen.wait(10) and scheduler.priorities == [1, 0]
