@@ -178,7 +178,8 @@ def batch_engine_config(args) -> dict:
     config = engine_config(args)
     if config["prefill_chunk_tokens"] is None:
         config["prefill_chunk_tokens"] = 0
-    config["engine_process"] = args.engine == "onnx" and _generative_text(args.model, args.variant)
+    config["engine_process"] = layout(False, None, None, model=args.model, variant=args.variant,
+                                      engine=args.engine)["engine_process"]
     return config
 
 

@@ -40,7 +40,8 @@ class InPlaceCache(BaseCache):
         # the decode runs' options: Scheduler.interrupt_for ends a step's run early (its writes are
         # the step's own rows at each row's length: the step run again writes them the same)
         self.run_options = run_options()
-        self._inputs_binding = Binding(session, self.run_options)  # the step inputs of every slot; a layout binds their leading rows
+        # the step inputs of every slot; a layout binds their leading rows
+        self._inputs_binding = Binding(session, self.run_options)
         self.inputs = CacheInputs(self._inputs_binding, graph, slots)
         self.token_input = self.inputs.ids[:, 0]
         self.logits = self.inputs.logits[:, 0]

@@ -124,15 +124,13 @@ class Update:
         out = self.out
         got = [i for i in np.flatnonzero(out.token >= 0).tolist() if i not in out.failed]
         token = out.token[got].tolist()
-        logprob = [None] * len(got) if out.logprob is None else out.logprob[got].tolist()
-        top = [None] * len(got)
-        if out.top is not None:
-            read = [j for j, i in enumerate(got) if not self.jobs[i].settings.no_logprobs]
-            for j, ids, lps in zip(read, out.top_ids[[got[j] for j in read]].tolist(),
-                                   out.top[[got[j] for j in read]].tolist()):
-                top[j] = list(zip(ids, lps))
-        return [(self.jobs[i], t, None if self.jobs[i].settings.no_logprobs else lp, tp)
-                for i, t, lp, tp in zip(got, token, logprob, top)]
+        read = [not self.jobs[i].settings.no_logprobs for i in got]  # rows whose step computed them
+        logprob = [None] * len(got) if out.logprob is None else [
+            lp if r else None for lp, r in zip(out.logprob[got].tolist(), read)]
+        top = [None] * len(got) if out.top is None else [
+            list(zip(ids, lps)) if r else None
+            for ids, lps, r in zip(out.top_ids[got].tolist(), out.top[got].tolist(), read)]
+        return [(self.jobs[i], t, lp, tp) for i, t, lp, tp in zip(got, token, logprob, top)]
 
 
 class Scheduler:
@@ -359,22 +357,11 @@ class Scheduler:
             state, out = advance(ctx, state, max_steps=steps)  # (prompts part-way through go on at each step)
             outs = [out]
         else:
-            options = getattr(state.cache, "run_options", None)
-            if options is None or not self.holder:
-                state, out = step(ctx, state)
-            else:
-                with self._interrupt_lock:
-                    options.terminate, self._interruptible = False, options
-                try:
-                    state, out = step(ctx, state)
-                except Exception as e:
-                    if not terminated(e):
-                        raise
-                    self.interruptions += 1  # nothing of the step was kept: the next boundary runs it again
-                    return
-                finally:
-                    with self._interrupt_lock:
-                        options.terminate, self._interruptible = False, None
+            stepped = self._step_interruptibly(ctx, state)
+            if stepped is None:  # nothing of the step was kept: the next boundary runs it again
+                self.interruptions += 1
+                return
+            state, out = stepped
             outs = [out]
         self.steps += 1
         for out in outs:  # each position of the step in order, as plain steps give them
@@ -395,12 +382,30 @@ class Scheduler:
         for slot, group in (outs[0].beams if outs else {}).items():  # the engine freed their slots
             self._end_beams(self.groups.pop(slot), group.hypotheses())
 
+    def _step_interruptibly(self, ctx, state):
+        """`step`, which `interrupt_for` may end early where the cache's runs can be (None then)."""
+        options = state.cache.run_options
+        if options is None:
+            return step(ctx, state)
+        with self._interrupt_lock:
+            options.terminate, self._interruptible = False, options
+        try:
+            return step(ctx, state)
+        except Exception as e:
+            if not terminated(e):
+                raise
+            return None
+        finally:
+            with self._interrupt_lock:
+                options.terminate, self._interruptible = False, None
+
     def interrupt_for(self, priority: int) -> bool:
         """A job of `priority` arrived (another thread): end the running step's model run if
-        every row it runs has a higher priority value (the class docstring). Whether it did."""
+        every row it runs has a higher priority value (the class docstring). Whether it did.
+        (Only plain steps are interruptible: beam groups and verification never are.)"""
         with self._interrupt_lock:
             options = self._interruptible
-            if options is None or self.groups:
+            if options is None:
                 return False
             if any(job.priority <= priority for job in list(self.holder.values())):
                 return False
