@@ -23,10 +23,11 @@ RUNNING = 8
 TOKENS = 250  # 250 steps of 40 ms: 10 s a stream, so none ends before the kill on a loaded machine
 
 
-def stream(url: str, prompt: str, started: dict, tokens: int = TOKENS, timeout: float = 60) -> dict:
+def stream(url: str, prompt: str, started: dict, tokens: int = TOKENS, timeout: float = 60,
+           ended: dict | None = None) -> dict:
     """One streamed completion of the fake app at `url`, as a client sees it: its text, finish
     reason, error event (or exception), status and `ended` (time.time() when its stream
-    closed); `started[prompt]` is set at its first chunk."""
+    closed); `started[prompt]` is set at its first chunk, `ended[prompt]` when it closes."""
     import httpx
 
     body = dict(model="fake", prompt=prompt, max_tokens=tokens, stream=True)
@@ -47,6 +48,8 @@ def stream(url: str, prompt: str, started: dict, tokens: int = TOKENS, timeout: 
                 started.setdefault(prompt, time.time())
     except Exception as e:  # noqa: BLE001 - what a client sees, reported
         error = f"{type(e).__name__}: {e}"
+    if ended is not None:
+        ended[prompt] = time.time()
     return {"prompt": prompt, "text": "".join(text), "finish": finish, "error": error, "status": status,
             "ended": time.time()}
 
@@ -114,11 +117,13 @@ def main(port: int) -> None:
     worker_ids = {w.node_id: i for i, w in enumerate(workers)}
     report = {"decoder_nodes": sorted(worker_ids.get(n, -1) for n in nodes_before.values())}
 
-    prompts, started = [f"{chr(97 + i)} stream" for i in range(STREAMS)], {}  # no shared prefix: spread
+    prompts, started, ended = [f"{chr(97 + i)} stream" for i in range(STREAMS)], {}, {}  # no shared prefix: spread
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        futures = [pool.submit(stream, url, p, started) for p in prompts]
+        futures = [pool.submit(stream, url, p, started, ended=ended) for p in prompts]
         deadline = time.time() + 30
-        while len(started) < RUNNING and time.time() < deadline:
+        # every slot running at once (a slow start can let the first streams end before the last
+        # replica starts: their slots then go to the waiting ones)
+        while len(set(started) - set(ended)) < RUNNING and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # the 4 others reach their replicas' queues
         at_kill = set(started)
