@@ -17,10 +17,10 @@ request id). A client that goes away cancels its request, streaming or not.
 import asyncio
 import os
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
@@ -109,6 +109,12 @@ class AppConfig(BaseModel):
     # the routes' event loop and the engine's host Python then hold no GIL in common
     # (decoder-only text models; the weights are in the child's memory only).
     engine_process: bool = False
+    # Where that child computes (generation/runtime/cores.py): on engine_cores, or on all but the first
+    # reserve_cores of the replica's cores (None: 1 from 4 cores, 0 below), its onnxruntime threads
+    # one a core unless `threads` says; the replica keeps the other cores. `raymuter serve` resolves
+    # it on its machine and moves Ray's processes onto the kept cores as well.
+    engine_cores: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    reserve_cores: int | None = Field(default=None, ge=0, le=4096)
     # What one request's constraint (structured outputs, tool_choice's grammar, each tool's parameters)
     # may cost, by field of generation.logits.constraints.GrammarBudget (seconds to compile it, and
     # llguidance's limits: max_grammar_size, initial_lexer_fuel, ...); a field not given keeps its default
@@ -130,6 +136,16 @@ class AppConfig(BaseModel):
     batch_folder: str | None = None
     file_size_limit: int = Field(default=200 * 2**20, ge=1, le=2**40)
     batch_concurrency: int | None = Field(default=None, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _cores_need_the_engine_process(self):
+        if not self.engine_process and (self.engine_cores is not None or self.reserve_cores is not None):
+            raise ValueError("engine_cores and reserve_cores place the batching loop's child process: they need "
+                             "engine_process")
+        if self.engine_cores is not None and self.reserve_cores is not None:
+            raise ValueError("engine_cores and reserve_cores: give one (the replica keeps the cores engine_cores "
+                             "does not name)")
+        return self
 
 
 # Seconds a stopping replica (scaled down, redeployed, its node drained) may take to finish the

@@ -126,6 +126,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--engine-process", action="store_true", default=None,
                         help="the decoder's batching loop in a process of its own beside its replica's event loop "
                              "(no GIL shared between the routes and the engine; decoder-only text models)")
+    parser.add_argument("--engine-cores", metavar="LIST",
+                        help="the cores the engine process computes on, e.g. 1-7 (its onnxruntime threads one a core "
+                             "unless --threads says); Ray, HAProxy and the routes run on the others")
+    parser.add_argument("--reserve-cores", type=int, metavar="N",
+                        help="cores kept from the engine for Ray, HAProxy and the routes: the engine process on the "
+                             "rest (default: 1 on machines of 4 cores or more, 0 below: shared; README's Cores)")
     parser.add_argument("--split", action="store_true",
                         help="an Ingress deployment for the routes and the batching loop in the Decoder's replica "
                              "(what a Serve config or the Helm chart builds unless told otherwise); default: a "
@@ -283,6 +289,8 @@ def app_config(args) -> dict:
                 response_folder=args.response_folder and os.path.abspath(args.response_folder),
                 batch_folder=args.batch_folder and os.path.abspath(args.batch_folder),
                 file_size_limit=args.file_size_limit, batch_concurrency=args.batch_concurrency,
+                engine_cores=None if args.engine_cores is None else list(cores_of_text(args.engine_cores)),
+                reserve_cores=args.reserve_cores,
                 **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
                          engine=args.engine, routes_scaled="ingress" in autoscaling))
 
@@ -300,6 +308,32 @@ def layout(split: bool, colocate: bool | None, engine_process: bool | None, *, m
         return dict(colocate=bool(colocate), engine_process=bool(engine_process))
     fast = engine == "onnx" and not routes_scaled and _generative_text(model, variant)
     return dict(colocate=fast, engine_process=fast)
+
+
+def cores_of_text(text: str) -> tuple[int, ...]:
+    from generation.front import parse_cores
+
+    return parse_cores(text, "--engine-cores")
+
+
+def place_cores(config: dict):
+    """Where the engine process computes on this machine (generation.runtime.cores.Placement),
+    written into `config` as the cores it names; None where the layout has no engine process.
+    ValueError names the flag."""
+    if not config["engine_process"]:
+        if config.get("engine_cores") is not None or config.get("reserve_cores") is not None:
+            raise ValueError("--engine-cores and --reserve-cores place the batching loop's child process "
+                             "(--engine-process); this layout runs the loop in the replica")
+        return None
+    from generation.front import core_placement
+
+    try:
+        place = core_placement(config.get("reserve_cores"), config.get("engine_cores"))
+    except ValueError as e:
+        raise ValueError(str(e).replace("engine_cores", "--engine-cores").replace("reserve_cores", "--reserve-cores"))
+    config["engine_cores"] = None if place.shared else list(place.engine)
+    config["reserve_cores"] = 0 if place.shared else None
+    return place
 
 
 def layout_words(config: dict) -> str:
@@ -445,7 +479,14 @@ def _serve(args, config: dict, folder: Path) -> int:
     print(f"[raymuter] layout: {layout_words(config)}", file=sys.stderr)
     from .app import AppConfig
 
+    place = place_cores(config)
     AppConfig(**config)  # bad arguments fail here, before Ray starts
+    if place is not None:
+        print(f"[raymuter] cores: {place.words()}", file=sys.stderr)
+        if not place.shared:  # Ray's processes, HAProxy and the replicas start from here: they inherit it
+            from generation.front import pin_cores
+
+            pin_cores(place.service)
     stop_on_signals()
     ray = None
     try:

@@ -36,6 +36,7 @@ def decoder_service(cfg, default_name: str):
         max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
         fuse=cfg.fuse, stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft,
         grammar_budget=cfg.grammar_budget, engine_process=cfg.engine_process, spin=cfg.spin,
+        engine_cores=None if cfg.engine_cores is None else tuple(cfg.engine_cores), reserve_cores=cfg.reserve_cores,
         reasoning_parser=cfg.reasoning_parser, **cfg.settings)
 
 

@@ -27,6 +27,7 @@ from generation.core.embed import embed, load_embedder
 from generation.logits.constraints import GrammarBudget
 from generation.logits.prompt_logprobs import from_lists as prompt_logprobs_from_lists
 from generation.params import limits
+from generation.runtime.cores import parse as parse_cores, pin as pin_cores, placement as core_placement
 from generation.text.tokenizer import model_tokenizer
 from generation.text.tool_calls import ToolError, check_tools
 
@@ -58,5 +59,5 @@ __all__ = [
     "TokenText", "ToolError", "check_tools", "decode_audio", "detokenized", "embed", "encode_audio", "encode_image",
     "encode_texts", "encode_video", "is_embedding_model", "limits", "load_embedder", "load_encoder", "model_folder",
     "model_kind", "model_tokenizer", "prompt_logprobs_from_lists", "request_field", "speech_field", "takes_videos",
-    "transcribe",
+    "transcribe", "core_placement", "parse_cores", "pin_cores",
 ]

@@ -15,6 +15,9 @@ ValueError naming it, synchronously), and the model's tokenizer and config. It l
 (on the CPU, one thread) to read its graph, then drops the session: the weights are in host
 memory once, in the child (SmolLM2-135M: this process 80 MB, 700 MB with the session).
 
+Where the child computes is the front's to say (`engine_cores` / `reserve_cores`,
+generation/runtime/cores.py): it pins itself there before loading, one onnxruntime thread a core.
+
 Decoder-only text models only: an encoder-decoder's or a vision model's request carries arrays
 (encoder outputs, image features) and Whisper reads its rows' Jobs back; those stay in process.
 
@@ -405,7 +408,18 @@ def _child_main(conn, load: dict, urgent=None) -> None:
     """Load the model and run its loop until the parent closes it or goes."""
     _ForwardingBatcher.conn = conn
     batching.Request = _Forwarded  # what ContinuousBatcher.submit makes, in this process
+    load = dict(load)
+    cores = load.pop("cores", None)
     try:
+        if cores:  # before the model loads: onnxruntime's threads start on these cores, one a core
+            from generation.runtime.cores import pin, span
+
+            try:
+                pin(cores)
+            except OSError as e:
+                raise ValueError(f"engine_cores: cannot run on cores {span(cores)} ({e.strerror})") from None
+            if load.get("threads") is None:
+                load["threads"] = len(cores)
         batcher = _ForwardingBatcher.from_model(**load, max_waiting=1 << 30)
     except BaseException as e:  # noqa: BLE001 - the parent says why it could not start
         conn.send(("failed", f"{type(e).__name__}: {e}"))

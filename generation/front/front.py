@@ -102,6 +102,9 @@ class EngineFront:
         options = options or EngineOptions()
         if options.engine_process:
             batcher = _engine_process(source, options, settings)
+        elif options.engine_cores is not None or options.reserve_cores is not None:
+            raise ValueError("engine_cores / reserve_cores: place the batching loop's child process "
+                             "(engine_process); without it the loop runs in this process")
         else:
             batcher = ContinuousBatcher.from_model(source, **options.batcher_arguments(), **settings)
         model = batcher.ctx.model
@@ -313,6 +316,22 @@ def detokenized(tokenizer, vocab: int, ids: list[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
+def _placed(options: EngineOptions) -> tuple[int, ...] | None:
+    """The engine process's cores (None: shared with this process, nothing pinned); this process
+    moves onto the others (runtime.cores)."""
+    from generation.runtime import cores
+
+    engine = options.engine_cores
+    # named cores may lie outside this process's own (`raymuter serve` moved its Ray onto the others)
+    place = cores.placement(options.reserve_cores, engine, cores=None if engine is None else
+                            cores.allowed() + tuple(engine))
+    logger.info("cores: %s", place.words())
+    if place.shared:
+        return None
+    cores.pin(place.service)
+    return place.engine
+
+
 def _engine_process(source, options: EngineOptions, settings: dict):
     """An EngineProcess: this process checks requests against the model's context, the child runs it."""
     import generation
@@ -333,5 +352,6 @@ def _engine_process(source, options: EngineOptions, settings: dict):
             str(options.draft), "grammar_budget": ctx.grammar_budget, **settings}
     for name in ("slots", "capacity", "max_waiting", "prefix_cache_bytes"):  # the parent's, not the child's load
         del load[name]
+    load["cores"] = _placed(options)
     return EngineProcess(parent_context(ctx, options.slots), load, slots=options.slots, capacity=options.capacity,
                          max_waiting=options.max_waiting, prefix_cache_bytes=options.prefix_cache_bytes)

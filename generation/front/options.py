@@ -26,7 +26,10 @@ class EngineOptions:
     memory; 0: none, each slot may hold the whole capacity); `prefill_chunk_tokens`: the prompt
     tokens a step may run, a long prompt in chunks between the running rows' steps (None:
     batching.DEFAULT_PREFILL_CHUNK_TOKENS; 0: every prompt whole); `engine_process`: the batching
-    loop in a child process (decoder-only text models); `grammar_budget`: what a request's
+    loop in a child process (decoder-only text models); `engine_cores`, `reserve_cores`: where that
+    child computes (generation.runtime.cores: the cores named, or all but the first `reserve_cores`,
+    its onnxruntime threads one a core unless `threads` says; this process keeps the others; None:
+    the machine size's default); `grammar_budget`: what a request's
     constraint may cost (generation.logits.constraints.GrammarBudget, or a dict of its fields);
     `reasoning_parser`: how a chat's reasoning is told from its answer (front/reasoning.py: "auto"
     from the chat template, "none", or a parser by name)."""
@@ -46,6 +49,8 @@ class EngineOptions:
     fuse: bool = True
     spin: bool = True
     engine_process: bool = False
+    engine_cores: tuple[int, ...] | None = None
+    reserve_cores: int | None = None
     grammar_budget: object = None
     reasoning_parser: str = "auto"
 
@@ -58,5 +63,6 @@ class EngineOptions:
     def batcher_arguments(self) -> dict:
         """ContinuousBatcher.from_model's arguments (all but what the front itself uses)."""
         out = asdict(self)
-        del out["engine_process"], out["reasoning_parser"]
+        for name in ("engine_process", "engine_cores", "reserve_cores", "reasoning_parser"):
+            del out[name]
         return out

@@ -256,3 +256,75 @@ def test_preemptions_under_the_kv_budget_are_counted_from_the_child(test_models,
     finally:
         local.close()
         child.close()
+
+
+def test_the_engine_process_computes_on_its_cores_and_this_process_on_the_others(generators, test_models):
+    """reserve_cores=1: the child (every thread of it, onnxruntime's too) runs on all cores but the
+    first, this process (the replica: its routes, its reader thread) on the first; what it streams
+    is unchanged. generation/runtime/cores.py; README's Cores."""
+    from generation.runtime import cores
+
+    local, _ = generators
+    before = cores.allowed()
+    if len(before) < 2:
+        pytest.skip("one core: nothing to place apart")
+    generator = TextGenerator.from_model(test_models["llama-genai"], slots=4, threads=1, max_logprobs=5,
+                                         engine_process=True, reserve_cores=1)
+    try:
+        pid = generator.batcher.process.pid
+        child = {_mask(f"/proc/{pid}/task/{tid}/status") for tid in os.listdir(f"/proc/{pid}/task")}
+        here = {_mask(f"/proc/self/task/{tid}/status") for tid in os.listdir("/proc/self/task")}
+        assert child == {cores.span(before[1:])} and here == {cores.span(before[:1])}
+        expected = asyncio.run(streamed(local, REQUESTS))
+        assert [flat(c) for c in asyncio.run(streamed(generator, REQUESTS))] == [flat(c) for c in expected]
+    finally:
+        generator.close()
+        cores.pin(before)
+    with pytest.raises(ValueError, match=r"engine_cores / reserve_cores: place the batching loop's child process"):
+        TextGenerator.from_model(test_models["llama-genai"], slots=2, threads=1, reserve_cores=1)
+
+
+def _mask(status: str) -> str:
+    with open(status) as f:
+        return next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+
+
+def test_the_cli_places_the_engine_process_and_names_its_flags(test_models, s2s):
+    import argparse
+
+    from deployments.app import AppConfig
+    from deployments.cli import add_arguments, app_config, place_cores
+    from generation.runtime import cores
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    text, allowed = test_models["llama-genai"], cores.allowed()
+
+    def placed(*argv):
+        config = app_config(parser.parse_args(list(map(str, argv))))
+        place = place_cores(config)
+        AppConfig(**config)
+        return place, config["engine_cores"], config["reserve_cores"]
+
+    place, engine, reserve = placed("--model", text)  # the machine size's default
+    assert place == cores.placement(cores=allowed)
+    assert (engine, reserve) == ((None, 0) if place.shared else (list(place.engine), None))
+    if len(allowed) >= 2:
+        assert placed("--model", text, "--reserve-cores", 1) == (cores.Placement(allowed[1:], allowed[:1]),
+                                                                 list(allowed[1:]), None)
+        assert placed("--model", text, "--engine-cores", allowed[-1])[1] == [allowed[-1]]
+    assert placed("--model", text, "--reserve-cores", 0) == (cores.Placement(allowed, allowed), None, 0)
+    assert placed("--model", s2s["marian-optimum"]) == (None, None, None)  # no engine process: nothing placed
+    for argv, message in [(("--reserve-cores", len(allowed)), f"--reserve-cores: {len(allowed)} of this machine's"),
+                          (("--engine-cores", "x"), "--engine-cores: core numbers and ranges"),
+                          (("--engine-cores", 4096), "--engine-cores: 4096 not among the cores"),
+                          (("--engine-cores", allowed[0], "--reserve-cores", 0), "--engine-cores and --reserve-cores: "
+                                                                                  "give one")]:
+        with pytest.raises(ValueError, match=message):
+            placed("--model", text, *argv)
+    with pytest.raises(ValueError, match="--engine-cores and --reserve-cores place the batching loop's child"):
+        placed("--model", s2s["marian-optimum"], "--reserve-cores", 1)
+    with pytest.raises(ValueError, match="they need engine_process"):  # a Serve config's
+        AppConfig(reserve_cores=1)
+    with pytest.raises(ValueError, match="engine_cores and reserve_cores: give one"):
+        AppConfig(engine_process=True, reserve_cores=1, engine_cores=[0])

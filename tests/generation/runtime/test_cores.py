@@ -1,0 +1,76 @@
+"""Where the engine computes and where the rest of a server runs (generation/runtime/cores.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from generation.runtime import cores
+from generation.runtime.cores import Placement, parse, placement, span
+
+
+def test_small_machines_share_every_core_larger_ones_keep_one():
+    assert placement(cores=[0]) == Placement((0,), (0,))
+    assert placement(cores=[0, 1]).shared  # measured: keeping one of 2 cores serves less (README's Cores)
+    assert placement(cores=[0, 1, 2]).shared
+    assert placement(cores=[0, 1, 2, 3]) == Placement((1, 2, 3), (0,))
+    assert placement(cores=range(16)) == Placement(tuple(range(1, 16)), (0,))
+    assert placement(cores=[4, 5, 6, 7, 12]) == Placement((5, 6, 7, 12), (4,))  # a container's cpuset
+
+
+def test_the_operator_overrides_it():
+    assert placement(0, cores=range(8)).shared
+    assert placement(3, cores=range(8)) == Placement((3, 4, 5, 6, 7), (0, 1, 2))
+    assert placement(1, cores=[0, 1]) == Placement((1,), (0,))
+    assert placement(engine=[2, 3], cores=range(4)) == Placement((2, 3), (0, 1))
+    assert placement(engine=[0, 1], cores=[0, 1]).shared  # every core named: nothing kept
+    # named cores outside this process's own are refused, naming the setting
+    with pytest.raises(ValueError, match=r"engine_cores: 5-6 not among the cores this process may use \(0-3\)"):
+        placement(engine=[5, 6], cores=range(4))
+    with pytest.raises(ValueError, match=r"reserve_cores: 2 of this machine's 2 cores \(0-1\) leaves the engine none"):
+        placement(2, cores=[0, 1])
+    with pytest.raises(ValueError, match="engine_cores and reserve_cores: give one"):
+        placement(1, [1], cores=[0, 1])
+
+
+def test_core_lists_read_and_written():
+    assert parse("1-3,6") == (1, 2, 3, 6) and parse(" 0 ") == (0,) and parse("3,1-2,2") == (1, 2, 3)
+    for bad in ("", "a", "3-1", "-1", "1-x"):
+        with pytest.raises(ValueError, match="--engine-cores: "):
+            parse(bad, "--engine-cores")
+    assert span([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and span([3]) == "3"
+    assert "share cores 0-1" in placement(cores=[0, 1]).words()
+    assert placement(cores=range(4)).words() == ("the engine on cores 1-3 (3 onnxruntime threads), "
+                                                 "the HTTP stack and Ray on 0")
+
+
+def _masks() -> dict[int, str]:
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            out[int(tid)] = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+    return out
+
+
+def test_pin_moves_every_thread_of_the_process():
+    before = cores.allowed()
+    started, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(target=lambda: (started.set(), stop.wait()))
+    thread.start()
+    started.wait()
+    try:
+        cores.pin([before[-1]])
+        masks = _masks()
+        assert thread.native_id in masks and set(masks.values()) == {str(before[-1])}
+        later = []
+        t = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        assert later == [{before[-1]}]  # threads started afterwards inherit it
+    finally:
+        cores.pin(before)
+        stop.set()
+        thread.join()
+    assert cores.allowed() == before and set(_masks().values()) == {span(before)}
