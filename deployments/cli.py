@@ -42,7 +42,8 @@ def add_engine_arguments(parser) -> None:
                              "generation.front.batching.DEFAULT_PREFILL_CHUNK_TOKENS; 0: every prompt whole at once)")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="most alternatives per token a request may ask; -1: no log-probabilities")
-    parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: all CPUs)")
+    parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: one a "
+                        "core, within a container's CPU quota)")
     parser.add_argument("--no-spin", dest="spin", action="store_false",
                         help="the decoder's idle onnxruntime threads sleep between the model's runs instead of "
                              "spinning (frees the cores for the HTTP stack: a small CPU machine; see README's Serve)")

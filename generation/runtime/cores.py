@@ -17,10 +17,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 RESERVE_FROM = 4  # machines with at least this many cores keep one from the engine by default
+CGROUP = "/sys/fs/cgroup"  # this process's cgroup, as a container sees it
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,35 @@ class Placement:
                 f"the HTTP stack and Ray on {span(self.service)}")
 
 
-def allowed() -> tuple[int, ...]:
-    """The cores this process may run on."""
+def allowed(cgroup: str | os.PathLike | None = None) -> tuple[int, ...]:
+    """The cores this process may run on: its affinity, cut to its cgroup's CPU quota where one
+    is set (a Kubernetes `limits.cpu` without a cpuset sees every core of its host: 64 spinning
+    threads in a quota of 2 would spend it in a few milliseconds of each period)."""
     try:
-        return tuple(sorted(os.sched_getaffinity(0)))
+        cores = tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
-        return tuple(range(os.cpu_count() or 1))
+        cores = tuple(range(os.cpu_count() or 1))
+    quota = cpu_quota(cgroup)
+    return cores if quota is None else cores[:max(1, int(quota))]
+
+
+def cpu_quota(cgroup: str | os.PathLike | None = None) -> float | None:
+    """The CPUs' worth of time the cgroup at `cgroup` may use per period (cgroup v2's cpu.max, or
+    v1's cpu.cfs_quota_us over cpu.cfs_period_us, as Ray reads them; default: CGROUP); None: no quota."""
+    root = Path(cgroup or CGROUP)
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota, period = ((root / "cpu" / name).read_text().strip() for name in ("cpu.cfs_quota_us",
+                                                                                   "cpu.cfs_period_us"))
+        except OSError:
+            return None
+    try:
+        quota, period = float(quota), float(period)
+    except ValueError:  # "max": none
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def default_reserve(count: int) -> int:

@@ -329,10 +329,10 @@ def _rewritten_source(path: Path, options, head: bool, int8_rows: bool):
 
 
 def default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
+    """One a core this process may use, within its cgroup's CPU quota (runtime.cores.allowed)."""
+    from .cores import allowed
+
+    return len(allowed())
 
 
 def load(source: str | os.PathLike, *, variant: str | None = None, provider: str | None = None,

@@ -74,3 +74,31 @@ def test_pin_moves_every_thread_of_the_process():
         stop.set()
         thread.join()
     assert cores.allowed() == before and set(_masks().values()) == {span(before)}
+
+
+def test_a_cgroup_cpu_quota_cuts_the_cores_and_the_default_threads(tmp_path, monkeypatch):
+    """A container limited by quota (Kubernetes limits.cpu, no cpuset) sees every core of its host
+    in its affinity: the engine takes as many cores as the quota holds (floor, at least 1)."""
+    from generation.runtime.model import default_threads
+
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    (v1 / "cpu").mkdir(parents=True)
+    assert cores.cpu_quota(tmp_path / "none") is None
+    for text, quota in [("max 100000", None), ("200000 100000", 2.0), ("150000 100000\n", 1.5), ("50000 100000", 0.5)]:
+        (v2 / "cpu.max").write_text(text)
+        assert cores.cpu_quota(v2) == quota
+    for value, quota in [("-1", None), ("300000", 3.0)]:
+        (v1 / "cpu" / "cpu.cfs_quota_us").write_text(value + "\n")
+        (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+        assert cores.cpu_quota(v1) == quota
+    affinity = tuple(sorted(os.sched_getaffinity(0)))
+    (v2 / "cpu.max").write_text("150000 100000")
+    assert cores.allowed(v2) == affinity[:1]
+    (v2 / "cpu.max").write_text("max 100000")
+    assert cores.allowed(v2) == affinity
+    monkeypatch.setattr(cores, "CGROUP", str(v2))
+    (v2 / "cpu.max").write_text("50000 100000")
+    assert default_threads() == 1 and cores.placement() == Placement(affinity[:1], affinity[:1])
+    (v2 / "cpu.max").write_text("max 100000")
+    assert default_threads() == len(affinity)
