@@ -265,7 +265,7 @@ def test_the_engine_process_computes_on_its_cores_and_this_process_on_the_others
     from generation.runtime import cores
 
     local, _ = generators
-    before = cores.allowed()
+    before, affinity = cores.allowed(), os.sched_getaffinity(0)
     if len(before) < 2:
         pytest.skip("one core: nothing to place apart")
     generator = TextGenerator.from_model(test_models["llama-genai"], slots=4, threads=1, max_logprobs=5,
@@ -279,7 +279,7 @@ def test_the_engine_process_computes_on_its_cores_and_this_process_on_the_others
         assert [flat(c) for c in asyncio.run(streamed(generator, REQUESTS))] == [flat(c) for c in expected]
     finally:
         generator.close()
-        cores.pin(before)
+        cores.pin(affinity)
     with pytest.raises(ValueError, match=r"engine_cores / reserve_cores: place the batching loop's child process"):
         TextGenerator.from_model(test_models["llama-genai"], slots=2, threads=1, reserve_cores=1)
 
