@@ -279,9 +279,9 @@ def clean_env(extra: dict | None = None, python_path: bool = True) -> dict:
 
 def bind_settings() -> dict[str, str]:
     """vLLM's two thread settings: its default, and compute bound to every core of this process."""
-    cores = sorted(os.sched_getaffinity(0))
-    every = f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
-    return {"auto": "auto", "all": every}
+    from generation.runtime.cores import span
+
+    return {"auto": "auto", "all": span(os.sched_getaffinity(0))}
 
 
 # -- servers --------------------------------------------------------------------------------------

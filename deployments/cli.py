@@ -283,6 +283,8 @@ def argparse_hidden():
 
 def app_config(args) -> dict:
     """The application's arguments (deployments.app.AppConfig) from the command line's."""
+    from generation.front import parse_cores
+
     autoscaling = autoscaling_of(args.autoscale)
     return dict(**engine_config(args), autoscaling=autoscaling,
                 api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
@@ -290,7 +292,8 @@ def app_config(args) -> dict:
                 response_folder=args.response_folder and os.path.abspath(args.response_folder),
                 batch_folder=args.batch_folder and os.path.abspath(args.batch_folder),
                 file_size_limit=args.file_size_limit, batch_concurrency=args.batch_concurrency,
-                engine_cores=None if args.engine_cores is None else list(cores_of_text(args.engine_cores)),
+                engine_cores=None if args.engine_cores is None else list(parse_cores(args.engine_cores,
+                                                                                     "--engine-cores")),
                 reserve_cores=args.reserve_cores,
                 **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
                          engine=args.engine, routes_scaled="ingress" in autoscaling))
@@ -309,12 +312,6 @@ def layout(split: bool, colocate: bool | None, engine_process: bool | None, *, m
         return dict(colocate=bool(colocate), engine_process=bool(engine_process))
     fast = engine == "onnx" and not routes_scaled and _generative_text(model, variant)
     return dict(colocate=fast, engine_process=fast)
-
-
-def cores_of_text(text: str) -> tuple[int, ...]:
-    from generation.front import parse_cores
-
-    return parse_cores(text, "--engine-cores")
 
 
 def place_cores(config: dict):
@@ -483,7 +480,7 @@ def _serve(args, config: dict, folder: Path) -> int:
     place = place_cores(config)
     AppConfig(**config)  # bad arguments fail here, before Ray starts
     if place is not None:
-        print(f"[raymuter] cores: {place.words()}", file=sys.stderr)
+        print(f"[raymuter] cores: {place.words(config['threads'])}", file=sys.stderr)
         if not place.shared:  # Ray's processes, HAProxy and the replicas start from here: they inherit it
             from generation.front import pin_cores
 

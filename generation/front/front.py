@@ -325,7 +325,7 @@ def _placed(options: EngineOptions) -> tuple[int, ...] | None:
     # named cores may lie outside this process's own (`raymuter serve` moved its Ray onto the others)
     place = cores.placement(options.reserve_cores, engine, cores=None if engine is None else
                             cores.allowed() + tuple(engine))
-    logger.info("cores: %s", place.words())
+    logger.info("cores: %s", place.words(options.threads))
     if place.shared:
         return None
     cores.pin(place.service)

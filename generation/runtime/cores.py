@@ -14,12 +14,9 @@ vLLM keeps one (not measured here: no machine of this project has more than 2 co
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 RESERVE_FROM = 4  # machines with at least this many cores keep one from the engine by default
 CGROUP = "/sys/fs/cgroup"  # this process's cgroup, as a container sees it
@@ -37,10 +34,11 @@ class Placement:
     def shared(self) -> bool:
         return self.engine == self.service
 
-    def words(self) -> str:
+    def words(self, threads: int | None = None) -> str:
+        """As a log line says it; `threads`: the engine's onnxruntime threads where given (else one a core)."""
         if self.shared:
             return f"the engine and the server share cores {span(self.engine)}"
-        return (f"the engine on cores {span(self.engine)} ({len(self.engine)} onnxruntime threads), "
+        return (f"the engine on cores {span(self.engine)} ({threads or len(self.engine)} onnxruntime threads), "
                 f"the HTTP stack and Ray on {span(self.service)}")
 
 

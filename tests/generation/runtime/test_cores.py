@@ -44,6 +44,7 @@ def test_core_lists_read_and_written():
     assert "share cores 0-1" in placement(cores=[0, 1]).words()
     assert placement(cores=range(4)).words() == ("the engine on cores 1-3 (3 onnxruntime threads), "
                                                  "the HTTP stack and Ray on 0")
+    assert "(2 onnxruntime threads)" in placement(cores=range(4)).words(threads=2)  # --threads says
 
 
 def _masks() -> dict[int, str]:
