@@ -124,13 +124,15 @@ class AppConfig(BaseModel):
     reasoning_parser: str = Field(default="auto", pattern="^(" + "|".join(REASONING_PARSERS) + ")$")
     # /v1/responses' stored responses (the Responses deployment, one replica every ingress replica
     # shares): at most these bytes (the least recently used go first), each kept this many seconds
-    # after it was last written, and persisted to this folder when given (a restarted store keeps them)
+    # after it was last written, and persisted to this folder when given (made 0700, its files 0600; a
+    # restarted store keeps them)
     response_store_bytes: int = Field(default=256 * 2**20, ge=2**20, le=2**40)
     response_ttl_seconds: float = Field(default=24 * 3600, gt=0, le=366 * 24 * 3600)
     response_folder: str | None = None
     # /v1/files and /v1/batches (the Batches deployment, one replica every ingress replica shares): the
-    # files and batches are kept in this folder (a restarted Batches replica resumes the batches that
-    # ran; default: a temporary folder of the replica's, gone with it); an upload takes at most
+    # files and batches are kept in this folder, made 0700 (a restarted Batches replica resumes the batches
+    # that ran; default: a temporary folder of the replica's, gone with it; `raymuter serve` gives a folder
+    # in its run folder, gone at stop); an upload takes at most
     # file_size_limit bytes; the batches keep at most batch_concurrency lines in flight (default:
     # slots), each at a priority below every interactive request
     batch_folder: str | None = None
@@ -215,7 +217,8 @@ class Vision(_Encoding):
 
 
 # One replica: every ingress replica's /v1/responses reads and writes the same records (a second
-# replica would hold other ones). It takes no CPU of its own: a dict and, optionally, a folder.
+# replica would hold other ones). It takes no CPU of its own: a dict and, optionally, a folder. Serve
+# runs its (sync) methods on a thread pool, several at once: the store takes a lock in each.
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, num_replicas=1)
 class Responses(ResponseStore):
     """The stored responses of /v1/responses (deployments.services.response_store), bounded as

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -21,9 +22,10 @@ import time
 from pathlib import Path
 
 
-def add_engine_arguments(parser) -> None:
-    """The model and how its decoder runs: what `raymuter serve` and `raymuter batch` share."""
-    from generation.front import REASONING_PARSERS
+def add_engine_arguments(parser, whole_prompts: bool = False) -> None:
+    """The model and how its decoder runs: what `raymuter serve` and `raymuter batch` share
+    (`whole_prompts`: --prefill-chunk-tokens defaults to 0, batch_engine_config's)."""
+    from generation.front import DEFAULT_PREFILL_CHUNK_TOKENS, REASONING_PARSERS
 
     parser.add_argument("--model", help="model folder or hub id (default: the model that ships with Raymuter)")
     parser.add_argument("--name", help="the model id clients send (default: the folder's name)")
@@ -36,10 +38,11 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=None,
                         help="the KV cache's budget per decoder replica: requests are seated while what their rows "
                              "hold fits it, up to --slots (default: a quarter of the machine's memory; 0: none)")
+    chunks = ("0: every prompt whole at once, no interactive rows to keep pace for" if whole_prompts
+              else f"{DEFAULT_PREFILL_CHUNK_TOKENS}; 0: every prompt whole at once")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
                         help="prompt tokens the decoder runs per step: a long prompt (or a burst) runs in chunks "
-                             "between the running rows' steps, which keep their pace (default: "
-                             "generation.front.batching.DEFAULT_PREFILL_CHUNK_TOKENS; 0: every prompt whole at once)")
+                             f"between the running rows' steps, which keep their pace (default: {chunks})")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="most alternatives per token a request may ask; -1: no log-probabilities")
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: one a "
@@ -109,8 +112,9 @@ def add_arguments(parser) -> None:
                         help="/v1/responses: seconds a stored response is kept after it was last written (default: a day)")
     parser.add_argument("--response-folder", help="/v1/responses: persist the stored responses to this folder "
                         "(a restarted server keeps them; default: memory only)")
-    parser.add_argument("--batch-folder", help="/v1/files and /v1/batches: keep the files and batches in this folder "
-                        "(a restarted server resumes the batches that ran; default: a temporary folder, gone at stop)")
+    parser.add_argument("--batch-folder", help="/v1/files and /v1/batches: keep the files and batches in this folder, "
+                        "made 0700 (a restarted server resumes the batches that ran; default: a folder in this "
+                        "server's run folder, removed at stop)")
     parser.add_argument("--file-size-limit", type=int, default=200 * 2**20, metavar="BYTES",
                         help="/v1/files: the largest file an upload may bring (default: 200 MiB)")
     parser.add_argument("--batch-concurrency", type=int, metavar="LINES",
@@ -145,13 +149,14 @@ def add_arguments(parser) -> None:
 def add_batch_arguments(parser) -> None:
     """`raymuter batch`'s arguments (deployments/batch/run.py runs it)."""
     parser.add_argument("input", help="OpenAI batch JSONL (custom_id, method, url, body per line), or a table "
-                                      "(.parquet, or .jsonl with --prompt-column / --messages-column)")
+                                      "(.parquet, .csv, or .jsonl with --prompt-column / --messages-column)")
     parser.add_argument("output", help="OpenAI batch output JSONL; lines already there are not run again")
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, whole_prompts=True)
     parser.add_argument("--replicas", type=int, default=1, help="engine actors (each a decoder with --slots rows)")
     parser.add_argument("--cpus-per-replica", type=float, help="Ray CPUs of one engine actor (default: the machine's "
                                                                "CPUs over --replicas, at least 1)")
-    parser.add_argument("--address", help="a Ray cluster to join (default: a local Ray)")
+    parser.add_argument("--address", help="a Ray cluster to join (default: a local Ray of the run's own, on "
+                                          "loopback, gone at the end)")
     parser.add_argument("--prompt-column", help="a table's column of prompts: each row a /v1/completions request")
     parser.add_argument("--messages-column", help="a table's column of chat messages: each row a /v1/chat/completions "
                                                   "request")
@@ -163,17 +168,58 @@ def add_batch_arguments(parser) -> None:
 
 
 def batch_command(args) -> int:
-    from .batch.run import run_batch
+    """`raymuter batch` on the cluster at --address, or on a local Ray of its own that keeps to this
+    host as `serve`'s does: on loopback, its ports chosen free, its session in a run folder removed
+    at the end (deployments/loopback.py, deployments/instance.py)."""
+    from . import instance
+    from .batch.run import table_format
 
     config = batch_engine_config(args)
     if args.replicas < 1:
         raise ValueError("--replicas: at least 1")
     if args.prompt_column and args.messages_column:
         raise ValueError("--prompt-column and --messages-column: give one")
-    summary = run_batch(args.input, args.output, config, replicas=args.replicas, cpus=args.cpus_per_replica,
-                        address=args.address, table=_table_options(args), progress=not args.quiet)
+    table_format(args.input, _table_options(args))  # before Ray starts
+    folder = None if args.address else instance.run_folder()
+    try:
+        return _batch(args, config, folder)
+    finally:
+        if folder is not None:
+            instance.remove(folder)  # Ray's session: nothing of the run stays in /tmp
+
+
+def _batch(args, config: dict, folder: Path | None) -> int:
+    from . import instance
+    from .batch.run import ray_cpus, run_batch
+
+    options = {"address": args.address}
+    if folder is not None:
+        local_ray_environment(loopback_only=True)
+        os.environ.update(instance.port_environment())  # Serve's are among them, unused here
+        options = {"address": "local", "_temp_dir": str(folder / "ray"),
+                   "num_cpus": ray_cpus(args.replicas, args.cpus_per_replica)}
+    stop_on_signals()
+    ray = None
+    try:
+        import ray
+
+        with signals_deferred(), instance.dashboard_agent_on_a_free_port():
+            ray.init(include_dashboard=False, log_to_driver=False, **options)
+        summary = run_batch(args.input, args.output, config, replicas=args.replicas, cpus=args.cpus_per_replica,
+                            table=_table_options(args), progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(f"\n[raymuter] batch: stopped; the lines answered are in {args.output} (run again to go on)",
+              file=sys.stderr)
+        return 130
+    finally:
+        if ray is not None:
+            ray.shutdown()
     print(f"[raymuter] batch: {summary['done']} lines answered ({summary['errors']} not 200), {summary['skipped']} "
           f"already in {args.output}, {summary['seconds']:.1f} s", file=sys.stderr)
+    if summary["done"] and summary["server_errors"] == summary["done"]:  # a broken server, not a job done
+        print(f"raymuter: error: batch: every line answered failed for a server error (their error lines, "
+              f"in {args.output}, say which)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -383,9 +429,10 @@ def autoscaling_of(items: list[str]) -> dict:
 
 
 def check_models(args) -> None:
-    """--model and --draft as `raymuter generate` checks a model (generation.runtime.model.resolve_folder,
-    the same message): a folder must exist; a hub id is fetched, into the cache the replicas then
-    read. No model is loaded here."""
+    """--model and --draft as `raymuter generate` checks a model (generation.front.model_folder,
+    the same message): a folder must exist and hold config.json and the decoder file (a folder
+    that is no model fails here, not in a replica after Ray started); a hub id is fetched, into
+    the cache the replicas then read. No model is loaded here."""
     if args.engine != "onnx":
         return
     from generation.front import model_folder
@@ -394,6 +441,19 @@ def check_models(args) -> None:
         model_folder(args.model, args.variant)
     if args.draft is not None:
         model_folder(args.draft)
+
+
+def check_batch_folder(folder: str | None) -> None:
+    """--batch-folder made as the Batches replica makes it (0700), before Ray starts: one that
+    cannot be is one line naming the flag, not a replica that fails to start."""
+    if folder is None:
+        return
+    from .services.files import private_folder
+
+    try:
+        private_folder(Path(folder))
+    except OSError as e:
+        raise ValueError(f"--batch-folder: cannot keep files in {folder} ({e.strerror or e})") from None
 
 
 def check_port(host: str, port: int) -> None:
@@ -457,11 +517,14 @@ def serve_command(args) -> int:
     check_models(args)  # a hub id is fetched here, before app_config reads its kind
     config = app_config(args)
     check_port(args.host, args.port)
+    check_batch_folder(config["batch_folder"])
     if args.start_timeout <= 0:
         raise ValueError(f"--start-timeout: seconds above 0, not {args.start_timeout}")
     from . import instance
 
     folder = instance.run_folder()
+    if config["batch_folder"] is None:  # in the run folder, so that the uploads go with it at stop
+        config["batch_folder"] = str(folder / "batches")
     try:
         return _serve(args, config, folder)
     finally:
@@ -518,7 +581,9 @@ def _first_line(error: BaseException) -> str:
     """The line of an exception's text that says what happened (Ray's put a traceback first)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     said = [line for line in lines if not line.startswith(("File ", "Traceback", "^", "ray::"))]
-    return (said[-1] if said else lines[-1] if lines else type(error).__name__)[:300]
+    line = said[-1] if said else lines[-1] if lines else type(error).__name__
+    # an exception named with its module (a replica's: generation.runtime.model.ModelError) by its name alone
+    return re.sub(r"^(?:\w+\.)+(\w*(?:Error|Exception): )", r"\1", line)[:300]
 
 
 def routes_scale_to_zero(config: dict) -> bool:
@@ -536,19 +601,29 @@ def local_environment(args, folder: Path | None = None, fallback: bool = False) 
     default) before it kills it, and a busy host took 72 s to start HAProxy."""
     from . import loopback
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    local_only = loopback.is_loopback(args.host)
-    if local_only:
-        os.environ.update(loopback.ENVIRONMENT)
-        if "ray" in sys.modules:  # imported before (serve_command called from Python): its node IP stays
-            from ray._private import ray_constants
-
-            local_only = not ray_constants.ENABLE_RAY_CLUSTER
+    local_only = local_ray_environment(loopback.is_loopback(args.host))
     timeout = getattr(args, "start_timeout", START_TIMEOUT)
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(max(5.0, timeout / 3)))
     os.environ.setdefault("RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S", str(max(30, int(timeout / 3))))
     use_serving_environment(args.proxy, args.host, folder, fallback)
     return local_only
+
+
+def local_ray_environment(loopback_only: bool) -> bool:
+    """What a local Ray of `serve`'s or `batch`'s takes from os.environ, set before `ray` is imported:
+    no usage stats, and with `loopback_only` a node on loopback only (deployments/loopback.py);
+    whether it keeps to loopback."""
+    from . import loopback
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not loopback_only:
+        return False
+    os.environ.update(loopback.ENVIRONMENT)
+    if "ray" in sys.modules:  # imported before (called from Python): its node IP stays
+        from ray._private import ray_constants
+
+        return not ray_constants.ENABLE_RAY_CLUSTER
+    return True
 
 
 # Seconds `raymuter serve` gives Ray, the proxy and the application to start (--start-timeout).
@@ -597,7 +672,7 @@ def wait_running(name: str, deadline: float, started: float, status=None) -> Non
         if state == "RUNNING":
             return
         if state == "DEPLOY_FAILED":
-            raise StartFailed(f"the application failed to deploy: {_first_line(Exception(app.message))}")
+            raise StartFailed(f"the application failed to deploy: {_deploy_error(app)}")
         waiting = _waiting_for(overview, app)
         if now > deadline:
             raise StartFailed(f"not running after {now - started:.0f} s (--start-timeout): waiting for {waiting}")
@@ -605,6 +680,18 @@ def wait_running(name: str, deadline: float, started: float, status=None) -> Non
             print(f"[raymuter] still starting ({now - started:.0f} s): waiting for {waiting}", file=sys.stderr)
             said = now
         time.sleep(0.25)
+
+
+def _deploy_error(app) -> str:
+    """Why an application failed to deploy, in one line: its failed deployments' own error (a
+    replica's exception, as `Server: ModelError: config.json is missing from ...`), where Serve's
+    status has it, else the application's message."""
+    said = []
+    for name, deployment in (getattr(app, "deployments", None) or {}).items():
+        if getattr(deployment.status, "value", str(deployment.status)) in ("DEPLOY_FAILED", "UNHEALTHY") \
+                and deployment.message:
+            said.append(f"{name}: {_first_line(Exception(deployment.message))}")
+    return "; ".join(said) or _first_line(Exception(app.message))
 
 
 def _waiting_for(overview, app) -> str:
@@ -709,8 +796,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("raymuter: error: serving needs the serve extra (pip install 'raymuter[cpu,serve]')",
                       file=sys.stderr)
                 return 2
-            if args.command == "batch":
-                if find_spec("ray.data") is None or find_spec("pyarrow") is None:
+            if args.command == "batch":  # Ray Data's extra: find_spec("ray.data") would import ray
+                if find_spec("pyarrow") is None or find_spec("pandas") is None:
                     print("raymuter: error: batch needs Ray Data (pip install 'raymuter[cpu,serve]')", file=sys.stderr)
                     return 2
                 return batch_command(args)

@@ -96,6 +96,8 @@ class FakeBatcher:
         self.steps = 0
         # (priority, arrival, request): lower priorities first, as the scheduler seats them (no preemption here)
         self._waiting: queue.PriorityQueue = queue.PriorityQueue()
+        # the waiting requests of priority 0: max_waiting bounds them only, as ContinuousBatcher's
+        self._interactive_waiting, self._count_lock = 0, threading.Lock()
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="raymuter-fake-batcher", daemon=True)
@@ -103,7 +105,7 @@ class FakeBatcher:
 
     def submit(self, prompt: list[int], seed: int = 0, settings: dict | None = None, encoder=None,
                prompt_logprobs: int | None = None, priority: int = 0, logprobs: bool = True) -> Request:
-        if self._waiting.qsize() >= self.max_waiting:
+        if priority <= 0 and self._interactive_waiting >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
         for i, t in enumerate(prompt):
             if not 0 <= t < VOCAB:
@@ -119,6 +121,8 @@ class FakeBatcher:
             rest = list(prompt[1:])
             request.prompt_top = prompt_logprobs
             request.prompt_logprobs = from_lists([-0.5] * len(rest), [[t] for t in rest], [[-0.5]] * len(rest))
+        with self._count_lock:
+            self._interactive_waiting += priority <= 0
         self._waiting.put((priority, request.id, request))
         self.waiting = self._waiting.qsize()
         return request
@@ -137,9 +141,11 @@ class FakeBatcher:
         while not self._stop.is_set():
             while len(live) < self.slots:
                 try:
-                    _, _, request = self._waiting.get_nowait()
+                    priority, _, request = self._waiting.get_nowait()
                 except queue.Empty:
                     break
+                with self._count_lock:
+                    self._interactive_waiting -= priority <= 0
                 live.append(request)
                 started[request.id] = time.perf_counter()
             self.running = self.occupied = len(live)

@@ -1,4 +1,4 @@
-"""A local Ray that listens on loopback only, for `raymuter serve --host 127.0.0.1`.
+"""A local Ray that listens on loopback only, for `raymuter serve --host 127.0.0.1` and `raymuter batch`.
 
 Ray binds its servers (the GCS, the raylet's node and object managers, every worker's gRPC
 server, the dashboard agent, the metrics export) on 127.0.0.1 when the node's IP is 127.0.0.1,

@@ -3,11 +3,14 @@ and the wheel built from the sdist (what `pip install 'raymuter[cpu]'` gets from
 every file of generation/, deployments/ and cluster/ in the checkout but cluster/Dockerfile (so the
 default model's files and cluster's yaml and md too), and nothing of tests/ or bench/.
 
-Each artefact is built from a copy of the checkout with the pins of constraints.txt, installed with
-its `cpu` extra into a fresh venv (no torch, no Ray), and run from an empty folder with PYTHONPATH
+Each artefact is built from a copy of the checkout with the pins of constraints.txt, installed into
+a fresh venv with the extras a user installs (EXTRAS: the sdist's wheel with `cpu`, no torch and no
+Ray; the wheel with `cpu,serve`, Ray but no torch), and run from an empty folder with PYTHONPATH
 unset: `import deployments, generation, generation.runtime.fusion` and `raymuter generate` on the
-default model, every module and the model read from the venv. Every other test runs against the
-editable install, which reads the checkout and so never misses a file the packaging leaves out.
+default model, every module and the model read from the venv; in the `serve` one, `raymuter batch`
+and a batch through `raymuter serve`'s /v1/batches too, so a runtime dependency that only the `test`
+extra brings fails here. Every other test runs against the editable install, which reads the
+checkout and so never misses a file the packaging leaves out, and has the `test` extra.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +34,8 @@ CONSTRAINTS = ROOT / "constraints.txt"
 PACKAGES = ("generation", "deployments", "cluster")
 NOT_SHIPPED = {"cluster/Dockerfile"}  # the image's recipe, read from the checkout by `docker build`
 INSTALL_TIMEOUT_S = 600
+# Each venv's artefact and the extras it is installed with (each test runs in both unless it names one).
+EXTRAS = {"wheel": "cpu,serve", "sdist-wheel": "cpu"}
 
 # What the installed package reports about itself, printed as JSON by the venv's python.
 IMPORTS = """
@@ -51,8 +59,12 @@ def pinned(constraints) -> list[str]:
 
 def clean_env() -> dict[str, str]:
     """This process's environment without anything that would put the checkout or another
-    environment on a child's import path."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV")}
+    environment on a child's import path, nor the test session's Ray settings (its address, ports,
+    HAProxy's files): a user's."""
+    from deployments import instance
+
+    own = {"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", *instance.PORT_VARIABLES, *instance.NO_SHARED_PORTS}
+    env = {k: v for k, v in os.environ.items() if k not in own and not k.startswith(("RAY_", "RAYMUTER_"))}
     env["PYTHONNOUSERSITE"] = "1"
     return env
 
@@ -99,17 +111,18 @@ def artefacts(tmp_path_factory):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture(scope="module", params=["wheel", "sdist-wheel"])
+@pytest.fixture(scope="module", params=list(EXTRAS))
 def venv(request, artefacts, tmp_path_factory):
-    """A fresh venv holding one artefact with its `cpu` extra, installed as the Makefile installs
-    (pip itself first: --build-constraint is newer than the pip that venv bundles). Removed after
-    the module: 300 MB each, and pytest keeps its last three runs' folders."""
+    """A fresh venv holding one artefact with its EXTRAS, installed as the Makefile installs (pip
+    itself first: --build-constraint is newer than the pip that venv bundles). Removed after the
+    module: 300 MB (`cpu`) to 1 GB (`cpu,serve`), and pytest keeps its last three runs' folders."""
     venv = tmp_path_factory.mktemp(f"venv-{request.param}")
     cwd = tmp_path_factory.mktemp("cwd")
     run([sys.executable, "-m", "venv", venv], cwd=cwd)
     python = venv / "bin" / "python"
     run([python, "-m", "pip", "install", "-q", "-c", CONSTRAINTS, "pip"], cwd=cwd)
-    run([python, "-m", "pip", "install", "-q", *pinned(CONSTRAINTS), f"{artefacts[request.param]}[cpu]"], cwd=cwd)
+    run([python, "-m", "pip", "install", "-q", *pinned(CONSTRAINTS), f"{artefacts[request.param]}[{EXTRAS[request.param]}]"],
+        cwd=cwd)
     yield venv
     shutil.rmtree(venv, ignore_errors=True)
 
@@ -122,15 +135,16 @@ def inside(path: str, folder: Path) -> bool:
     return Path(path).resolve().is_relative_to(folder.resolve())
 
 
-def test_imports_come_from_the_venv_without_torch_or_ray(venv, tmp_path):
+def test_imports_come_from_the_venv_without_torch_and_ray_only_with_serve(venv, tmp_path, request):
     """`import deployments` needs no Ray: a `pip install 'raymuter[cpu]'` user runs the engine and
-    `raymuter generate` without the serving extra."""
+    `raymuter generate` without the serving extra. No extra but `test` and `train` brings torch."""
     found = probe(venv, IMPORTS, tmp_path)
     assert inside(found["prefix"], venv)
     for module, file in found["modules"].items():
         assert inside(file, venv), f"{module} from {file}"
     assert inside(found["model"], venv), found["model"]
-    assert found["absent"] == ["torch", "ray"], "the cpu extra installed torch or ray"
+    serve = "serve" in EXTRAS[request.node.callspec.params["venv"]]
+    assert found["absent"] == (["torch"] if serve else ["torch", "ray"]), "torch, or ray without serve, installed"
 
 
 def test_every_file_of_the_packages_is_installed_and_nothing_else(venv, tmp_path):
@@ -147,6 +161,76 @@ def test_raymuter_generate_runs_the_installed_default_model(venv, tmp_path):
     assert out.stdout.strip(), out.stderr
     (folder,) = re.findall(r"using the default model in (\S+)", out.stderr)
     assert inside(folder, venv), out.stderr
+
+
+def batch_file(model: str) -> str:
+    """Three completion lines of OpenAI's batch format, a few greedy tokens each."""
+    return "".join(json.dumps({"custom_id": f"c{k}", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}}) + "\n"
+                   for k, prompt in enumerate(["The list type", "A dict", "Tuples are"]))
+
+
+def assert_every_line_answered(output: str) -> None:
+    lines = [json.loads(text) for text in output.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == ["c0", "c1", "c2"], output
+    for line in lines:
+        assert line["error"] is None and line["response"]["status_code"] == 200, line
+        assert line["response"]["body"]["choices"][0]["text"], line
+
+
+@pytest.mark.parametrize("venv", ["wheel"], indirect=True)
+def test_raymuter_batch_runs_from_the_serve_install(venv, tmp_path):
+    """Every line answered 200 (httpx, which the lines go through, was in no extra but `test`:
+    each failed with ModuleNotFoundError, or the command with a Ray Data traceback)."""
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(batch_file("raymuter-default"))
+    run([venv / "bin" / "raymuter", "batch", source, output, "--slots", "4", "--quiet"], cwd=tmp_path, timeout=300)
+    assert_every_line_answered(output.read_text())
+
+
+@pytest.mark.parametrize("venv", ["wheel"], indirect=True)
+def test_a_batch_through_raymuter_serve_runs_from_the_serve_install(venv, tmp_path):
+    """Upload, create, poll to completed, every output line 200; SIGINT stops the server."""
+    from ports import quiet_port
+
+    port = quiet_port()
+    server = subprocess.Popen([str(venv / "bin" / "raymuter"), "serve", "--port", str(port)], cwd=tmp_path,
+                              env={**clean_env(), "TMPDIR": str(tmp_path)},  # its batches' files: not left in /tmp
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        url = served_url(server)
+        upload = httpx.post(f"{url}/v1/files", data={"purpose": "batch"}, timeout=30,
+                            files={"file": ("in.jsonl", batch_file("raymuter-default"), "application/jsonl")})
+        assert upload.status_code == 200, upload.text
+        batch = httpx.post(f"{url}/v1/batches", timeout=30, json={
+            "input_file_id": upload.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+        deadline = time.monotonic() + 180
+        while batch["status"] not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            batch = httpx.get(f"{url}/v1/batches/{batch['id']}", timeout=30).json()
+        assert batch["status"] == "completed", batch
+        assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}, batch
+        assert_every_line_answered(httpx.get(f"{url}/v1/files/{batch['output_file_id']}/content", timeout=30).text)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        server.communicate()
+
+
+def served_url(server: subprocess.Popen, timeout: float = 240) -> str:
+    """The URL `raymuter serve` prints once it serves (AssertionError with what it printed, if none)."""
+    printed, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = server.stderr.readline()
+        printed.append(line)
+        found = re.search(r"serving '.+' at (http://\S+)/v1", line)
+        if found:
+            return found.group(1)
+        if not line and server.poll() is not None:
+            break
+    raise AssertionError("no URL printed:\n" + "".join(printed))
 
 
 def sdist_entries(sdist: Path) -> set[str]:

@@ -100,6 +100,14 @@ def answered_ok(line: dict) -> bool:
     return line["error"] is None and line["response"]["status_code"] == 200
 
 
+def server_failed(line: dict) -> bool:
+    """Whether an output line is the server's failure, not the request's: a 5xx answer, or a line
+    the server failed to send (`"code": "server_error"`)."""
+    if line["error"] is not None:
+        return line["error"]["code"] == "server_error"
+    return line["response"]["status_code"] >= 500
+
+
 def custom_id_of(text: str) -> str | None:
     """The custom_id of an input line, or None (cheap: the resuming run's filter)."""
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from .requests import answered_ok, output_line, parsed_line
+from .requests import answered_ok, output_line, parsed_line, server_failed
 from .route_client import RouteClient
 
 
@@ -55,8 +55,9 @@ class DirectHandle:
 
 
 class BatchWorker:
-    """Ray Data's callable class for map_batches: `{"line"}` batches in, `{"output", "ok"}` out
-    (each output a JSON line; ok: it was answered 200). Its batches run concurrently on the actor's event
+    """Ray Data's callable class for map_batches: `{"line"}` batches in, `{"output", "ok",
+    "server_failed"}` out (each output a JSON line; ok: it was answered 200; server_failed: the
+    server's failure, requests.server_failed). Its batches run concurrently on the actor's event
     loop, so the decoder's slots stay full across them."""
 
     def __init__(self, config: dict):
@@ -85,7 +86,7 @@ class BatchWorker:
     async def __call__(self, batch: dict) -> dict:
         outputs = await asyncio.gather(*(self.answer(str(line)) for line in batch["line"]))
         return {"output": [json.dumps(o) for o in outputs],
-                "ok": [answered_ok(o) for o in outputs]}
+                "ok": [answered_ok(o) for o in outputs], "server_failed": [server_failed(o) for o in outputs]}
 
     async def answer(self, line: str) -> dict:
         """The output line of one input line."""

@@ -1,8 +1,10 @@
 """The Files and Batches API at the ingress: OpenAI's shapes (the body POST /v1/batches validates,
 the objects the OpenAPI document names) and the calls of the Batches deployment that holds the
-files and runs the batches (deployments/services/batches.py): an upload sent to it a piece at a
-time, a file's content streamed back a piece at a time, every refusal as OpenAI's error naming
-its field (404 for an unknown id, 413 for a file over the size limit).
+files and runs the batches (deployments/services/batches.py): an upload read as it arrives and
+sent to it a piece at a time, stopped at the size limit (multipart_upload.py), a file's content
+streamed back a piece at a time from a read the Batches replica holds open (a DELETE meanwhile
+cannot cut it short), every refusal as OpenAI's error naming its field (404 for an unknown id,
+413 for a file over the size limit).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from pydantic import BaseModel, Field
 
 from ..errors import NotFound, RequestError
 from ..services.batches import ENDPOINTS
+from ..services.files import EXPIRES_AFTER
 from .decoder_calls import cause_of, replica_lost
 from .edge import RETRY_AFTER_SECONDS, request_id, server_error
-from .media import upload_form
+from .multipart_upload import read_upload
 from .openai import ApiError, _Strict
 
 PIECE_BYTES = 2**20  # the bytes of one message between the ingress and the Batches replica
@@ -26,7 +29,17 @@ FORM_BYTES = 64 * 2**10  # what a multipart form holds beside its file (its boun
 # The multipart form of POST /v1/files (the OpenAPI document's).
 FILE_FORM = {"type": "object", "required": ["file", "purpose"], "properties": {
     "file": {"type": "string", "format": "binary", "description": "a batch's requests: OpenAI's batch JSONL"},
-    "purpose": {"type": "string", "enum": ["batch"]}}}
+    "purpose": {"type": "string", "enum": ["batch"]},
+    "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+    "expires_after[seconds]": {"type": "integer", "minimum": EXPIRES_AFTER[0], "maximum": EXPIRES_AFTER[1],
+                               "description": "the file expires this long after it was made (default: 30 days)"}}}
+
+
+class ExpiresAfter(_Strict):
+    """OpenAI's expiration policy of a file: `seconds` after it was made (its `created_at`)."""
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=EXPIRES_AFTER[0], le=EXPIRES_AFTER[1])
 
 
 class BatchCreateRequest(_Strict):
@@ -37,7 +50,7 @@ class BatchCreateRequest(_Strict):
     completion_window: Literal["24h"]
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
         Field(default=None, max_length=16)
-    output_expires_after: dict | None = None  # OpenAI's; accepted: the files are kept until deleted
+    output_expires_after: ExpiresAfter | None = None  # the output and error files' (default: 30 days)
 
 
 # -- the OpenAPI document's shapes (the Batches deployment builds them as dicts) ---------------------
@@ -134,31 +147,36 @@ class BatchCalls:
         return self._service
 
     async def upload(self, request: Request) -> dict:
-        """POST /v1/files: the multipart form's file (purpose batch) into the store, a piece at a time."""
+        """POST /v1/files: the multipart form's file (purpose batch) into the store a piece at a
+        time as it arrives, never more than the size limit of it (multipart_upload.read_upload)."""
         service = self.service
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.file_size_limit + FORM_BYTES:  # refused before it is read
             raise self._too_large(f"the upload has {declared} bytes")
-        form, upload = await upload_form(request, self.file_size_limit + FORM_BYTES, "the batch's JSONL file")
-        purpose = form.get("purpose")
-        if purpose != "batch":
-            raise ApiError(400, f"purpose: this server keeps files for batches (purpose 'batch'), not "
-                                f"{str(purpose)[:40]!r}", param="purpose")
-        size = upload.size if upload.size is not None else len(await upload.read())
-        if size > self.file_size_limit:
-            raise self._too_large(f"the file has {size} bytes")
-        await upload.seek(0)
-        filename = (getattr(upload, "filename", None) or "file")[:256]
-        file_id = await self.call(service.begin_file.remote(filename, purpose, size))
+        started: list[str] = []  # the store's file id, once the file part began
+
+        async def begin(filename: str) -> None:
+            started.append(await self.call(service.begin_file.remote(filename[:256])))
+
+        async def write(piece: bytes) -> None:
+            await self.call(service.append_file.remote(started[0], piece))
+
         try:
-            while piece := await upload.read(PIECE_BYTES):
-                await self.call(service.append_file.remote(file_id, piece))
-            return await self.call(service.finish_file.remote(file_id))
-        except BaseException:  # the client left, or the store refused: nothing half-kept
-            try:
-                await asyncio.shield(service.abort_file.remote(file_id))
-            except Exception:  # noqa: BLE001 - the store's replica is gone: its successor drops the upload
-                pass
+            form = await read_upload(request, "file", self.file_size_limit, FORM_BYTES, begin, write, PIECE_BYTES,
+                                     self._too_large)
+            if form.filename is None:
+                raise ApiError(400, "file: required (the batch's JSONL file, as a multipart upload)", param="file")
+            purpose = form.get("purpose")
+            if purpose != "batch":
+                raise ApiError(400, f"purpose: this server keeps files for batches (purpose 'batch'), not "
+                                    f"{str(purpose)[:40]!r}", param="purpose")
+            return await self.call(service.finish_file.remote(started[0], purpose, expires_after(form)))
+        except BaseException:  # refused, the client left, or the store failed: nothing half-kept
+            if started:
+                try:
+                    await asyncio.shield(service.abort_file.remote(started[0]))
+                except Exception:  # noqa: BLE001 - the store's replica is gone: its successor drops the upload
+                    pass
             raise
 
     def _too_large(self, what: str) -> ApiError:
@@ -166,15 +184,24 @@ class BatchCalls:
                         param="file", code="file_too_large")
 
     async def content(self, file_id: str) -> StreamingResponse:
-        """GET /v1/files/{id}/content: the file's bytes, read from the store a piece at a time."""
-        record = await self.call(self.service.file.remote(file_id))
+        """GET /v1/files/{id}/content: the file's bytes, read from the store a piece at a time
+        from a read it holds open (services/files.py FileStore.open_read): a DELETE meanwhile
+        leaves this read whole, so the Content-Length sent first is always what comes."""
+        service = self.service
+        read = await self.call(service.open_file.remote(file_id))
 
         async def pieces():
-            for offset in range(0, record["bytes"], PIECE_BYTES):
-                yield await self.call(self.service.file_piece.remote(file_id, offset, PIECE_BYTES))
+            try:
+                for offset in range(0, read["bytes"], PIECE_BYTES):
+                    yield await self.call(service.file_piece.remote(read["read"], offset, PIECE_BYTES))
+            finally:
+                try:
+                    await asyncio.shield(service.close_file.remote(read["read"]))
+                except Exception:  # noqa: BLE001 - the store's replica is gone (it closes a read left idle)
+                    pass
 
         return StreamingResponse(pieces(), media_type="application/octet-stream",
-                                 headers={"content-length": str(record["bytes"])})
+                                 headers={"content-length": str(read["bytes"])})
 
     async def call(self, response):
         """A Batches call's reply; its refusal as OpenAI's error naming the field (NotFound: 404,
@@ -190,3 +217,18 @@ class BatchCalls:
                 raise ApiError(503, f"the Batches replica is restarting; retry after {RETRY_AFTER_SECONDS} s",
                                kind="server_overloaded") from None
             raise server_error(request_id(), "the Batches call failed", cause) from None
+
+
+def expires_after(fields) -> int | None:
+    """The seconds of an upload's `expires_after` (OpenAI's form fields `expires_after[anchor]` and
+    `expires_after[seconds]`), None where it gives none; 400 naming the field otherwise."""
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise ApiError(400, f"expires_after.anchor: 'created_at', not {str(anchor)[:40]!r}",
+                       param="expires_after.anchor")
+    if not (seconds or "").isdigit() or not EXPIRES_AFTER[0] <= int(seconds) <= EXPIRES_AFTER[1]:
+        raise ApiError(400, f"expires_after.seconds: an integer from {EXPIRES_AFTER[0]} to {EXPIRES_AFTER[1]}, "
+                            f"not {str(seconds)[:40]!r}", param="expires_after.seconds")
+    return int(seconds)

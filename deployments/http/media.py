@@ -1,5 +1,5 @@
-"""What a request brings besides its JSON: an audio upload (a multipart form, read within the
-body limit, its fields checked into a TranscriptionRequest), and the images and videos of chat
+"""What a request brings besides its JSON: an audio upload (a multipart form read as it arrives,
+stopped at the body limit: multipart_upload.py; its fields checked into a TranscriptionRequest), and the images and videos of chat
 messages (data URLs always; http(s) URLs fetched when the server allows remote media), handed to
 the Vision deployment. Every problem is an ApiError naming the form field or the message part.
 """
@@ -10,6 +10,7 @@ from fastapi import Request
 
 from ..schema import GenerateRequest, TranscriptionRequest
 from .edge import check_length
+from .multipart_upload import Upload, read_upload
 from .openai import ApiError
 
 AUDIO_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")  # OpenAI's
@@ -30,20 +31,32 @@ AUDIO_FORM = {"type": "object", "required": ["file", "model"], "properties": {
     "condition_on_prev_tokens": {"type": "boolean"}}}
 
 
-# -- an upload (audio, a batch's file) ----------------------------------------------------------
-async def upload_form(request: Request, max_body: int, what: str = "the audio file"):
-    """The multipart form of an upload route (audio, /v1/files) and its file `what` (not read
-    yet); 413 for a body declared over `max_body`, 400 for a body that is no multipart form or
-    has no file."""
+# -- an audio upload ------------------------------------------------------------------------------
+FORM_BYTES = 64 * 2**10  # what the form may hold beside its file (its fields, boundaries, headers)
+
+
+async def audio_upload(request: Request, max_body: int) -> tuple[Upload, bytes]:
+    """The audio routes' multipart form (its fields: `get`, `getlist`) and its file's bytes, read
+    as the body arrives (multipart_upload.py): 413 for a body declared over `max_body` or the
+    moment the file passes it (a body without Content-Length is read no further), 400 for a body
+    that is no multipart form or has no file."""
     check_length(request, max_body)
-    try:
-        form = await request.form()
-    except Exception as e:  # noqa: BLE001 - not multipart, or a broken one
-        raise ApiError(400, f"the body must be multipart/form-data with a file: {e}"[:300]) from None
-    upload = form.get("file")
-    if upload is None or not hasattr(upload, "read"):
-        raise ApiError(400, f"file: required ({what}, as a multipart upload)", param="file")
-    return form, upload
+    data = bytearray()
+
+    async def begin(filename: str) -> None:
+        pass
+
+    async def write(piece: bytes) -> None:
+        data.extend(piece)
+
+    def too_large(what: str) -> ApiError:
+        return ApiError(413, f"file: {what}; this server takes at most {max_body}", param="file",
+                        code="body_too_large")
+
+    form = await read_upload(request, "file", max_body, FORM_BYTES, begin, write, 2**20, too_large)
+    if form.filename is None:
+        raise ApiError(400, "file: required (the audio file, as a multipart upload)", param="file")
+    return form, bytes(data)
 
 
 def transcription_of(form, task: str) -> tuple[TranscriptionRequest, str]:
@@ -74,15 +87,6 @@ def transcription_of(form, task: str) -> tuple[TranscriptionRequest, str]:
                                   condition_on_prev_tokens=None if not condition else condition == "true",
                                   seed=_form_number(form, "seed", int, 0, 2**63 - 1))
     return fields, response_format
-
-
-async def upload_bytes(upload, max_body: int) -> bytes:
-    """The uploaded file's bytes; 413 beyond `max_body`."""
-    data = await upload.read()
-    if len(data) > max_body:
-        raise ApiError(413, f"the file has {len(data)} bytes; this server takes at most {max_body}",
-                       code="body_too_large")
-    return data
 
 
 def _form_text(form, name: str, most: int) -> str | None:

@@ -18,6 +18,15 @@ short by the stop dropped first: batch/requests.answered_ids). Statuses, as Open
 (the input file read and checked: JSON lines, a custom_id each, unique, POST to the batch's
 endpoint; any problem fails the batch with its `errors`), in_progress, finalizing (the output and
 error files made), completed; failed; cancelling, then cancelled (the answers so far in its files).
+`completed` says every line was answered, not that every answer was a 200: a batch whose every
+line failed (a server error each) is completed with request_counts.failed == total, no output file
+and an error file, as OpenAI reports one (its `failed` is a batch whose input failed validation).
+The input file is read a line at a time, twice (validating keeps only the custom_ids; the runner
+reads a block of lines ahead of its workers), never held whole.
+
+An ended batch's record is kept BATCH_RETENTION_SECONDS after it was made, as its files are (OpenAI's
+30 days: services/files.py), and at most MAX_ENDED_BATCHES of them (the oldest go first): a server
+that runs batch after batch keeps a bounded number of records.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -32,11 +42,12 @@ import secrets
 import shutil
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 from ..batch.requests import BatchRequest, answered_ids, answered_ok, output_line, parsed_line
 from ..errors import NotFound, RequestError
-from .files import FileStore, listed, write_whole
+from .files import EXPIRES_AFTER, FileStore, listed, private_folder, private_opener, write_whole
 
 logger = logging.getLogger("ray.serve")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses")  # a batch's routes
@@ -45,6 +56,10 @@ PRIORITIZED = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # th
 MAX_LINES = 50_000  # requests in one batch (OpenAI's limit)
 MAX_ERRORS = 100  # validation errors a failed batch lists
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+BATCH_RETENTION_SECONDS = EXPIRES_AFTER[1]  # an ended batch's record, after it was made (its files' default)
+MAX_ENDED_BATCHES = 10_000  # ended batch records kept (~2 KB each)
+SWEEP_SECONDS = 60  # expired files and batch records are looked for at most this often
+BLOCK_LINES = 256  # the input lines the runner reads ahead of its workers
 # A line no replica could take is sent again after a pause that doubles up to RETRY_PAUSE[1] s, for
 # up to LINE_RETRY_SECONDS; then its last answer (503) is its error line.
 RETRY_PAUSE, LINE_RETRY_SECONDS = (0.5, 10.0), 600.0
@@ -64,6 +79,7 @@ class BatchService:
         self.workers: dict[str, list[asyncio.Task]] = {}  # a running batch's line workers (cancel stops them)
         self.temporary, self.root, self._files = folder is None, None, None
         self.batches: dict[str, dict] = {}
+        self._swept = clock()
         if folder is not None:
             self._open(Path(folder))
             self.batches = self._load()
@@ -77,9 +93,9 @@ class BatchService:
         return self._files
 
     def _open(self, root: Path) -> None:
-        self.root, self._files = root, FileStore(root / "files", self.clock)
-        self.folder = root / "batches"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.root = private_folder(root)
+        self._files = FileStore(root / "files", self.clock)
+        self.folder = private_folder(root / "batches")
 
     def start(self) -> None:
         """Run every batch that had not ended (a restarted runner's); on the running event loop."""
@@ -90,29 +106,45 @@ class BatchService:
     def close(self) -> None:
         for task in list(self.runs.values()):
             task.cancel()
+        if self._files is not None:
+            for read_id in list(self._files.reads):
+                self._files.close_read(read_id)
         if self.temporary and self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
 
     # -- files (routes/files.py) -----------------------------------------------------------------
-    async def begin_file(self, filename: str, purpose: str, size: int) -> str:
-        return self.files.begin(filename, purpose, size)
+    async def begin_file(self, filename: str) -> str:
+        self._sweep()
+        return self.files.begin(filename)
 
     async def append_file(self, file_id: str, piece: bytes) -> None:
         self.files.append(file_id, piece)
 
-    async def finish_file(self, file_id: str) -> dict:
-        return dict(self.files.finish(file_id))
+    async def finish_file(self, file_id: str, purpose: str, expires_after: int | None = None) -> dict:
+        return dict(self.files.finish(file_id, purpose, expires_after))
 
     async def abort_file(self, file_id: str) -> None:
         self.files.abort(file_id)
 
     async def file(self, file_id: str) -> dict:
+        self._sweep()
         return dict(self.files.get(file_id))
 
-    async def file_piece(self, file_id: str, offset: int, size: int) -> bytes:
-        return self.files.read(file_id, offset, size)
+    async def open_file(self, file_id: str) -> dict:
+        """A read of the file's bytes as they are now (FileStore.open_read): its `read` id and
+        its `bytes`, read by `file_piece` and ended by `close_file`."""
+        self._sweep()
+        read_id, size = self.files.open_read(file_id)
+        return {"read": read_id, "bytes": size}
+
+    async def file_piece(self, read_id: str, offset: int, size: int) -> bytes:
+        return self.files.read(read_id, offset, size)
+
+    async def close_file(self, read_id: str) -> None:
+        self.files.close_read(read_id)
 
     async def file_page(self, purpose: str | None, after: str | None, limit: int, order: str) -> dict:
+        self._sweep()
         return copy.deepcopy(self.files.page(purpose, after, limit, order))
 
     async def delete_file(self, file_id: str) -> dict:
@@ -124,8 +156,11 @@ class BatchService:
 
     # -- batches (routes/batches.py) -------------------------------------------------------------
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict | None = None) -> dict:
-        """A batch of the file's requests to `endpoint`, validating at once (see the module docstring)."""
+                     metadata: dict | None = None, output_expires_after: int | None = None) -> dict:
+        """A batch of the file's requests to `endpoint`, validating at once (see the module
+        docstring); its output and error files expire `output_expires_after` seconds after they
+        are made (None: the files' default)."""
+        self._sweep()
         source = self.files.get(input_file_id, "input_file_id")
         if source["purpose"] != "batch":
             raise RequestError(f"input_file_id: '{input_file_id}' has purpose '{source['purpose']}'; a batch reads "
@@ -136,18 +171,22 @@ class BatchService:
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                  "expires_at": None, "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
+                 "_output_expires_after": output_expires_after}
         self.batches[batch["id"]] = batch
         self._save(batch)
         self._launch(batch)
-        return copy.deepcopy(batch)
+        return public(batch)
 
     async def batch(self, batch_id: str) -> dict:
-        return copy.deepcopy(self._batch(batch_id))
+        self._sweep()
+        return public(self._batch(batch_id))
 
     async def page(self, after: str | None, limit: int) -> dict:
         """OpenAI's list of batches: the newest first, after the batch `after`, at most `limit`."""
-        return copy.deepcopy(listed(list(self.batches.values()), after, limit, True, "after"))
+        self._sweep()
+        found = listed(list(self.batches.values()), after, limit, True, "after")
+        return {**found, "data": [public(b) for b in found["data"]]}
 
     async def cancel(self, batch_id: str) -> dict:
         """Stop a validating or running batch: cancelling (the lines in flight stopped, their
@@ -160,7 +199,7 @@ class BatchService:
         elif batch["status"] not in ("cancelling", "cancelled"):
             raise RequestError(f"batch_id: '{batch_id}' is {batch['status']}; only a validating or in_progress "
                                "batch can be cancelled", "batch_id")
-        return copy.deepcopy(batch)
+        return public(batch)
 
     # -- the runner ------------------------------------------------------------------------------
     def _launch(self, batch: dict) -> None:
@@ -172,15 +211,15 @@ class BatchService:
         try:
             if batch["status"] in ("validating", "in_progress"):  # read again when resumed
                 path = self.files.path(batch["input_file_id"])
-                requests, errors = await asyncio.to_thread(checked_lines, path, batch["endpoint"])
+                total, errors = await asyncio.to_thread(checked_lines, path, batch["endpoint"])
                 if batch["status"] == "validating" and errors:
                     self._set(batch, "failed", errors={"object": "list", "data": errors[:MAX_ERRORS]})
                     return
                 if batch["status"] == "validating":  # not cancelled meanwhile
-                    batch["request_counts"]["total"] = len(requests)
+                    batch["request_counts"]["total"] = total
                     self._set(batch, "in_progress")
                 if batch["status"] == "in_progress":
-                    await self._answer_all(batch, requests)
+                    await self._answer_all(batch, path)
             await self._finish(batch)
         except asyncio.CancelledError:
             raise
@@ -190,16 +229,17 @@ class BatchService:
             self._set(batch, "failed", errors={"object": "list", "data": [
                 {"code": "server_error", "message": message, "param": getattr(e, "field", None), "line": None}]})
 
-    async def _answer_all(self, batch: dict, requests: list[BatchRequest]) -> None:
-        """Every line not answered yet, each answer appended to the output or the error file."""
+    async def _answer_all(self, batch: dict, path: Path) -> None:
+        """Every line of the input file at `path` not answered yet, each answer appended to the
+        output or the error file."""
         output, error = self._answers(batch, "output"), self._answers(batch, "error")
         done_ok, done_failed = answered_ids(output), answered_ids(error)
         counts = batch["request_counts"]
         counts.update(completed=len(done_ok), failed=len(done_failed))
-        pending = iter([r for r in requests if r.custom_id not in done_ok | done_failed])
-        with output.open("a") as ok, error.open("a") as failed:
+        with (Pending(path, done_ok | done_failed) as pending, open(output, "a", opener=private_opener) as ok,
+              open(error, "a", opener=private_opener) as failed):
             async def worker():
-                for request in pending:  # shared by the workers: each takes the next line
+                while (request := await pending.next()) is not None:  # shared: each worker takes the next line
                     async with self.slots:
                         line = await self._answered(request)
                     good = answered_ok(line)
@@ -246,7 +286,8 @@ class BatchService:
         for kind in ("output", "error"):
             answers, file_id = self._answers(batch, kind), answers_file_id(batch["id"], kind)
             if file_id not in self.files.records and answers.is_file() and answers.stat().st_size:
-                self.files.adopt(answers, file_id, f"{batch['id']}_{kind}.jsonl", "batch_output")
+                self.files.adopt(answers, file_id, f"{batch['id']}_{kind}.jsonl", "batch_output",
+                                 batch.get("_output_expires_after"))
             answers.unlink(missing_ok=True)  # moved into the files, or empty: no file of the batch's
             if file_id in self.files.records:
                 batch[f"{kind}_file_id"] = file_id
@@ -271,6 +312,22 @@ class BatchService:
     def _answers(self, batch: dict, kind: str) -> Path:
         return self.folder / f"{batch['id']}.{kind}.jsonl"
 
+    def _sweep(self) -> None:
+        """The files whose `expires_at` has come and the ended batches past their retention or
+        beyond MAX_ENDED_BATCHES (the oldest first), removed; at most every SWEEP_SECONDS."""
+        now = self.clock()
+        if now - self._swept < SWEEP_SECONDS or self._files is None:
+            return
+        self._swept = now
+        running = {b["input_file_id"] for b in self.batches.values() if b["status"] in UNFINISHED}
+        self.files.expire(now, keep=running)
+        ended = [b for b in self.batches.values() if b["status"] not in UNFINISHED]  # oldest first
+        past = len(ended) - MAX_ENDED_BATCHES
+        for k, batch in enumerate(ended):
+            if k < past or batch["created_at"] + BATCH_RETENTION_SECONDS <= now:
+                del self.batches[batch["id"]]
+                (self.folder / f"{batch['id']}.json").unlink(missing_ok=True)
+
     def _load(self) -> dict[str, dict]:
         found = []
         for path in self.folder.glob("batch_*.json"):
@@ -285,11 +342,12 @@ class BatchService:
         return {b["id"]: b for b in sorted(found, key=lambda b: (b["created_at"], b["id"]))}
 
 
-def checked_lines(path: Path, endpoint: str) -> tuple[list[BatchRequest], list[dict]]:
-    """The input file's requests, and OpenAI's batch errors for the lines that are none (each with
-    its line number and the field at fault): a line that is not a request (batch/requests.parsed_line),
-    a url other than the batch's endpoint, a custom_id an earlier line has; blank lines are skipped."""
-    requests, errors, seen = [], [], set()
+def checked_lines(path: Path, endpoint: str) -> tuple[int, list[dict]]:
+    """The number of requests in the input file, and OpenAI's batch errors for the lines that are
+    none (each with its line number and the field at fault): a line that is not a request
+    (batch/requests.parsed_line), a url other than the batch's endpoint, a custom_id an earlier line
+    has; blank lines are skipped. Read a line at a time: only the custom_ids are kept."""
+    count, errors, seen = 0, [], set()
 
     def problem(message: str, param: str | None, number: int | None, code: str = "invalid_request"):
         errors.append({"code": code, "message": message, "param": param, "line": number})
@@ -314,13 +372,56 @@ def checked_lines(path: Path, endpoint: str) -> tuple[list[BatchRequest], list[d
                         "custom_id", number, "duplicate_custom_id")
             else:
                 seen.add(request.custom_id)
-                requests.append(request)
-    if not requests and not errors:
+                count += 1
+    if not count and not errors:
         problem("input_file_id: the file holds no request", "input_file_id", None)
-    if len(requests) > MAX_LINES:
-        problem(f"input_file_id: the file holds {len(requests)} requests; a batch takes at most {MAX_LINES}",
+    if count > MAX_LINES:
+        problem(f"input_file_id: the file holds {count} requests; a batch takes at most {MAX_LINES}",
                 "input_file_id", None)
-    return requests, errors
+    return count, errors
+
+
+def requests_in(path: Path):
+    """The requests of an input file checked_lines found no fault in, a line at a time."""
+    with path.open("rb") as lines:
+        for raw in lines:
+            text = raw.decode("utf-8")
+            if text.strip():
+                yield parsed_line(text)
+
+
+class Pending:
+    """A batch's requests not answered yet (their custom_ids not in `answered`), for workers that
+    each take the next: read from the input file BLOCK_LINES at a time on a worker thread, so the
+    event loop never parses a block and the file is never held whole (a 200 MiB file is several
+    times that as Python objects). A context manager: its exit closes the file."""
+
+    def __init__(self, path: Path, answered: set[str]):
+        self.source = requests_in(path)
+        self.lines = (r for r in self.source if r.custom_id not in answered)
+        self.block: deque[BatchRequest] = deque()
+        self.lock, self.done = asyncio.Lock(), False
+
+    async def next(self) -> BatchRequest | None:
+        async with self.lock:  # one reader of the file at a time
+            if not self.block and not self.done:
+                self.block.extend(await asyncio.to_thread(list, itertools.islice(self.lines, BLOCK_LINES)))
+                self.done = not self.block
+            return self.block.popleft() if self.block else None
+
+    def __enter__(self) -> "Pending":
+        return self
+
+    def __exit__(self, *_) -> None:
+        try:
+            self.source.close()
+        except ValueError:  # a block is being read on its thread (the batch was cancelled): closed when collected
+            pass
+
+
+def public(batch: dict) -> dict:
+    """A copy of a batch record as OpenAI's batch object (without the runner's own fields, `_...`)."""
+    return copy.deepcopy({k: v for k, v in batch.items() if not k.startswith("_")})
 
 
 def prioritized(request: BatchRequest) -> dict:

@@ -43,7 +43,7 @@ from .encoders import (
     model_kind,
     takes_videos,
 )
-from .batching import Completion, ContinuousBatcher, QueueFull, Request, Token
+from .batching import DEFAULT_PREFILL_CHUNK_TOKENS, Completion, ContinuousBatcher, QueueFull, Request, Token
 from .errors import Overloaded, Refused, request_field, speech_field
 from .front import Delta, Echo, EngineFront, Finish, detokenized
 from .options import EngineOptions
@@ -54,7 +54,7 @@ from .request import EngineRequest
 from .speech import SpeechRequest, SpeechResult, transcribe
 
 __all__ = [
-    "Completion", "ContinuousBatcher", "Delta", "Echo", "EngineFront", "EngineOptions", "EngineRequest", "Finish", "GrammarBudget", "InputProcessor",
+    "DEFAULT_PREFILL_CHUNK_TOKENS", "Completion", "ContinuousBatcher", "Delta", "Echo", "EngineFront", "EngineOptions", "EngineRequest", "Finish", "GrammarBudget", "InputProcessor",
     "Overloaded", "QueueFull", "REASONING_PARSERS", "Refused", "Request", "SpeechRequest", "SpeechResult", "TextDeltas", "Token",
     "TokenText", "ToolError", "check_tools", "decode_audio", "detokenized", "embed", "encode_audio", "encode_image",
     "encode_texts", "encode_video", "is_embedding_model", "limits", "load_embedder", "load_encoder", "model_folder",

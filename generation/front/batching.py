@@ -239,8 +239,11 @@ class Request:
 class ContinuousBatcher:
     """The generation loop of one decoder: a `generation.engine.scheduler.Scheduler` of `slots` rows
     of `capacity` tokens (default: the model's context, at most 4096) run on a thread of its
-    own. `max_waiting` bounds the queue: `submit` raises `QueueFull` beyond it (the server
-    answers 503). `kv_cache_bytes`: the KV cache's budget (the Scheduler's; default a quarter of
+    own. `max_waiting` bounds the queue of interactive requests (priority 0): `submit` raises
+    `QueueFull` beyond it (the server answers 503). Requests of a later priority (a batch's lines)
+    wait in a queue of their own that it does not bound: their sender bounds them (the Batches
+    runner's lines in flight, --batch-concurrency), and they never take an interactive request's
+    place in the queue. `kv_cache_bytes`: the KV cache's budget (the Scheduler's; default a quarter of
     the machine's memory, engine.budget.default_kv_cache_bytes; 0: none, each slot may hold the
     whole capacity): rows are admitted while what they hold fits it, up to `slots` rows.
     `prefill_chunk_tokens`: the prompt tokens a step may run (the Scheduler's; default
@@ -284,6 +287,10 @@ class ContinuousBatcher:
         self._thread = threading.Thread(target=self._loop, name="raymuter-batcher", daemon=True)
         self.running = 0  # requests in slots now (a beam search request counts once)
         self.waiting = 0  # requests queued
+        # interactive requests (priority 0): queued here (submit's thread adds, the loop's takes), waiting in
+        # the scheduler and running (the loop's thread counts both at each step)
+        self._queued_interactive, self._queue_lock = 0, threading.Lock()
+        self.interactive_waiting = self.interactive_running = 0
         self.occupied = 0  # slots held now (a beam search request holds num_beams)
         self.preemptions = 0  # rows preempted to keep the KV cache within its budget, so far
         self._thread.start()
@@ -331,7 +338,8 @@ class ContinuousBatcher:
         the reader takes none (its row's steps compute none)."""
         if self._stop.is_set():
             raise RuntimeError("the batcher is closed")
-        if self._waiting.qsize() + len(self.scheduler.waiting) >= self.max_waiting:
+        interactive = (job.priority if job is not None else priority) <= 0
+        if interactive and self._queued_interactive + self.interactive_waiting >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting already")
         if job is None:
             job = self.scheduler.job(prompt, seed, settings, encoder, prompt_logprobs, timestamps=timestamps,
@@ -339,6 +347,9 @@ class ContinuousBatcher:
         request = Request(next(self._ids), job.prompt, job.seed, job.settings, job.max_new, job=job,
                           beams=job.beams, encoder=encoder, prompt_top=prompt_logprobs)
         job.key = request
+        if interactive:
+            with self._queue_lock:
+                self._queued_interactive += 1
         self._waiting.put(request)
         if self._stop.is_set():  # the loop closed while this was queued: nobody will take it
             self._close_queued()
@@ -404,9 +415,14 @@ class ContinuousBatcher:
         """The queue, into the scheduler (it admits at the step boundary)."""
         while True:
             try:
-                self.scheduler.add(self._waiting.get_nowait().job)
+                job = self._waiting.get_nowait().job
             except queue.Empty:
                 return
+            self.scheduler.add(job)
+            if job.priority <= 0:
+                with self._queue_lock:
+                    self._queued_interactive -= 1
+                self.interactive_waiting += 1  # until _count counts the scheduler's queue again
 
     def _idle(self) -> None:
         """Nothing to step: wait for a submit (or the 50 ms tick)."""
@@ -432,6 +448,9 @@ class ContinuousBatcher:
         self.running, self.occupied = scheduler.running, scheduler.occupied
         self.preemptions = scheduler.preemptions
         self.waiting = self._waiting.qsize() + len(scheduler.waiting)
+        self.interactive_waiting = sum(job.priority <= 0 for job in scheduler.waiting)
+        self.interactive_running = sum(job.priority <= 0 for job in (
+            *scheduler.holder.values(), *scheduler.groups.values(), *scheduler.filling.values()))
 
     def _close_queued(self) -> None:
         while True:

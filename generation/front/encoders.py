@@ -109,7 +109,11 @@ def is_embedding_model(source, variant: str | None = None) -> bool:
 
 
 def model_folder(source, variant: str | None = None):
-    """The local folder of a model folder or hub id (downloaded once)."""
-    from generation.runtime.model import resolve_folder
+    """The local folder of a model folder or hub id (downloaded once), once it holds what loading
+    it reads first (config.json, the decoder file for `variant`): ModelError with load's words
+    where it does not (a server says so before it starts anything)."""
+    from generation.runtime.model import decoder_files, resolve_folder
 
-    return resolve_folder(source, variant)
+    folder = resolve_folder(source, variant)
+    decoder_files(folder, variant)
+    return folder

@@ -72,7 +72,9 @@ class EngineProcess:
         self.prefix = _PrefixStats() if prefix_cache_bytes else None
         self.preemptions = 0  # the child's batcher's, as its steps report them
         self.running = self.waiting = self.occupied = self.steps = 0
+        self.interactive_running = 0  # the child's running rows of priority 0, as its last step message said
         self._requests: dict[int, _Request] = {}
+        self._interactive = 0  # the requests of priority 0 among _requests: max_waiting bounds their queue
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # a submit against the reader ending every request of a dead child
@@ -125,18 +127,21 @@ class EngineProcess:
         job = self._checks.job(prompt, seed, settings, None, prompt_logprobs, priority=priority, logprobs=logprobs)
         request = _Request(next(self._ids), job.prompt, job.seed, job.settings, job.max_new, beams=job.beams,
                            prompt_top=prompt_logprobs)
-        request.engine = self
+        request.engine, request.interactive = self, priority <= 0
         with self._lock:
             if self._restarting:
                 raise EngineRestarting(f"the engine process is restarting ({self._restarting})")
-            if len(self._requests) - self.running >= self.max_waiting:
+            # as ContinuousBatcher: only interactive requests count against max_waiting (a batch's lines
+            # wait in a queue of their own, bounded by their sender)
+            if request.interactive and self._interactive - self.interactive_running >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are waiting already")
             self._requests[request.id] = request
+            self._interactive += request.interactive
         try:
             self._send(("submit", request.id, job))
             self._urgent.put(priority)  # after the submit: the step it ends finds the job at its boundary
         except OSError:  # the child is gone: the reader is about to start another (or has stopped for good)
-            self._requests.pop(request.id, None)
+            self._forget(request.id)
             if self._stopped:
                 raise RuntimeError(f"the batcher is closed ({self._stopped})") from None
             raise EngineRestarting("the engine process is restarting (it exited)") from None
@@ -183,7 +188,8 @@ class EngineProcess:
         try:
             while True:
                 events, counts, prefix = conn.recv()
-                self.running, self.occupied, self.waiting, self.steps, self.preemptions = counts
+                (self.running, self.occupied, self.waiting, self.steps, self.preemptions,
+                 self.interactive_running) = counts
                 if prefix is not None and self.prefix is not None:
                     self.prefix.queries, self.prefix.hits, self.prefix.bytes = prefix
                 for kind, rid, payload in events:
@@ -195,7 +201,7 @@ class EngineProcess:
                     elif kind == _PROMPT:
                         request.prompt_logprobs = payload
                     else:  # the child's Completion, its seconds measured there
-                        del requests[rid]
+                        self._forget(rid)
                         request._settle(payload)
         except (EOFError, OSError):
             pass
@@ -217,11 +223,19 @@ class EngineProcess:
                 self._restarting = restarting
             ended = list(self._requests.values())
             self._requests.clear()
-        self.running = self.occupied = self.waiting = 0
+            self._interactive = 0
+        self.running = self.occupied = self.waiting = self.interactive_running = 0
         if ended:
             log.error("%s: its %d requests end (503)", reason, len(ended))
         for request in ended:
             request._finish(request._tokens, "error", reason, status=503)
+
+    def _forget(self, rid: int) -> None:
+        """A request that has ended (or never reached the child), out of the counts."""
+        with self._lock:
+            request = self._requests.pop(rid, None)
+            if request is not None:
+                self._interactive -= request.interactive
 
     def _restart(self, reason: str) -> None:
         log.error("%s; starting a new one", reason)
@@ -252,6 +266,7 @@ class _Request(Request):
     """A request whose tokens the engine process makes; cancel() tells it."""
 
     engine: EngineProcess | None = None
+    interactive: bool = True  # priority 0: counted against max_waiting
 
     def cancel(self) -> None:
         super().cancel()
@@ -292,7 +307,7 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
     at the step boundary after: a compile never holds the loop."""
 
     conn = None  # set in the child before the loop starts
-    _last: tuple = (0, 0, 0, 0, 0)  # the counts the parent has (its own start at nothing)
+    _last: tuple = (0, 0, 0, 0, 0, 0)  # the counts the parent has (its own start at nothing)
     requests: dict = {}  # the parent's id -> the live request (for its cancel)
     _compiler = None  # a ThreadPoolExecutor, once a constraint needs compiling
     _compiling: dict = {}  # the parent's id -> its job, while its constraint compiles
@@ -382,7 +397,8 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
             self._flush()
 
     def _flush(self) -> None:
-        events, counts = _Forwarded.outbox, (self.running, self.occupied, self.waiting, self.steps, self.preemptions)
+        events, counts = _Forwarded.outbox, (self.running, self.occupied, self.waiting, self.steps, self.preemptions,
+                                             self.interactive_running)
         if not events and counts == self._last:
             return
         _Forwarded.outbox, self._last = [], counts

@@ -363,19 +363,8 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ModelError(f"threads must be a positive integer, not {threads!r}")
     folder = resolve_folder(source, variant)
-    present_names: dict[str, str] = {}
     genai_path = folder / "genai_config.json"
-    if genai_path.exists():
-        if variant not in (None, "fp32"):
-            raise ModelError(f"variant '{variant}' does not apply to {folder}: an onnxruntime-genai build has "
-                             "one decoder, named by genai_config.json")
-        decoder_path, config, present_names = _genai_decoder(folder, read_json(genai_path, True))
-        config.update(read_json(folder / "config.json", required=False))
-        if not decoder_path.exists():
-            raise ModelError(f"{decoder_path.name}, named by genai_config.json, is missing from {folder}")
-    else:
-        config = _text_fields(read_json(folder / "config.json", required=True))
-        decoder_path = None if config.get("is_encoder_decoder") else find_decoder(folder, variant)
+    decoder_path, config, present_names = decoder_files(folder, variant)
     generation_config = read_json(folder / "generation_config.json", required=False)
     threads = threads or default_threads()
     tokenizer = folder / "tokenizer.json"
@@ -404,6 +393,25 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     if graph.has_inputs_embeds:
         _load_vision_parts(model, variant, provider, threads)
     return model
+
+
+def decoder_files(folder: Path, variant: str | None) -> tuple[Path | None, dict, dict[str, str]]:
+    """What `load` reads of a folder before it opens a session: the decoder file (None for an
+    encoder-decoder, whose files _load_seq2seq finds), the configuration and the genai build's
+    present names; ModelError naming what is missing (config.json, the decoder file). A server
+    checks a folder with it before it starts anything."""
+    genai_path = folder / "genai_config.json"
+    if genai_path.exists():
+        if variant not in (None, "fp32"):
+            raise ModelError(f"variant '{variant}' does not apply to {folder}: an onnxruntime-genai build has "
+                             "one decoder, named by genai_config.json")
+        decoder_path, config, present_names = _genai_decoder(folder, read_json(genai_path, True))
+        config.update(read_json(folder / "config.json", required=False))
+        if not decoder_path.exists():
+            raise ModelError(f"{decoder_path.name}, named by genai_config.json, is missing from {folder}")
+        return decoder_path, config, present_names
+    config = _text_fields(read_json(folder / "config.json", required=True))
+    return (None if config.get("is_encoder_decoder") else find_decoder(folder, variant)), config, {}
 
 
 def _placed(graph: DecoderGraph, config: dict, path: Path) -> DecoderGraph:

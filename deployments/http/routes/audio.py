@@ -9,7 +9,7 @@ from fastapi.responses import PlainTextResponse
 from ..answers import subtitles
 from ..edge import ERRORS, answers, body_of
 from ..ingress_state import IngressState, replica_state
-from ..media import AUDIO_FORM, upload_form, transcription_of, upload_bytes
+from ..media import AUDIO_FORM, audio_upload, transcription_of
 from ..openai import Transcription
 
 router = APIRouter()
@@ -30,12 +30,11 @@ async def translations(request: Request, state: IngressState = Depends(replica_s
 async def _audio(state: IngressState, request: Request, task: str):
     with state.counted(request):
         state.authorize(request)
-        form, upload = await upload_form(request, state.max_body)
+        form, data = await audio_upload(request, state.max_body)
         card = await state.model_card()
         state.check_model(form.get("model"), card)
         fields, response_format = transcription_of(form, task)
-        data = await upload_bytes(upload, state.max_body)
-        result = await state.transcribe(data, fields, getattr(upload, "filename", None) or "file")
+        result = await state.transcribe(data, fields, form.filename)
     if response_format == "text":
         return PlainTextResponse(result.text)
     if response_format in ("srt", "vtt"):

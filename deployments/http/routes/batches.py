@@ -18,8 +18,10 @@ STORED = (400, 401, 404, 500, 503)
 @router.post("/v1/batches", openapi_extra=body_of(BatchCreateRequest), responses=answers(BatchObject, *ERRORS))
 async def create_batch(request: Request, state: IngressState = Depends(replica_state)):
     async def run(body: BatchCreateRequest, card: dict, rid: str):
+        expires = body.output_expires_after
         return await state.batches.call(state.batches.service.create.remote(
-            body.input_file_id, body.endpoint, body.completion_window, body.metadata))
+            body.input_file_id, body.endpoint, body.completion_window, body.metadata,
+            expires and expires.seconds))
 
     return await state.route(request, BatchCreateRequest, run, "batch-")
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from deployments.batch.requests import answered_ids, custom_id_of, output_line, parsed_line, table_line
+from deployments.batch.requests import (answered_ids, custom_id_of, output_line, parsed_line, server_failed,
+                                       table_line)
 
 
 def test_a_line_becomes_its_request():
@@ -32,6 +33,15 @@ def test_a_line_that_cannot_be_sent_is_an_error_line(line, custom_id, words):
     assert request.custom_id == custom_id and words in request.error
     out = output_line(request.custom_id, error=request.error)
     assert out["response"] is None and out["error"]["message"] == request.error and out["id"].startswith("batch_req_")
+
+
+def test_a_server_failure_is_told_from_the_request_s():
+    assert server_failed(output_line("a", 500, {}))
+    assert server_failed(output_line("a", 503, {}))
+    assert server_failed(output_line("a", error="the server failed on this line (OSError)", code="server_error"))
+    assert not server_failed(output_line("a", 200, {}))
+    assert not server_failed(output_line("a", 400, {}))
+    assert not server_failed(output_line("a", error="the line is not JSON"))
 
 
 def test_a_table_row_is_a_completion_or_a_chat():

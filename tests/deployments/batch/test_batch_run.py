@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from conftest import ServeApps
+from processes import environment, error_lines, short_temporary_folder
 
 LINES = [
     {"custom_id": "greedy", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "The list", "temperature": 0}},
@@ -66,6 +67,7 @@ def test_each_line_is_what_the_server_answers(serve_apps, tmp_path):
     config = {**ServeApps.REAL, "model": str(serve_apps.real_model), "engine_process": True}
     counts = run_batch(str(source), str(output), config, replicas=1, cpus=1, progress=False)
     assert counts["done"] == len(LINES) + 1 and counts["skipped"] == 0
+    assert counts["errors"] == 2 and counts["server_errors"] == 0  # bad-field's 400, the line not JSON
     found = {}
     for text in output.read_text().splitlines():
         line = json.loads(text)
@@ -100,14 +102,20 @@ def test_a_table_column_runs_as_completions(serve_apps, tmp_path):
 
 
 def test_a_killed_run_resumes_where_it_stopped(tmp_path):
-    """The command itself, on a Ray of its own: killed midway, run again: every line once."""
+    """The command itself, on a Ray of its own: killed midway, run again: every line once, and no
+    Ray error line (Ray Data's actor restarts: `constructor arguments in the object store`)."""
+    with short_temporary_folder("k") as temporary:  # the killed run's Ray session stays there
+        killed_and_resumed(tmp_path, temporary)
+
+
+def killed_and_resumed(tmp_path, temporary):
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lines = [{"custom_id": f"c{k}", "url": "/v1/completions",
               "body": {"model": "fake", "prompt": f"p{k}", "max_tokens": 40}} for k in range(40)]
     write_lines(source, lines)
     command = [sys.executable, "-m", "deployments.cli", "batch", str(source), str(output), "--engine", "fake",
                "--name", "fake", "--slots", "2", "--quiet"]
-    env = {**os.environ, "RAY_ADDRESS": ""}  # a Ray of its own, not the session's
+    env = {**environment(), "TMPDIR": str(temporary)}  # a Ray of its own, not the session's (nor its ports)
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              start_new_session=True)
     deadline = time.monotonic() + 120
@@ -123,3 +131,4 @@ def test_a_killed_run_resumes_where_it_stopped(tmp_path):
     assert sorted(i for i in ids if i is not None) == sorted(line["custom_id"] for line in lines)  # each once
     assert None in ids  # the line that is not JSON: an error line (it has no custom_id to skip it by)
     assert f"already in {output}" in again.stderr
+    assert error_lines(again.stderr) == [], again.stderr

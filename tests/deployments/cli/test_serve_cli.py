@@ -1,7 +1,9 @@
 """`raymuter serve` as a user and an operator run it: a subprocess that starts its own local Ray
 and the application, prints the URL and serves.
 
-Invariants: a bad model or a port in use is one line and exit code 2 before Ray starts; SIGINT
+Invariants: a bad model (a folder that is none too), a batch folder that cannot be made or a port
+in use is one line and exit code 2 before Ray starts; a deployment that fails says its replica's
+own error; the Files and Batches API's default folder goes with the server at stop; SIGINT
 and SIGTERM stop it however it was launched (here with SIGINT ignored, as nohup and `&` in a
 script launch it), with exit code 0 and nothing left listening; served on 127.0.0.1, nothing of it
 listens on another interface, and HAProxy's admin socket is private to the user. Each serve start
@@ -11,7 +13,6 @@ costs 10-15 s on 2 cores: the two below check everything that needs a running se
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import re
 import signal
@@ -24,19 +25,9 @@ from pathlib import Path
 
 import httpx
 import psutil
+from processes import environment, is_loopback, listening, process_tree
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def environment() -> dict[str, str]:
-    """This checkout first on the import path; not the session Ray's ports, HAProxy files or wrapper."""
-    from deployments import instance
-
-    own = {*instance.PORT_VARIABLES, *instance.NO_SHARED_PORTS}
-    inherited = {k: v for k, v in os.environ.items()
-                 if not k.startswith(("RAY_SERVE_", "RAYMUTER_HAPROXY_")) and k not in own}
-    return {**inherited, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-            "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
 
 def free_port() -> int:
@@ -55,13 +46,13 @@ def ignore_sigint() -> None:
 
 
 @contextlib.contextmanager
-def serving(*args, engine: str = "fake", launch_only: bool = False):
-    """`raymuter serve --engine ENGINE --num-cpus 4 ARGS`, launched with SIGINT ignored; yields the
-    process and its URL once it prints it (`launch_only`: the process at once; wait_for_url
-    waits). What it printed until then is its `printed`. Whatever of its process tree is left at
-    the end is killed."""
+def serving(*args, engine: str = "fake", launch_only: bool = False, env: dict | None = None):
+    """`raymuter serve --engine ENGINE --num-cpus 4 ARGS`, launched with SIGINT ignored (and `env`
+    over the test's environment); yields the process and its URL once it prints it (`launch_only`:
+    the process at once; wait_for_url waits). What it printed until then is its `printed`.
+    Whatever of its process tree is left at the end is killed."""
     process = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--engine", engine, "--num-cpus", "4",
-                                *map(str, args)], cwd=ROOT, env=environment(), stderr=subprocess.PIPE,
+                                *map(str, args)], cwd=ROOT, env={**environment(), **(env or {})}, stderr=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, text=True, start_new_session=True, preexec_fn=ignore_sigint)
     seen = set()
     try:
@@ -104,24 +95,6 @@ def wait_for_url(process, timeout: float = 180) -> str:
     return url
 
 
-def process_tree(pid: int) -> list[psutil.Process]:
-    root = psutil.Process(pid)
-    return [root] + root.children(recursive=True)
-
-
-def listening(processes) -> list[tuple[str, int, str]]:
-    """(address, port, process name) of every listening TCP socket of `processes`."""
-    found = []
-    for p in processes:
-        try:
-            name = p.name()
-            found += [(c.laddr.ip, c.laddr.port, name) for c in p.net_connections(kind="tcp")
-                      if c.status == psutil.CONN_LISTEN]
-        except psutil.Error:  # ended meanwhile
-            pass
-    return found
-
-
 def settled_sockets(process, port: int, timeout: float = 15) -> tuple[list[psutil.Process], list[tuple[str, int, str]]]:
     """The process tree and its listening sockets once HAProxy's API port is among them. Serve
     reloads HAProxy when its targets change (a new process takes the port, the old one leaves), so
@@ -133,11 +106,6 @@ def settled_sockets(process, port: int, timeout: float = 15) -> tuple[list[psuti
         if any(p == port for _, p, _ in sockets) or time.time() > deadline:
             return tree, sockets
         time.sleep(0.2)
-
-
-def is_loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip.split("%")[0])
-    return (getattr(address, "ipv4_mapped", None) or address).is_loopback  # ::ffff:127.0.0.1 too
 
 
 def assert_stops(process, signum, url) -> None:
@@ -366,6 +334,21 @@ def test_start_up_progress_names_what_it_waits_for(monkeypatch, capsys):
         raise AssertionError("no StartFailed")
     except cli.StartFailed as e:
         assert str(e) == "the application failed to deploy: ValueError: model folder 'x' has no onnx"
+    replica_failed = N(proxies={}, applications={"raymuter": N(  # the replica's own error, not Serve's summary
+        status=ApplicationStatus.DEPLOY_FAILED, message="Failed to update the deployments ['Server'].", deployments={
+            "Responses": N(status=DeploymentStatus.HEALTHY, message="", replica_states={ReplicaState.RUNNING: 1}),
+            "Server": N(status=DeploymentStatus.DEPLOY_FAILED, replica_states={}, message=(
+                "The deployment failed to start 3 times in a row. This may be due to a problem with its "
+                "constructor or initial health check failing. See controller logs for details. Error:\n"
+                "ray::ServeReplica:raymuter:Server.initialize_and_get_metadata() (pid=1, ip=127.0.0.1)\n"
+                '  File "/x/generation/runtime/model.py", line 144, in read_json\n'
+                "    raise ModelError(f\"{path.name} is missing from {path.parent}\")\n"
+                "generation.runtime.model.ModelError: tokenizer.json is missing from /m"))})})
+    try:
+        cli.wait_running("raymuter", time.monotonic() + 60, time.monotonic(), status=lambda: replica_failed)
+        raise AssertionError("no StartFailed")
+    except cli.StartFailed as e:
+        assert str(e) == "the application failed to deploy: Server: ModelError: tokenizer.json is missing from /m"
     try:
         cli.wait_running("raymuter", time.monotonic() - 1, time.monotonic() - 5, status=lambda: N(
             proxies={"n": ProxyStatus.STARTING}, applications={"raymuter": starting}))
@@ -392,6 +375,50 @@ def test_a_missing_model_is_generate_s_error_before_ray_starts(tmp_path):
     generated = raymuter("generate", "--model", missing, "hello")
     assert served.returncode == generated.returncode == 2
     assert served.stderr == generated.stderr == f"raymuter: error: model folder '{missing}' does not exist\n"
+
+
+def test_a_folder_that_is_no_model_is_generate_s_error_before_ray_starts(tmp_path):
+    """A folder without config.json, or with no decoder file: the words `raymuter generate` says,
+    exit code 2, before Ray starts (it once started Ray and failed 45 s later in a replica)."""
+    empty, no_onnx = tmp_path / "empty", tmp_path / "no-onnx"
+    empty.mkdir()
+    no_onnx.mkdir()
+    (no_onnx / "config.json").write_text('{"model_type": "llama"}')
+    for folder, words in ((empty, f"config.json is missing from {empty}"), (no_onnx, f"no ONNX decoder in {no_onnx}")):
+        started = time.perf_counter()
+        served = raymuter("serve", "--model", folder, "--port", free_port())
+        assert time.perf_counter() - started < 10
+        generated = raymuter("generate", "--model", folder, "hello")
+        assert served.returncode == generated.returncode == 2, served.stderr
+        assert served.stderr == generated.stderr and served.stderr.startswith(f"raymuter: error: {words}"), \
+            (served.stderr, generated.stderr)
+
+
+def test_a_batch_folder_that_cannot_be_made_is_one_line_before_ray_starts(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    started = time.perf_counter()
+    done = raymuter("serve", "--engine", "fake", "--port", free_port(), "--batch-folder", tmp_path / "a-file" / "b")
+    assert time.perf_counter() - started < 10 and done.returncode == 2
+    assert done.stderr == f"raymuter: error: --batch-folder: cannot keep files in {tmp_path}/a-file/b (Not a directory)\n"
+
+
+def test_the_uploads_go_with_the_server_at_stop():
+    """The Files and Batches API's default folder is in the server's run folder (0700): an upload
+    lands there, nothing of it beside, and a stop leaves nothing in the temporary folder."""
+    temporary = Path(f"/tmp/u{os.getpid() % 100000}")  # short enough for the run folder's sockets
+    temporary.mkdir()
+    try:
+        with serving("--port", free_port(), env={"TMPDIR": str(temporary)}) as (process, url):
+            upload = httpx.post(url + "/v1/files", files={"file": ("r.jsonl", b"{}\n")}, data={"purpose": "batch"},
+                                timeout=30)
+            assert upload.status_code == 200, upload.text
+            kept = list(temporary.glob(f"raymuter-*/batches/files/{upload.json()['id']}.data"))
+            assert len(kept) == 1 and not list(temporary.glob("raymuter-batches-*")), list(temporary.iterdir())
+            assert stat.S_IMODE(kept[0].parents[2].stat().st_mode) == 0o700
+            assert_stops(process, signal.SIGTERM, url)
+        assert list(temporary.iterdir()) == []
+    finally:
+        subprocess.run(["rm", "-rf", str(temporary)])
 
 
 def test_a_port_in_use_is_one_line_naming_it():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import time
 
 import httpx
 import openai
@@ -51,7 +52,8 @@ class Served:
     """The routes over a fake decoder and a BatchService in `folder`; `client()` an openai client
     on the loop that calls it (each test runs one loop: asyncio.run)."""
 
-    def __init__(self, folder, step_seconds: float = 0.002, concurrency: int = 4):
+    def __init__(self, folder, step_seconds: float = 0.002, concurrency: int = 4, limit: int = LIMIT,
+                 clock=time.time, **engine):
         from deployments.app import Decoder, api
         from deployments.batch.requests import BatchRequest
         from deployments.batch.route_client import RouteClient
@@ -63,7 +65,7 @@ class Served:
         from deployments.services.batches import BatchService
 
         self.api, self.folder = api, folder
-        self.decoder = Decoder.func_or_class({**FAKE, "step_seconds": step_seconds})
+        self.decoder = Decoder.func_or_class({**FAKE, "step_seconds": step_seconds, **engine})
         self.recording = Recording(self.decoder)
         lines = RouteClient(api)
 
@@ -72,9 +74,9 @@ class Served:
             return await lines.answer(BatchRequest(custom_id, url, body))
 
         self.sent = 0
-        self.service = BatchService(str(folder), concurrency, send)
+        self.service = BatchService(str(folder), concurrency, send, clock=clock)
         calls = DecoderCalls(LocalHandle(self.recording), None, None, Media(False, 2**20))
-        self.state = IngressState(calls, None, 2**20, None, BatchCalls(LocalHandle(self.service), LIMIT))
+        self.state = IngressState(calls, None, 2**20, None, BatchCalls(LocalHandle(self.service), limit))
 
     def client(self) -> openai.AsyncOpenAI:
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.api), base_url="http://test")
@@ -91,8 +93,8 @@ def served(tmp_path):
 
     made = []
 
-    def make(step_seconds: float = 0.002, concurrency: int = 4, folder=None) -> Served:
-        server = Served(folder or tmp_path, step_seconds, concurrency)
+    def make(step_seconds: float = 0.002, concurrency: int = 4, folder=None, **settings) -> Served:
+        server = Served(folder or tmp_path, step_seconds, concurrency, **settings)
         made.append(server)
 
         async def this_state():

@@ -147,6 +147,26 @@ def test_bad_requests_fail_at_submit_and_the_queue_is_bounded(ctx):
         batcher.close()
 
 
+def test_batch_rows_wait_in_a_queue_of_their_own_that_max_waiting_does_not_bound(ctx):
+    """Requests of a later priority (a batch's lines, priority 1) never count against max_waiting
+    nor are refused by it: beside any number of them, interactive requests (priority 0) are taken
+    up to max_waiting waiting, and refused beyond."""
+    batcher = ContinuousBatcher(ctx, slots=1, capacity=64, max_waiting=2)
+    long = dict(max_new_tokens=40, eos_token_id=[])
+    try:
+        lines = [batcher.submit([5, 6], settings=long, priority=1) for _ in range(8)]  # 7 waiting, past the bound
+        interactive = [batcher.submit([7, 8], settings=long) for _ in range(2)]
+        with pytest.raises(QueueFull):
+            for _ in range(10):  # one of them may have taken the slot meanwhile: a third waits then
+                interactive.append(batcher.submit([7, 8], settings=long))
+        assert 2 <= len(interactive) <= 3
+        for request in lines + interactive:
+            request.cancel()
+        assert all(r.result(timeout=30).finish_reason in ("cancelled", "length") for r in lines + interactive)
+    finally:
+        batcher.close()
+
+
 def test_events_carry_the_engines_log_probabilities(test_models, load_model, prompts_of):
     model = load_model(test_models["llama-genai"])
     ctx = generation.context(model, max_new_tokens=8, top_logprobs=3)

@@ -99,6 +99,28 @@ def test_the_prefix_caches_counters_come_from_the_child(generators):
     assert child.batcher.prefix.queries > 0 and child.batcher.prefix.hits > 0
 
 
+def test_batch_rows_do_not_count_against_max_waiting(generators, monkeypatch):
+    """As the loop in process: a batch's lines (priority 1) in flight beyond max_waiting are
+    taken, and beside them interactive requests are taken up to max_waiting waiting, then refused."""
+    from generation.front.batching import QueueFull
+
+    _, child = generators
+    monkeypatch.setattr(child.batcher, "max_waiting", 2)
+    long = dict(max_new_tokens=200, eos_token_id=[])
+    taken = []
+    try:
+        taken += [child.batcher.submit([5, 6], settings=long, priority=1) for _ in range(12)]  # 4 slots, 8 waiting
+        taken += [child.batcher.submit([7, 8], settings=long) for _ in range(2)]
+        with pytest.raises(QueueFull):
+            for _ in range(20):  # as the child seats them (their rows preempt the lines'), more are taken
+                taken.append(child.batcher.submit([7, 8], settings=long))
+    finally:
+        for request in taken:
+            request.cancel()
+    assert all(r.result(timeout=30).finish_reason == "cancelled" for r in taken)
+    assert child.batcher._interactive == 0 and not child.batcher._requests
+
+
 def test_the_childs_death_ends_its_requests_with_503_and_a_new_child_serves(test_models):
     """A child killed mid-stream: its request ends with 503 (the client may retry), a submit while
     the next child starts is refused with 503 (EngineRestarting, a QueueFull: Overloaded), the
