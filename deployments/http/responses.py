@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from generation.front import limits
 
@@ -54,7 +54,7 @@ class ResponseRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(max_length=512)
-    input: str | list[dict[str, Any]] = Field(max_length=limits.MAX_MESSAGES)
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=limits.MAX_MESSAGES)]  # a text: any length
     instructions: str | None = None
     previous_response_id: str | None = Field(default=None, max_length=256)
     max_output_tokens: int | None = Field(default=None, ge=0, le=INT_MAX)
@@ -77,6 +77,16 @@ class ResponseRequest(BaseModel):
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     safety_identifier: str | None = Field(default=None, max_length=1024)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_chat_fields(cls, body):
+        """A chat request's field is named with the Responses field it takes (before `input`,
+        which a chat body lacks, is missed)."""
+        for name, instead in CHAT_ONLY.items():
+            if isinstance(body, dict) and name in body:
+                raise ValueError(f"{name}: not a field of /v1/responses" + (f"; it takes {instead}" if instead else ""))
+        return body
 
 
 # -- the OpenAPI document's shapes (the routes build them as dicts) ---------------------------------------
@@ -123,13 +133,21 @@ def new_id(prefix: str) -> str:
 
 # -- input items as chat messages -------------------------------------------------------------------------
 def input_items(value: str | list[dict]) -> list[dict]:
-    """The request's input as items, each with an id (a text input is one user message)."""
+    """The request's input as items, each with an id (a text input is one user message), a
+    message's text content as a part (input_text; an assistant's output_text), as OpenAI lists
+    input items and its SDK's types read them; messages_of joins the parts back."""
     items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
     out = []
     for item in items:
         item = dict(item)
         item.setdefault("type", "message")
         item.setdefault("id", new_id({"message": "msg", "function_call": "fc"}.get(item["type"], "item")))
+        if item["type"] == "message":
+            item.setdefault("status", "completed")
+            if isinstance(item.get("content"), str):
+                said = item.get("role") == "assistant"
+                item["content"] = [{"type": "output_text", "text": item["content"], "annotations": []} if said else
+                                   {"type": "input_text", "text": item["content"]}]
         out.append(item)
     return out
 
@@ -225,11 +243,7 @@ def assistant_turn(text: str, tool_calls: list[dict] | None) -> dict:
 # -- options as a chat request ----------------------------------------------------------------------------
 def chat_body(request: ResponseRequest, messages: list[dict]) -> dict:
     """The chat request (ChatCompletionRequest's fields) a response runs as."""
-    extra = dict(request.model_extra or {})
-    for name, instead in CHAT_ONLY.items():
-        if name in extra:
-            raise ApiError(400, f"{name}: not a field of /v1/responses" + (f"; it takes {instead}" if instead else ""),
-                           param=name)
+    extra = dict(request.model_extra or {})  # ResponseRequest refused the chat-only fields
     body = {**extra, "model": request.model, "messages": messages, "stream": False}
     for name in ("temperature", "top_p", "parallel_tool_calls", "user", "metadata", "service_tier"):
         if getattr(request, name) is not None:
@@ -275,11 +289,16 @@ def _chat_format(form: dict) -> dict:
     return {k: v for k, v in form.items()}
 
 
-def responses_field(param: str) -> str:
+def responses_field(param: str, instructions: str | None = None, conversation: list[dict] = ()) -> str:
     """The Responses field of a chat request's field (input for messages.3.content,
     max_output_tokens for max_completion_tokens, text.format for response_format, tools.0.name
-    for tools.0.function.name)."""
+    for tools.0.function.name). Where the request gave `instructions` (the chat's first message,
+    before the `conversation`), messages.0 is instructions, and so is the whole prompt
+    (`messages`: too long for the context) where they hold most of its characters."""
     head, _, rest = param.partition(".")
+    if head == "messages" and instructions:
+        if rest.split(".")[0] == "0" or (not rest and len(instructions) > len(json.dumps(list(conversation)))):
+            return "instructions"
     if head == "messages":
         return "input"
     if head == "response_format":
@@ -292,12 +311,13 @@ def responses_field(param: str) -> str:
     return param
 
 
-def responses_error(error: ApiError) -> ApiError:
-    """An error the chat route's validation or the decoder gave, naming the Responses field;
-    its message says the field's name, then what it said of it (the error's predicate)."""
+def responses_error(error: ApiError, instructions: str | None = None, conversation: list[dict] = ()) -> ApiError:
+    """An error the chat route's validation or the decoder gave, naming the Responses field
+    (responses_field); its message says the field's name, then what it said of it (the error's
+    predicate)."""
     if error.param is None:
         return error
-    field = responses_field(error.param)
+    field = responses_field(error.param, instructions, conversation)
     if field == error.param:
         return error
     predicate = error.predicate
@@ -344,24 +364,55 @@ def ending(reason: str | None, error: str | None = None) -> tuple[str, dict | No
     return "completed", None, None
 
 
+def _whole(arguments: str) -> bool:
+    """A call's arguments written to the end (JSON): not the call max_output_tokens cut."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
+
+
+# The event that ends a response's stream, by the response's status
+ENDS = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed",
+        "cancelled": "response.failed"}
+
+
+def sse(kind: str, sequence: int, **fields) -> str:
+    """A typed event as a server-sent event: its kind, then its body with its sequence_number."""
+    body = {"type": kind, "sequence_number": sequence, **fields}
+    return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+
+def ends(piece: str | None) -> bool:
+    """Whether a server-sent event (sse) is the one that ends its stream."""
+    return piece is not None and piece.startswith(tuple(f"event: {kind}\n" for kind in set(ENDS.values())))
+
+
 class ResponseEvents:
     """The output items of a response as its chunks come, and the typed server-sent events that
     say so: a reasoning item while the model reasons, a message item while it answers, a
     function_call item per call (read out at the end), each added, its deltas, then done. The
-    whole (non-streamed) answer is built through the same steps, its events unused."""
+    whole (non-streamed) answer is built through the same steps, its events unused. With `keep`,
+    `log` holds every event made, a sequence_number its index (a background stream's, for its
+    readers and a resume)."""
 
-    def __init__(self, response: dict):
+    def __init__(self, response: dict, keep: bool = False):
         self.response, self.sequence, self.output = response, 0, []
+        self.log: list[str] | None = [] if keep else None
         self._open: dict | None = None  # the item whose deltas are coming
         self._message_seen = False
 
     def event(self, kind: str, **fields) -> str:
-        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        piece = sse(kind, self.sequence, **fields)
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+        if self.log is not None:
+            self.log.append(piece)
+        return piece
 
-    def start(self) -> list[str]:
-        return [self.event("response.created", response=self.response),
+    def start(self, created: dict | None = None) -> list[str]:
+        """response.created (with `created`: a background response's, queued), response.in_progress."""
+        return [self.event("response.created", response=created or self.response),
                 self.event("response.in_progress", response=self.response)]
 
     def reasoning(self, delta: str) -> list[str]:
@@ -402,7 +453,8 @@ class ResponseEvents:
                                   delta=function["arguments"]))
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   name=function["name"], arguments=function["arguments"]))
-            item["status"] = "completed"
+            cut = status == "incomplete" and not _whole(function["arguments"])
+            item["status"] = "incomplete" if cut else "completed"
             out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out
 
@@ -440,6 +492,4 @@ class ResponseEvents:
                 self.event("response.output_item.done", output_index=index, item=item)]
 
     def end(self, response: dict) -> str:
-        kind = {"completed": "response.completed", "incomplete": "response.incomplete",
-                "failed": "response.failed", "cancelled": "response.failed"}[response["status"]]
-        return self.event(kind, response=response)
+        return self.event(ENDS[response["status"]], response=response)

@@ -1,6 +1,7 @@
 """/v1/responses (OpenAI's Responses API): create a response (whole, streamed as typed events, or
-in the background), and a stored one's GET, DELETE, input_items and cancel
-(http/response_runs.py; the store is the Responses deployment every ingress replica shares)."""
+in the background, streamed or not), and a stored one's GET (a background stream's events again:
+?stream=true&starting_after=N), DELETE, input_items and cancel (http/response_runs.py; the store
+is the Responses deployment every ingress replica shares)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from ..edge import ERRORS, answers, body_of
 from ..ingress_state import IngressState, replica_state
+from ..openai import INT_MAX
 from ..responses import DeletedResponse, ResponseItemList, ResponseObject, ResponseRequest
 
 router = APIRouter()
@@ -31,10 +33,14 @@ async def create_response(request: Request, state: IngressState = Depends(replic
     return await state.route(request, ResponseRequest, run, "resp-")
 
 
-@router.get("/v1/responses/{response_id}", responses=answers(ResponseObject, *STORED))
-async def get_response(request: Request, response_id: str = ID, state: IngressState = Depends(replica_state)):
+@router.get("/v1/responses/{response_id}", responses=answers(ResponseObject, *STORED, stream=True))
+async def get_response(request: Request, response_id: str = ID, stream: bool = False,
+                       starting_after: int | None = Query(None, ge=0, le=INT_MAX),
+                       state: IngressState = Depends(replica_state)):
     with state.counted(request, "/v1/responses/{id}"):
         state.authorize(request)
+        if stream:
+            return await state.responses.resume(response_id, starting_after)
         return await state.responses.retrieve(response_id)
 
 

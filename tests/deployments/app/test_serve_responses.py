@@ -88,7 +88,7 @@ def test_every_replica_reads_and_deletes_the_same_store(two_by_two):
         raw = client.responses.with_raw_response.retrieve(response.id)
         assert raw.parse().output_text == response.output_text
         items = client.responses.input_items.list(response.id)
-        assert [i.content for i in items.data] == ["remember me"]
+        assert [[(part.type, part.text) for part in i.content] for i in items.data] == [[("input_text", "remember me")]]
         seen.add(raw.headers.get(INGRESS))
     client.responses.delete(response.id)
     for _ in range(4):
@@ -171,3 +171,39 @@ def test_text_format_holds_the_output_to_its_schema(two_by_two):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="tiny", input="x", text={"format": {"type": "yaml"}})
     assert e.value.body["param"] == "text.format"
+
+
+def test_a_background_response_whose_server_replica_dies_is_failed(serve_apps):
+    """The colocated Server replica that runs a background response is killed: its record's
+    heartbeat stops, and once STALE_SECONDS old every reader (GET, cancel, on the replica Serve
+    starts in its place) says failed; it stayed in_progress until its TTL, a day."""
+    import os
+    import signal
+
+    from ray import serve
+
+    from conftest import ServeApps
+    from deployments.app import build
+    from deployments.services.response_store import STALE_SECONDS
+
+    serve.run(build({**ServeApps.FAKE, "colocate": True, "step_seconds": 0.02}), name="dying", route_prefix="/dying")
+    try:
+        client = openai.OpenAI(base_url=serve_apps.url + "/dying/v1", api_key="unused", max_retries=0, timeout=30)
+        running = client.responses.create(model="fake", input="forever", background=True, max_output_tokens=4000)
+        while client.responses.retrieve(running.id).status == "queued":
+            time.sleep(0.1)
+        os.kill(serve.get_app_handle("dying").pid.remote().result(timeout_s=30), signal.SIGKILL)
+        killed, found = time.monotonic(), None
+        while time.monotonic() < killed + STALE_SECONDS + 60:
+            try:
+                found = client.responses.retrieve(running.id)
+            except (openai.APIConnectionError, openai.InternalServerError, openai.APIStatusError):
+                pass  # no Server replica while Serve starts another
+            if found is not None and found.status != "in_progress":
+                break
+            time.sleep(0.5)
+        assert found.status == "failed" and "stopped" in found.error.message, found
+        assert time.monotonic() - killed >= STALE_SECONDS - 1
+        assert client.responses.cancel(running.id).status == "failed"
+    finally:
+        serve.delete("dying")

@@ -39,8 +39,11 @@ def test_input_items_are_the_chat_messages_a_client_would_send():
         {"role": "user", "content": [{"type": "text", "text": "and this?"},
                                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA",
                                                                          "detail": "auto"}}]}]
-    (only,) = input_items("hi")
-    assert (only["type"], only["role"], only["content"]) == ("message", "user", "hi")
+    (only,) = input_items("hi")  # a text's parts, as OpenAI lists input items; the same chat message
+    assert (only["type"], only["role"], only["content"]) == ("message", "user", [{"type": "input_text", "text": "hi"}])
+    said = input_items([{"role": "assistant", "content": "yes"}])
+    assert said[0]["content"] == [{"type": "output_text", "text": "yes", "annotations": []}]
+    assert messages_of([only] + said) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
 
 
 @pytest.mark.parametrize("item, param", [
@@ -75,9 +78,11 @@ def test_options_become_the_chat_request_fields():
 @pytest.mark.parametrize("field, instead", [("messages", "input"), ("max_tokens", "max_output_tokens"),
                                             ("response_format", "text.format"), ("n", None)])
 def test_a_chat_field_is_refused_naming_the_responses_one(field, instead):
-    with pytest.raises(ApiError) as e:
-        chat_body(ResponseRequest(model="m", input="x", **{field: 1}), [])
-    assert e.value.param == field and (instead is None or instead in e.value.message)
+    for body in ({"model": "m", "input": "x", field: 1}, {"model": "m", field: 1}):  # input missing: still the field
+        with pytest.raises(ApiError) as e:
+            parse(ResponseRequest, body)
+        assert e.value.param == field and e.value.message.startswith(f"{field}: not a field of /v1/responses")
+        assert instead is None or instead in e.value.message
 
 
 @pytest.mark.parametrize("body, param", [
