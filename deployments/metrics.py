@@ -2,7 +2,9 @@
 `raymuter:time_to_first_token_seconds`), and each also under vLLM's own name with the same labels
 (`model_name`), so vLLM's Grafana dashboards and the Gateway API inference extension read them
 unchanged (`exposition`: the `vllm:` families are the `raymuter:` ones renamed when scraped, not
-counted twice).
+counted twice; `vllm:gpu_cache_usage_perc`, vLLM's older name of the KV usage its dashboard reads,
+is `raymuter:kv_cache_usage_perc` under that name too). Each metric means what vLLM v1's does
+(`vllm/v1/metrics/loggers.py`): a choice of an n-choice request is a request of its own here.
 
 Each deployment keeps its own registry; the ingress's `/metrics` joins the ingress's with one
 replica of each deployment behind it (`exposition`). With several replicas of a deployment,
@@ -37,6 +39,17 @@ class DecoderMetrics:
                                   "first token.", labels, buckets=TTFT_BUCKETS, registry=r))
         self.inter_token = one(Histogram("raymuter:inter_token_latency_seconds", "Time between a request's tokens.",
                                          labels, buckets=ITL_BUCKETS, registry=r))
+        # vLLM's older name of the same observations, which its Grafana dashboard still reads
+        self.per_output_token = one(Histogram("raymuter:time_per_output_token_seconds", "Time between a request's "
+                                              "tokens (inter_token_latency_seconds, under vLLM's older name).",
+                                              labels, buckets=ITL_BUCKETS, registry=r))
+        self.prefill = one(Histogram("raymuter:request_prefill_time_seconds", "Time from a request's slot to its "
+                                     "first token.", labels, buckets=E2E_BUCKETS, registry=r))
+        self.decode = one(Histogram("raymuter:request_decode_time_seconds", "Time from a request's first token to "
+                                    "its last.", labels, buckets=E2E_BUCKETS, registry=r))
+        self.max_generation = one(Histogram("raymuter:request_max_num_generation_tokens", "New tokens per request, "
+                                            "the most of its choices (each choice is a request here).", labels,
+                                            buckets=TOKEN_BUCKETS, registry=r))
         self.e2e = one(Histogram("raymuter:e2e_request_latency_seconds", "Time from arrival to the last token.",
                                  labels, buckets=E2E_BUCKETS, registry=r))
         self.queue = one(Histogram("raymuter:request_queue_time_seconds", "Time waiting for a slot.", labels,
@@ -70,14 +83,26 @@ class DecoderMetrics:
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
+    def next_token(self, seconds: float) -> None:
+        """The time since the request's previous token."""
+        self.inter_token.observe(seconds)
+        self.per_output_token.observe(seconds)
+
     def started(self, seconds: float) -> None:
         _startup_gauge(self.registry, self.model_name).set(seconds)
 
-    def finished(self, handle, completion, prompt_tokens: int, seconds: float) -> None:
+    def finished(self, completion, prompt_tokens: int, seconds: float, decode_seconds: float | None) -> None:
+        """A request's end: `completion` the batcher's (queue and first-token times from its
+        submission), `seconds` from its arrival, `decode_seconds` from its first token to its
+        last (None: it made none; then neither its prefill nor its decode time is observed)."""
         self.e2e.observe(seconds)
         self.queue.observe(completion.queued_seconds)
+        if decode_seconds is not None and completion.first_token_seconds is not None:
+            self.prefill.observe(max(0.0, completion.first_token_seconds - completion.queued_seconds))
+            self.decode.observe(decode_seconds)
         self.prompt_hist.observe(prompt_tokens)
         self.generation_hist.observe(len(completion.tokens))
+        self.max_generation.observe(len(completion.tokens))
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(len(completion.tokens))
         self.success.labels(model_name=self.model_name, finished_reason=completion.finish_reason).inc()
@@ -166,28 +191,40 @@ class IngressMetrics:
         return exposition(self.registry)
 
 
-class _Renamed:
-    """A registry's families under another prefix, read when scraped (a collector of its own
-    registry: the families are counted once)."""
+# families vLLM's Grafana dashboard reads under an older name as well (vLLM 0.10 renamed it)
+VLLM_ALIASES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}
 
-    def __init__(self, registry: CollectorRegistry, old: str, new: str):
-        self.registry, self.old, self.new = registry, old, new
+
+class _Renamed:
+    """A registry's families under another prefix (and those of `aliases` under their other
+    name too), read when scraped (a collector of its own registry: the families are counted once)."""
+
+    def __init__(self, registry: CollectorRegistry, old: str, new: str, aliases: dict[str, str] | None = None):
+        self.registry, self.old, self.new, self.aliases = registry, old, new, aliases or {}
 
     def collect(self):
-        from prometheus_client.metrics_core import Metric
-        from prometheus_client.samples import Sample
-
         for family in self.registry.collect():
             if not family.name.startswith(self.old):
                 continue
-            renamed = Metric(self.new + family.name[len(self.old):], family.documentation, family.type, family.unit)
-            renamed.samples = [Sample(self.new + s.name[len(self.old):], s.labels, s.value, s.timestamp, s.exemplar)
-                               for s in family.samples]
-            yield renamed
+            name = family.name[len(self.old):]
+            yield _named(family, self.new + name)
+            if name in self.aliases:
+                yield _named(family, self.new + self.aliases[name])
+
+
+def _named(family, name: str):
+    """`family` (its samples too) under `name`."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.samples import Sample
+
+    renamed = Metric(name, family.documentation, family.type, family.unit)
+    renamed.samples = [Sample(name + s.name[len(family.name):], s.labels, s.value, s.timestamp, s.exemplar)
+                       for s in family.samples]
+    return renamed
 
 
 def exposition(registry: CollectorRegistry) -> str:
     """The registry's metrics in Prometheus' text format, each `raymuter:` family also as `vllm:`."""
     view = CollectorRegistry(auto_describe=False)
-    view.register(_Renamed(registry, "raymuter:", "vllm:"))
+    view.register(_Renamed(registry, "raymuter:", "vllm:", VLLM_ALIASES))
     return (generate_latest(registry) + generate_latest(view)).decode()

@@ -155,7 +155,7 @@ class TextGenerator:
     async def stream(self, request: GenerateRequest, encoder=None, images=()):
         """GenerateChunks as the tokens come; the last one carries finish_reason and counts. A
         consumer that stops early (a client that went away) cancels the request."""
-        arrived, last = time.perf_counter(), None
+        arrived, first, last = time.perf_counter(), None, None
         events = self.front.stream(engine_request(request), encoder, images, self._interval)
         try:
             async for event in events:
@@ -164,14 +164,16 @@ class TextGenerator:
                 elif isinstance(event, Delta):
                     for token in event.tokens:
                         if last is None:
+                            first = token.at
                             self.metrics.first_token(token.at - arrived)
                         else:
-                            self.metrics.inter_token.observe(token.at - last)
+                            self.metrics.next_token(token.at - last)
                         last = token.at
                     yield GenerateChunk(text=event.text, token_ids=[t.id for t in event.tokens],
                                         logprobs=_logprobs(event.logprobs), reasoning=event.reasoning)
                 else:
-                    self.metrics.finished(None, event.completion, event.prompt_tokens, time.perf_counter() - arrived)
+                    self.metrics.finished(event.completion, event.prompt_tokens, time.perf_counter() - arrived,
+                                          None if first is None else last - first)
                     yield GenerateChunk(text=event.text, finish_reason=event.finish_reason, error=event.error,
                                         status=event.status, tool_calls=event.tool_calls, field=event.field,
                                         predicate=event.predicate, reasoning=event.reasoning,

@@ -201,7 +201,7 @@ class EngineFront:
             (r1, rest), (r2, held) = split.add(rest), split.finish()
             reasoning, rest, visible = r1 + r2, rest + held, split.content
         if request.calls_tools and reason != "error":
-            rest, calls = tool_calls(self.inputs.template, request, visible)
+            rest, calls = tool_calls(self.inputs.template, request, visible, cut=reason == "length")
             reason = "tool_calls" if calls and reason == "stop" else reason  # cut short: "length", as OpenAI
         return Finish(rest, reason, error, status, field, predicate, calls, prompt_tokens, len(completion.tokens),
                       getattr(completion, "cached_tokens", 0), completion, reasoning)

@@ -17,7 +17,9 @@ its template's family (`tool_format`, read from the template's text):
 
 tool_choice "required" or a named function holds the output to calls of the given tools
 (`tool_grammar`: a Lark grammar for llguidance, each call's JSON the tool's parameters schema);
-"auto" lets the model write text or calls, and `parse_calls` reads them out of the text.
+"auto" lets the model write text or calls, and `parse_calls` reads them out of the text. Such a
+forced output that the budget cut is still calls (`cut_calls`): the last one as far as it was
+written, as OpenAI returns a call cut by max_tokens.
 """
 
 from __future__ import annotations
@@ -263,3 +265,51 @@ def parse_calls(fmt: str, text: str, names=None) -> Parsed:
     rest.append(body[at:])
     content = re.sub(r"^[\s;]+|[\s;]+$", "", "".join(rest))
     return Parsed(content or None, calls)
+
+
+# a call's start as the grammar writes it ({"name": "...", "arguments": ...), each piece optional
+# after the one before, so that a start cut anywhere matches as far as it was written
+_CUT_CALL = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"(?:\s*:\s*(?:"(?P<name>(?:[^"\\]|\\.)*)(?P<named>")?'
+                       r'(?:\s*,\s*"(?:arguments|parameters)"\s*:\s*(?P<arguments>.*))?)?)?)?)?)?)?)?)?', re.S)
+
+
+def cut_calls(fmt: str, text: str, names: list[str], forced: str | None = None) -> Parsed:
+    """The calls of an output held to calls (tool_choice "required" or a named function: the
+    grammar wrote nothing else) that the budget cut: each whole one, then the cut one with its
+    name and its arguments' text as far as it was written (not JSON yet), as OpenAI returns a
+    call cut by max_tokens. Whole calls are read as JSON objects, whatever of the format's
+    markup the cut left (a hermes call without its </tool_call>). A name cut short is the
+    `forced` function's, or that of the one tool whose name it begins; where none is known the
+    text stays text (parse_calls).
+
+    >>> cut_calls("hermes", '<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Pa', ["get_weather"]).calls
+    [ToolCall(name='get_weather', arguments='{"city": "Pa')]
+    >>> cut_calls("json", '{"name": "get_w', ["get_weather", "get_time"]).calls
+    [ToolCall(name='get_weather', arguments='')]
+    """
+    if not text.strip():  # a budget of no tokens: no call begun
+        return Parsed(text, [])
+    key, calls, end = _arguments_key(fmt), [], 0
+    for start, stop, value in _objects(text):
+        found = [_call(v, key) for v in (value if isinstance(value, list) else [value])]
+        if found and all(c is not None and c.name in names for c in found):
+            calls, end = calls + found, stop
+    start = text.find("{", end)
+    cut = _CUT_CALL.match(text, start) if start >= 0 else None
+    if cut is None and calls:  # cut between calls
+        return Parsed(None, calls)
+    written = "" if cut is None else cut.group("name") or ""  # tool names are [a-zA-Z0-9_-]: no escapes
+    if cut is not None and cut.group("named"):
+        candidates = [n for n in names if n == written]
+    else:
+        candidates = [n for n in ([forced] if forced else names) if n.startswith(written)]
+    if len(candidates) != 1:
+        return Parsed(None, calls) if calls else parse_calls(fmt, text, names)
+    arguments = "" if cut is None else cut.group("arguments") or ""
+    try:  # the arguments whole, the call's closing brace cut: as _call gives them
+        value, stop = json.JSONDecoder().raw_decode(arguments)
+        if isinstance(value, dict) and not arguments[stop:].strip():
+            arguments = json.dumps(value, ensure_ascii=False)
+    except ValueError:
+        pass
+    return Parsed(None, calls + [ToolCall(candidates[0], arguments)])

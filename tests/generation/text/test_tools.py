@@ -193,3 +193,41 @@ def test_a_model_under_the_grammar_writes_calls_that_parse_and_follow_the_schema
                 jsonschema.validate(json.loads(call.arguments), tool["function"]["parameters"])
             assert parallel or len(parsed.calls) == 1
     assert finished >= 5  # most runs end their calls within the budget (the arguments' strings are short)
+
+
+ARGUMENTS = '{"city": "Oslo", "days": 2}'
+ONE_CALL = {"hermes": '<tool_call>\n{"name": "get_weather", "arguments": ' + ARGUMENTS + '}\n</tool_call>',
+            "llama3_json": '{"name": "get_weather", "parameters": ' + ARGUMENTS + '}',
+            "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + ARGUMENTS + '}]',
+            "json": '{"name": "get_weather", "arguments": ' + ARGUMENTS + '}'}
+
+
+@pytest.mark.parametrize("fmt", T.FORMATS)
+def test_a_forced_call_cut_anywhere_is_the_call_as_far_as_written(fmt):
+    """Cut after any character, an output held to one call of get_weather is that call: its
+    name, and its arguments' text a prefix of the whole call's (as OpenAI returns a call that
+    max_tokens cut), never content."""
+    whole = ONE_CALL[fmt]
+    for end in range(1, len(whole) + 1):
+        for forced in ("get_weather", None):
+            parsed = T.cut_calls(fmt, whole[:end], ["get_weather", "get_time"], forced)
+            name_known = forced or '"name": "get_w' in whole[:end]
+            if not name_known:  # "get_" names either tool: the text stays text
+                assert not parsed.calls and parsed.content == whole[:end]
+                continue
+            assert parsed.content is None and len(parsed.calls) == 1, (whole[:end], parsed)
+            assert parsed.calls[0].name == "get_weather" and ARGUMENTS.startswith(parsed.calls[0].arguments)
+    assert T.cut_calls(fmt, "", ["get_weather"], "get_weather").calls == []  # no token: no call begun
+
+
+def test_parallel_calls_cut_keep_the_whole_ones_and_the_cut_one():
+    first = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+    names = ["get_weather", "get_time"]
+    assert T.cut_calls("hermes", first[:-14], names).calls == [T.ToolCall("get_time", '{"zone": "UTC"}')]
+    assert T.cut_calls("hermes", first + '<tool_call>\n{"name": "get_', names).calls == \
+        [T.ToolCall("get_time", '{"zone": "UTC"}')]  # the second's name not known yet
+    assert T.cut_calls("hermes", first + '<tool_call>\n{"name": "get_w', names).calls == \
+        [T.ToolCall("get_time", '{"zone": "UTC"}'), T.ToolCall("get_weather", "")]
+    cut = '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": {"city": "O'
+    assert T.cut_calls("json", cut, names).calls == [T.ToolCall("get_time", '{"zone": "UTC"}'),
+                                                     T.ToolCall("get_weather", '{"city": "O')]
