@@ -72,6 +72,8 @@ def costly(vocab: int, rng: np.random.Generator) -> dict[str, dict]:
         "every warper (top_k 0)": dict(do_sample=True, temperature=0.7, top_k=0, top_p=0.9, typical_p=0.9, min_p=0.01,
                                        epsilon_cutoff=1e-5, eta_cutoff=1e-5, renormalize_logits=True),
         "penalties, eos ids, masks": dict(repetition_penalty=1.3, encoder_repetition_penalty=1.3,
+                                          frequency_penalty=limits.MAX_ADDITIVE_PENALTY,
+                                          presence_penalty=-limits.MAX_ADDITIVE_PENALTY,
                                           # (not with min_length: -inf eos scores decayed are nan, as in transformers)
                                           eos_token_id=list(range(3, 3 + limits.MAX_TOKEN_IDS)),
                                           exponential_decay_length_penalty=[0, 1.001], remove_invalid_values=True,

@@ -63,6 +63,10 @@ def add_generate_command(commands) -> None:
                      "(default: generation_config.json's)")
     gen.add_argument("--repetition-penalty", type=float, help="divide the scores of tokens already in the text "
                      "(default: generation_config.json's)")
+    gen.add_argument("--presence-penalty", type=float, help="OpenAI's: subtract this from the score of every token "
+                     "already generated, from -2 to 2 (default: generation_config.json's, else 0)")
+    gen.add_argument("--frequency-penalty", type=float, help="OpenAI's: subtract this times its count from the score "
+                     "of every token already generated, from -2 to 2 (default: generation_config.json's, else 0)")
     gen.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeat for several); the text "
                      "ends before it")
     shape = gen.add_mutually_exclusive_group()  # structured_outputs: one constraint
@@ -88,6 +92,7 @@ def _overrides(args) -> dict:
 
     names = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "temperature": args.temperature,
              "top_k": args.top_k, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty,
+             "presence_penalty": args.presence_penalty, "frequency_penalty": args.frequency_penalty,
              "stop_strings": args.stop}
     overrides = {k: v for k, v in names.items() if v is not None}
     structured = _structured(args)

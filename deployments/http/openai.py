@@ -10,11 +10,12 @@ Pure data, no Ray and no arrays. Where the rest of a request's way goes:
     answers.py      the response bodies built from the decoder's answers
 
 Fields that do not change the output (store, metadata, user, service_tier, parallel_tool_calls,
-response_format text) are accepted; one that would and is not supported (presence_penalty,
-suffix, best_of > n) is refused by name. Chat takes tools (tool_choice none, auto, required or a
-named function; generation.text.tool_calls). The output's constraint comes from response_format
-(json_object, json_schema), vLLM's structured_outputs or its older guided_json / guided_regex /
-guided_choice / guided_grammar: one per request (constraint_fields).
+response_format text) are accepted; one that would and is not supported (suffix, best_of > n)
+is refused by name. presence_penalty and frequency_penalty apply as OpenAI and vLLM define them
+(generation.logits.processors.frequency_presence_penalty). Chat takes tools (tool_choice none,
+auto, required or a named function; generation.text.tool_calls). The output's constraint comes
+from response_format (json_object, json_schema), vLLM's structured_outputs or its older
+guided_json / guided_regex / guided_choice / guided_grammar: one per request (constraint_fields).
 
 Every number has its range here (generation.params.limits), so the OpenAPI document states them and no
 request can reach the engine with a value it cannot hold; the engine checks what depends on the
@@ -151,8 +152,12 @@ class _Request(_Strict):
                      Annotated[float, Field(ge=-limits.MAX_BIAS, le=limits.MAX_BIAS)]] | None = \
         Field(default=None, max_length=limits.MAX_SEQUENCES)
     top_logprobs: int | None = Field(default=None, ge=0, le=limits.MAX_LOGPROBS)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    # OpenAI's (0: off; null: the model's or server's default), subtracted from the scores of the tokens
+    # already generated, as vLLM does
+    presence_penalty: float | None = Field(default=None, ge=-limits.MAX_ADDITIVE_PENALTY,
+                                           le=limits.MAX_ADDITIVE_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-limits.MAX_ADDITIVE_PENALTY,
+                                            le=limits.MAX_ADDITIVE_PENALTY)
     # accepted, with no effect on the output
     user: str | None = Field(default=None, max_length=1024)
     store: bool | None = None
@@ -206,14 +211,6 @@ class _Request(_Strict):
     encoder_no_repeat_ngram_size: int | None = Field(default=None, ge=0, le=limits.MAX_NGRAM_SIZE)
     prompt_lookup_num_tokens: int | None = Field(default=None, ge=1, le=limits.MAX_LOOKUP_TOKENS)
     max_matching_ngram_size: int | None = Field(default=None, ge=1, le=limits.MAX_MATCHING_NGRAM_SIZE)
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_additive_penalties(cls, value: float, info) -> float:
-        if value != 0:
-            raise ValueError(f"{info.field_name} has no transformers processor; use repetition_penalty "
-                             "(multiplicative, as transformers) or no_repeat_ngram_size")
-        return value
 
     @field_validator("tools")
     @classmethod

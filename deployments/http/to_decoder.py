@@ -3,6 +3,8 @@ refusal as the OpenAI request's own field.
 
 OpenAI fields map onto transformers' settings: max_tokens -> max_new_tokens, temperature (0 means
 greedy), top_p, seed, stop -> stop_strings, logit_bias -> sequence_bias, logprobs / top_logprobs;
+presence_penalty and frequency_penalty are the engine's own settings of those names (beyond
+transformers: generation.logits.processors.frequency_presence_penalty);
 vLLM's stop_token_ids join the eos tokens, min_tokens is min_new_tokens, ignore_eos drops the eos
 tokens. Raymuter's own fields (EXTRA_SETTINGS) carry the rest of the generation config
 (num_beams, length_penalty, repetition_penalty, no_repeat_ngram_size, top_k, min_p, ...). vLLM's
@@ -60,6 +62,9 @@ def settings_of(request: OpenAIRequest) -> dict:
             settings.update(do_sample=True, temperature=request.temperature)
     if request.top_p is not None:
         settings["top_p"] = request.top_p
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name) is not None:
+            settings[name] = getattr(request, name)
     if request.stop is not None:
         settings["stop_strings"] = [request.stop] if isinstance(request.stop, str) else request.stop
     if request.ignore_eos:

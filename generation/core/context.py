@@ -143,4 +143,5 @@ def _draft_context(model: Model, draft, cache_mode: str | None, prompt_steps: st
                    repetition_penalty=1.0, no_repeat_ngram_size=0, bad_words_ids=None, sequence_bias=None,
                    min_length=0, min_new_tokens=None, suppress_tokens=None, begin_suppress_tokens=None,
                    forced_bos_token_id=None, forced_eos_token_id=None, exponential_decay_length_penalty=None,
-                   encoder_repetition_penalty=1.0, encoder_no_repeat_ngram_size=0)
+                   encoder_repetition_penalty=1.0, encoder_no_repeat_ngram_size=0, frequency_penalty=0.0,
+                   presence_penalty=0.0)

@@ -10,6 +10,10 @@ does on its own copy, so a step copies the scores once, not once per processor).
 `RowSettings` holds every row's settings as arrays, with the masks that do not change between
 steps (one-token bad words and biases, `suppress_tokens`) built once when the row enters, and
 `apply` runs the processors in transformers' order. The sampling warpers are in `selection.py`.
+
+Beyond transformers: OpenAI's frequency_penalty and presence_penalty (`frequency_presence_penalty`,
+as vLLM applies them, over the row's new tokens `history[i, prompt_length[i]:length[i]]`), right
+after the repetition penalty, as vLLM's `apply_penalties` orders them.
 """
 
 from __future__ import annotations
@@ -54,6 +58,41 @@ def repetition_penalty(scores: np.ndarray, history: np.ndarray, length: np.ndarr
         p = penalty[rows, None].astype(np.float32)
         got = out.take(flat)
         np.put(out, flat, np.where(got < 0, got * p, got / p))
+    return out
+
+
+def frequency_presence_penalty(scores: np.ndarray, history: np.ndarray, length: np.ndarray, start: np.ndarray,
+                               frequency: np.ndarray, presence: np.ndarray, inplace: bool = False) -> np.ndarray:
+    """OpenAI's frequency_penalty and presence_penalty, as vLLM's `apply_penalties` applies them
+    (no transformers processor): every token among the row's new tokens `history[i, start[i]:
+    length[i]]` (not its prompt: vLLM's output_token_ids) gets `frequency x count` subtracted,
+    then `presence`; both 0 is off. In float32, one subtraction each, as vLLM's
+    `logits -= frequency * counts; logits -= presence * mask` (tokens not among them keep
+    their scores exactly).
+
+    >>> frequency_presence_penalty(np.array([[2., 2., 2., 2.]], np.float32), np.array([[3, 1, 1, 2]]),
+    ...                            np.array([4]), np.array([1]), np.array([.5], np.float32),
+    ...                            np.array([.25], np.float32))
+    array([[2.  , 0.75, 1.25, 2.  ]], dtype=float32)
+
+    (token 3 is the prompt's: untouched; token 1 came twice: 2 - 0.5 x 2 - 0.25.)
+    """
+    out = scores if inplace else scores.copy()
+    rows = np.flatnonzero((frequency != 0) | (presence != 0))
+    if not rows.size:
+        return out
+    begin, end = start[rows], length[rows]
+    width = int((end - begin).max())
+    if width <= 0:
+        return out
+    at = begin[:, None] + np.arange(width)  # [R, W] each row's new tokens' indices
+    held = at < end[:, None]
+    tokens = history[rows[:, None], np.minimum(at, history.shape[1] - 1)]
+    vocab = scores.shape[1]
+    keys, counts = np.unique((rows[:, None] * vocab + tokens)[held], return_counts=True)
+    r, t = keys // vocab, keys % vocab
+    got = out[r, t] - frequency[r].astype(np.float32) * counts.astype(np.float32)
+    out[r, t] = got - presence[r].astype(np.float32)
     return out
 
 
@@ -307,6 +346,7 @@ class RowSettings:
         self.untempered = np.zeros(n, bool)  # Settings.untempered_logprobs
         self.no_logprobs = np.zeros(n, bool)  # Settings.no_logprobs
         self.repetition_penalty = np.ones(n, f32)
+        self.frequency_penalty, self.presence_penalty = np.zeros(n, f32), np.zeros(n, f32)
         self.encoder_repetition_penalty = np.ones(n, np.float64)  # transformers rounds 1 / penalty from the double
         self.no_repeat_ngram, self.encoder_no_repeat_ngram = np.zeros(n, i64), np.zeros(n, i64)
         self.minimum = np.zeros(n, i64)  # tokens (prompt included) before eos may come
@@ -354,6 +394,7 @@ class RowSettings:
         self.renormalize[i] = s.renormalize_logits
         self.min_keep[i] = 1  # a beam search raises its rows' (beam.beam_min_keep)
         self.repetition_penalty[i] = s.repetition_penalty
+        self.frequency_penalty[i], self.presence_penalty[i] = s.frequency_penalty, s.presence_penalty
         self.encoder_repetition_penalty[i] = s.encoder_repetition_penalty
         self.no_repeat_ngram[i], self.encoder_no_repeat_ngram[i] = s.no_repeat_ngram_size, s.encoder_no_repeat_ngram_size
         if s.min_new_tokens is not None:  # as generate(): min_new_tokens (even 0) replaces min_length
@@ -450,6 +491,7 @@ class RowSettings:
         """Whether any processor before the warpers is on for some row (else the raw logits
         go straight to selection)."""
         return bool((self.repetition_penalty != 1).any() or (self.encoder_repetition_penalty != 1).any()
+                    or self.frequency_penalty.any() or self.presence_penalty.any()
                     or self.no_repeat_ngram.any() or self.encoder_no_repeat_ngram.any()
                     or (self.minimum > 0).any() or (self.forced_bos >= 0).any() or (self.forced_eos >= 0).any()
                     or self.remove_invalid.any() or (self.decay_start >= 0).any() or (self.begin_index >= 0).any()
@@ -469,7 +511,8 @@ def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np
           inplace: bool = False) -> np.ndarray:
     """The processors of transformers' `_get_logits_processor` before the warpers, in its order,
     then the custom processors, then the rows' structured_outputs constraints. scores [n, V]; history [n, W] and length [n] as in the module
-    docstring; `prompt_length` [n] (for custom processors) splits each row's history.
+    docstring; `prompt_length` [n] (for custom processors and the frequency and presence penalties)
+    splits each row's history.
     `inplace`: the caller owns float32 `scores` and lets them be overwritten (saves a copy)."""
     out = scores if inplace and scores.dtype == np.float32 else scores.astype(np.float32, copy=True)
     if rows.one_token_bias is not None or any(rows.bias_rules):
@@ -478,6 +521,12 @@ def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np
         encoder_repetition_penalty(out, rows.encoder_ids, rows.encoder_repetition_penalty, inplace=True)
     if (rows.repetition_penalty != 1).any():
         repetition_penalty(out, history, length, rows.repetition_penalty, inplace=True)
+    if rows.frequency_penalty.any() or rows.presence_penalty.any():  # where vLLM puts them: after repetition
+        if prompt_length is None:
+            raise ValueError("prompt_length: frequency_penalty and presence_penalty count the new tokens only; "
+                             "pass each row's prompt length")
+        frequency_presence_penalty(out, history, length, prompt_length, rows.frequency_penalty,
+                                   rows.presence_penalty, inplace=True)
     if rows.no_repeat_ngram.any():
         no_repeat_ngram(out, history, length, rows.no_repeat_ngram, inplace=True)
     if rows.encoder_no_repeat_ngram.any():

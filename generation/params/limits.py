@@ -19,6 +19,7 @@ MAX_SEQUENCE_LENGTH = 32  # tokens per bad word or biased sequence
 MAX_BIAS = 100.0  # |bias| of a sequence_bias / logit_bias entry (OpenAI's logit_bias range)
 MAX_BEAMS = 16  # num_beams (and never more than the decoder's slots)
 MAX_FLOAT = 1e4  # |value| of the other float settings (repetition_penalty, length_penalty, ...)
+MAX_ADDITIVE_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|: OpenAI's range
 MAX_STEP_SLOWDOWN = 1.5  # a shared step that verifies one row's prompt lookup: at most this many plain steps
 MAX_CHOICES = 16  # n
 MAX_LOGPROBS = 20  # top_logprobs

@@ -57,6 +57,11 @@ class Settings:
     sequence_bias: tuple[tuple[tuple[int, ...], float], ...] | None = None
     encoder_repetition_penalty: float = 1.0
     repetition_penalty: float = 1.0
+    # OpenAI's additive penalties, beside repetition_penalty as vLLM applies them (no transformers
+    # processor): each token's score less frequency x its count in the row's new tokens, less
+    # presence where it is among them
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     no_repeat_ngram_size: int = 0
     encoder_no_repeat_ngram_size: int = 0
     bad_words_ids: tuple[tuple[int, ...], ...] | None = None
@@ -425,6 +430,8 @@ CHECKS = (
     ("top_p", _number_in(0, 1, _TURNS_OFF_1, open_low=True)),
     ("repetition_penalty", _number_in(0, limits.MAX_FLOAT, _TURNS_OFF_1, open_low=True)),
     ("encoder_repetition_penalty", _number_in(0, limits.MAX_FLOAT, _TURNS_OFF_1, open_low=True)),
+    ("frequency_penalty", _number_in(-limits.MAX_ADDITIVE_PENALTY, limits.MAX_ADDITIVE_PENALTY, _TURNS_OFF_0)),
+    ("presence_penalty", _number_in(-limits.MAX_ADDITIVE_PENALTY, limits.MAX_ADDITIVE_PENALTY, _TURNS_OFF_0)),
     ("no_repeat_ngram_size", _integer_in(0, limits.MAX_NGRAM_SIZE, _TURNS_OFF_0)),
     ("encoder_no_repeat_ngram_size", _integer_in(0, limits.MAX_NGRAM_SIZE, _TURNS_OFF_0)),
     ("min_length", _integer_in(0, CONTEXT)),
@@ -462,6 +469,7 @@ def _check(s: Settings, vocab: int | None = None, context: int | None = None) ->
     return replace(s, temperature=float(s.temperature), top_p=float(s.top_p),
                    repetition_penalty=float(s.repetition_penalty),
                    encoder_repetition_penalty=float(s.encoder_repetition_penalty),
+                   frequency_penalty=float(s.frequency_penalty), presence_penalty=float(s.presence_penalty),
                    min_p=None if s.min_p is None else float(s.min_p), typical_p=float(s.typical_p),
                    length_penalty=float(s.length_penalty),
                    epsilon_cutoff=float(s.epsilon_cutoff), eta_cutoff=float(s.eta_cutoff))

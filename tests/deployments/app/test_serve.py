@@ -356,7 +356,7 @@ def metric(text: str, name: str) -> float:
     (dict(model="fake", prompt="a", max_tokens=-1), 400, "max_tokens"),
     (dict(model="fake", prompt="a", max_tokens=10**6), 400, "max_tokens"),
     (dict(model="fake", prompt="a", frobnicate=1), 400, "frobnicate"),
-    (dict(model="fake", prompt="a", presence_penalty=0.5), 400, "presence_penalty"),
+    (dict(model="fake", prompt="a", presence_penalty=2.5), 400, "presence_penalty"),
     (dict(model="fake", prompt=[10**6]), 400, "prompt"),
     (dict(model="fake", prompt=""), 400, "prompt"),
     (dict(model="fake"), 400, "prompt"),

@@ -25,6 +25,9 @@ def test_openai_fields_map_onto_settings():
                                         stop_strings=["\n"], repetition_penalty=1.2, num_beams=1, top_k=5,
                                         sequence_bias=[[[5, 6], -1.0]])
     assert settings_of(parse(CompletionRequest, dict(model="m", prompt=[1, 2], temperature=0))) == dict(do_sample=False)
+    # OpenAI's penalties are the engine's settings of those names; left out, the model's (or server's) default
+    penalised = parse(CompletionRequest, dict(model="m", prompt="a", presence_penalty=0.0, frequency_penalty=-1.5))
+    assert settings_of(penalised) == dict(presence_penalty=0.0, frequency_penalty=-1.5)
 
 
 def test_the_settings_are_the_engines(test_models, load_model):
@@ -41,7 +44,8 @@ def test_the_settings_are_the_engines(test_models, load_model):
     (dict(model="m", prompt="hi", temperature=3), "temperature", "less than or equal to 2"),
     (dict(model="m", prompt="hi", top_p=0), "top_p", "greater than 0"),
     (dict(model="m", prompt="hi", n=17), "n", "less than or equal to 16"),
-    (dict(model="m", prompt="hi", presence_penalty=0.5), "presence_penalty", "has no transformers processor"),
+    (dict(model="m", prompt="hi", presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
+    (dict(model="m", prompt="hi", frequency_penalty=-3), "frequency_penalty", "greater than or equal to -2"),
     (dict(model="m", prompt="hi", frobnicate=1), "frobnicate", "unknown field 'frobnicate'"),
     (dict(model="m", prompt="hi", top_logprobs=50), "top_logprobs", "less than or equal to 20"),
 ])
