@@ -11,8 +11,9 @@ import httpx
 
 
 @contextlib.contextmanager
-def app_routes(config: dict):
-    """(httpx.AsyncClient on the routes, the Decoder) for a Decoder of `config` (AppConfig's fields)."""
+def app_routes(config: dict, max_body: int = 2**20):
+    """(a maker of httpx.AsyncClients on the routes, its keywords httpx's; the Decoder) for a
+    Decoder of `config` (AppConfig's fields), the ingress taking bodies of at most `max_body`."""
     from deployments.app import Decoder, api
     from deployments.http.decoder_calls import DecoderCalls
     from deployments.http.ingress_state import IngressState, replica_state
@@ -20,14 +21,15 @@ def app_routes(config: dict):
     from deployments.local_handle import LocalHandle
 
     decoder = Decoder.func_or_class(config)
-    state = IngressState(DecoderCalls(LocalHandle(decoder), None, None, Media(False, 2**20)), None, 2**20)
+    state = IngressState(DecoderCalls(LocalHandle(decoder), None, None, Media(False, max_body)), None, max_body)
 
     async def this_state():
         return state
 
     api.dependency_overrides[replica_state] = this_state
     try:
-        yield (lambda: httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://test")), decoder
+        yield (lambda **options: httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://test",
+                                                   **options)), decoder
     finally:
         api.dependency_overrides.pop(replica_state, None)
         decoder.__del__()

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
-
+from app_routes import app_routes
 from test_batches_hardening import multipart
 
 LIMIT = 64 * 1024
@@ -18,22 +17,8 @@ LIMIT = 64 * 1024
 
 @pytest.fixture
 def http():
-    from deployments.app import Decoder, api
-    from deployments.http.decoder_calls import DecoderCalls
-    from deployments.http.ingress_state import IngressState, replica_state
-    from deployments.http.media import Media
-    from deployments.local_handle import LocalHandle
-
-    decoder = Decoder.func_or_class(dict(engine="fake", name="fake", slots=2, step_seconds=0.002))
-    state = IngressState(DecoderCalls(LocalHandle(decoder), None, None, Media(False, LIMIT)), None, LIMIT)
-
-    async def this_state():
-        return state
-
-    api.dependency_overrides[replica_state] = this_state
-    yield lambda: httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://test")
-    api.dependency_overrides.pop(replica_state, None)
-    decoder.__del__()
+    with app_routes(dict(engine="fake", name="fake", slots=2, step_seconds=0.002), max_body=LIMIT) as (client, _):
+        yield client
 
 
 def test_a_chunked_audio_upload_past_the_limit_is_refused_before_the_rest_is_read(http):

@@ -14,9 +14,9 @@ import asyncio
 import contextlib
 import json
 
-import httpx
 import openai
 import pytest
+from app_routes import app_routes
 
 import generation
 
@@ -27,25 +27,9 @@ MESSAGES = [{"role": "user", "content": "What is a list?"}]
 @contextlib.contextmanager
 def served(folder, **config):
     """(httpx client, openai client) on the app's routes over a decoder of `folder`."""
-    from deployments.app import Decoder, api
-    from deployments.http.decoder_calls import DecoderCalls
-    from deployments.http.ingress_state import IngressState, replica_state
-    from deployments.http.media import Media
-    from deployments.local_handle import LocalHandle
-
-    decoder = Decoder.func_or_class(dict(model=str(folder), name="tiny", slots=4, threads=1, **config))
-    state = IngressState(DecoderCalls(LocalHandle(decoder), None, None, Media(False, 2**20)), None, 2**20)
-
-    async def this_state():
-        return state
-
-    api.dependency_overrides[replica_state] = this_state
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://test", timeout=60)
-    try:
+    with app_routes(dict(model=str(folder), name="tiny", slots=4, threads=1, **config)) as (client, _):
+        http = client(timeout=60)
         yield http, openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
-    finally:
-        api.dependency_overrides.pop(replica_state)
-        decoder.__del__()
 
 
 @pytest.fixture
