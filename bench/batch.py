@@ -19,7 +19,8 @@ greedy, `--prompt` tokens a prompt, `--new` new tokens a line (ignore_eos: every
 2. Interactive first tokens under a batch. `raymuter serve` (its defaults); `--probes` streamed
    completions one after another, a `--gap` apart: their TTFT p50 alone, then again while a batch
    of `--served-lines` lines runs through /v1/files + /v1/batches (batch rows have priority 1:
-   interactive ones take their slots at the next step). The goal: <= 1.2x. The batch's own
+   interactive ones take their slots at the next step), then alone again once it has ended (the
+   alone p50 is of both: a machine that slowed or sped up meanwhile shows as two alones apart). The goal: <= 1.2x. The batch's own
    tokens/s as the server ran it is printed too.
 
 The machine is shared and noisy: read the ratios of one run, measured interleaved.
@@ -171,11 +172,14 @@ def served(args, dirs, tokenizer, logs: Path) -> dict:
             status = _batch(url, batch_id)
         seconds = time.monotonic() - began
         counts = status["request_counts"]
+        # alone again, after the batch: a machine whose speed drifted meanwhile shows as two alones apart
+        after = asyncio.run(probes(url, model, prompt_ids(tokenizer, "after", args.probes, args.prompt), args))
     finally:
         server.stop()
     import serve as serving
 
-    return dict(alone=serving.percentile(alone, 0.5), beside=serving.percentile(beside, 0.5),
+    return dict(alone=serving.percentile(alone + after, 0.5), before=serving.percentile(alone, 0.5),
+                after=serving.percentile(after, 0.5), beside=serving.percentile(beside, 0.5),
                 batch_tok_s=counts["completed"] * args.new / seconds, batch_status=status["status"],
                 counts=counts, overlapped=still_running)
 
@@ -233,13 +237,18 @@ def main(argv=None) -> int:
                                                                       "(goal >= 0.95x)")]
     if args.served:
         s = served(args, dirs, tokenizer, logs)
-        rows += [("interactive TTFT p50 alone, ms", f"{s['alone'] * 1e3:.0f}", ""),
+        rows += [("interactive TTFT p50 alone (before the batch, after it), ms", f"{s['alone'] * 1e3:.0f}",
+                  f"{s['before'] * 1e3:.0f} before, {s['after'] * 1e3:.0f} after"),
                  ("interactive TTFT p50 beside a batch, ms", f"{s['beside'] * 1e3:.0f}",
                   f"{s['beside'] / s['alone']:.2f}x (goal <= 1.2x)"
                   + ("" if s["overlapped"] else "; the batch ended before the probes did")),
                  ("server batch, tok/s", f"{s['batch_tok_s']:.1f}", f"{s['batch_status']} {s['counts']}")]
+    import platform
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "?")
     print(f"\nSmolLM2-135M fp32, {args.prompt}-token prompts, {args.new} new tokens a line, "
-          f"{args.slots} slots, {args.lines} lines\n")
+          f"{args.slots} slots, {args.lines} lines; {cpu}, {os.cpu_count()} CPUs\n")
     print("| measure | value | ratio |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
