@@ -13,7 +13,8 @@ import httpx
 @contextlib.contextmanager
 def app_routes(config: dict, max_body: int = 2**20):
     """(a maker of httpx.AsyncClients on the routes, its keywords httpx's; the Decoder) for a
-    Decoder of `config` (AppConfig's fields), the ingress taking bodies of at most `max_body`."""
+    Decoder of `config` (AppConfig's fields), the ingress taking bodies of at most `max_body` and
+    asking for config's api_key where it has one."""
     from deployments.app import Decoder, api
     from deployments.http.decoder_calls import DecoderCalls
     from deployments.http.ingress_state import IngressState, replica_state
@@ -21,7 +22,8 @@ def app_routes(config: dict, max_body: int = 2**20):
     from deployments.local_handle import LocalHandle
 
     decoder = Decoder.func_or_class(config)
-    state = IngressState(DecoderCalls(LocalHandle(decoder), None, None, Media(False, max_body)), None, max_body)
+    state = IngressState(DecoderCalls(LocalHandle(decoder), None, None, Media(False, max_body)), config.get("api_key"),
+                         max_body)
 
     async def this_state():
         return state
