@@ -118,14 +118,14 @@ async def read_upload(request, name: str, most: int, field_bytes: int, begin, wr
                       too_large) -> Upload:
     """Read `request`'s multipart body as it comes: the part `name` with a filename is the file,
     `await begin(filename)` at its headers, then `await write(piece)` for each piece of at most
-    `piece_bytes`; the other parts are fields (their text kept). Refused:
-    400 for a body that is no multipart form, a broken one or a second file; `too_large(what)`
+    `piece_bytes`; the other parts are fields (their text kept). Refused: 400 naming `name` for a
+    body that is no multipart form, a broken one or a second file; `too_large(what)`
     (an ApiError to raise: 413) the moment the file passes `most` bytes or the other parts
     `field_bytes`, before the rest of the body is read."""
     _, options = parse_options_header(request.headers.get("content-type", ""))
     boundary = options.get(b"boundary")
     if not request.headers.get("content-type", "").startswith("multipart/form-data") or not boundary:
-        raise ApiError(400, f"the body must be multipart/form-data with a {name}")
+        raise ApiError(400, f"{name}: the body must be multipart/form-data with a {name}", param=name)
     parts = _Parts(name, most, field_bytes, too_large)
     parser, buffer = MultipartParser(boundary, parts.callbacks()), bytearray()
 
@@ -146,7 +146,8 @@ async def read_upload(request, name: str, most: int, field_bytes: int, begin, wr
             await act(parts.take())
         parser.finalize()
     except FormParserError as e:
-        raise ApiError(400, f"the body must be multipart/form-data with a {name}: {e}"[:300]) from None
+        raise ApiError(400, f"{name}: the body must be multipart/form-data with a {name}: {e}"[:300],
+                       param=name) from None
     await act(parts.take())
     upload = parts.upload
     if upload.filename is not None and not upload.complete:

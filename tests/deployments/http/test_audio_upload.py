@@ -57,5 +57,7 @@ def test_the_audio_form_s_fields_are_read_as_they_come(http):
             no_file = await client.post("/v1/audio/transcriptions", data={"model": "fake"},
                                         files={"other": ("x.txt", b"x")})
             assert no_file.status_code == 400 and no_file.json()["error"]["param"] == "file"
+            not_a_form = await client.post("/v1/audio/transcriptions", json={"model": "fake"})
+            assert not_a_form.status_code == 400 and not_a_form.json()["error"]["param"] == "file"
 
     asyncio.run(go())
