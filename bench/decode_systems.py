@@ -20,6 +20,7 @@ SYSTEMS = {
     "in_place": "raymuter in_place, genai build (whole prompt)",
     "in_place_pieces": "raymuter in_place, genai build (pieces)",
     "in_place_grow": "raymuter grow, genai build",
+    "in_place_device": "raymuter in_place, genai build, device-owned buffers (OrtValues on the session's device)",
     "append": "raymuter append, Optimum export (whole prompt)",
     "append_pieces": "raymuter append, Optimum export (pieces)",
     "append_grow": "raymuter grow, Optimum export",
@@ -45,10 +46,12 @@ REFERENCE = {"in_place_int4": "genai_int4", "genai_int4": "genai_int4", "fused_q
 RAYMUTER = {  # key -> (layout, cache_mode, prompt_steps, fuse, variant); Optimum exports run as exported unless fused
     "in_place": ("genai", None, "whole", False, None), "in_place_pieces": ("genai", None, "pieces", False, None),
     "in_place_grow": ("genai", "grow", "whole", False, None), "append": ("optimum", None, "whole", False, None),
+    "in_place_device": ("genai", "in_place", "whole", False, None),
     "append_pieces": ("optimum", None, "pieces", False, None), "append_grow": ("optimum", "grow", "whole", False, None),
     "fused": ("optimum", None, "whole", True, None), "in_place_int4": ("genai_int4", None, "whole", False, None),
     "fused_q4": ("optimum_q4", None, "whole", True, "q4"), "append_q4": ("optimum_q4", None, "whole", False, "q4"),
 }
+BUFFERS = {"in_place_device": "device"}  # key -> where its cache lives (default: the context's default, host on a CPU)
 SLOW = {"small": {"transformers"}}  # systems that run --slow-repeats times on that model
 
 
@@ -82,7 +85,7 @@ def load_raymuter(key):
 
         def prepare(prompts):
             ctx = generation.context(model, cache_mode=mode, prompt_steps=steps, max_new_tokens=new,
-                                     eos_token_id=[], do_sample=False)
+                                     eos_token_id=[], do_sample=False, buffers=BUFFERS.get(key))
             ctx = generation.compile(ctx, batch_size=len(prompts))
             rows, seeds = prompts.tolist(), [0] * len(prompts)
             return lambda: np.array(generation.generate(ctx, rows, seeds=seeds))

@@ -79,6 +79,7 @@ class DecoderMetrics:
             if getattr(batcher, "prefix", None) is not None:
                 r.register(_PrefixCache(model_name, batcher.prefix))
             r.register(_Preemptions(model_name, batcher))
+            r.register(_Transfers(model_name, batcher))
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -132,6 +133,32 @@ class _PrefixCache:
                                    labels=["model_name"])
         family.add_metric([self.model_name], self.store.bytes)
         yield family
+
+
+class _Transfers:
+    """The decoder's host <-> device ledger (generation.runtime.device), read when scraped: bytes
+    by cause, and the decode steps and rows (summed over steps) they came with; on a cache of
+    host buffers, what would cross were it on a device. Absent where the cache mode keeps no ledger."""
+
+    def __init__(self, model_name: str, batcher):
+        self.model_name, self.batcher = model_name, batcher
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = getattr(self.batcher, "transfers", None)
+        if not stats:
+            return
+        family = CounterMetricFamily("raymuter:host_device_bytes", "Bytes crossing between the host and the "
+                                     "decoder's device, by cause.", labels=["model_name", "cause"])
+        for cause, value in stats["host_device_bytes"].items():
+            family.add_metric([self.model_name, cause], value)
+        yield family
+        for name, text, key in (("raymuter:decode_steps", "Decode steps the decoder ran.", "decode_steps"),
+                                ("raymuter:decode_rows", "Rows the decode steps ran, summed over steps.", "decode_rows")):
+            family = CounterMetricFamily(name, text, labels=["model_name"])
+            family.add_metric([self.model_name], stats[key])
+            yield family
 
 
 class _Preemptions:

@@ -52,26 +52,44 @@ from .base import STEP_VERBS, missing_verbs
 from .cross import Seq2SeqCache
 from .grow import GrowCache
 from .in_place import InPlaceCache
+from .in_place_device import DeviceInPlaceCache
+from ..runtime.device import Ledger
 from .windowed import WindowedAppendCache
 
 CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache, "seq2seq": Seq2SeqCache}
 
 
-def new_cache(model, mode: str, slots: int, capacity: int, max_position: int):
+def new_cache(model, mode: str, slots: int, capacity: int, max_position: int, buffers: str = "host",
+              ledger: Ledger | None = None):
     """The cache of `mode` for `model`'s decoder; a decoder that takes inputs_embeds gets the
     model's embedding (only the append cache takes one: the others refuse such a graph). An
     append cache of a model with a sliding window, or of a graph that reads buffer columns
     (MPT's ALiBi: graph.keys_at_end), keeps each row's rows where the graph looks for them
-    (windowed.py)."""
+    (windowed.py). buffers: 'host' (numpy arrays bound by pointer) or 'device' (buffers on the
+    session's device: in_place only, in_place_device.py); `ledger` counts what crosses
+    host <-> device (the in_place caches count it; the others keep None)."""
     kind = CACHES[mode]
+    if buffers == "device":
+        if mode != "in_place":
+            raise ValueError(f"buffers 'device': only the in_place cache keeps its buffers on the device, not {mode!r}")
+        cache = DeviceInPlaceCache(model.session, model.graph, slots, capacity, max_position, ledger,
+                                   provider=model.provider)
+    elif kind is InPlaceCache and not model.graph.has_inputs_embeds:
+        cache = InPlaceCache(model.session, model.graph, slots, capacity, max_position, ledger)
+    else:
+        cache = _other(model, kind, slots, capacity, max_position)
+    missing = missing_verbs(cache)
+    if missing:
+        raise TypeError(f"cache mode {mode!r} ({type(cache).__name__}) does not implement {', '.join(missing)}: "
+                        f"every mode implements {', '.join(STEP_VERBS)} (cache/base.py)")
+    return cache
+
+
+def _other(model, kind, slots: int, capacity: int, max_position: int):
     if kind is AppendCache and (model.attention_window or model.graph.keys_at_end):
         kind = WindowedAppendCache
     if model.graph.has_inputs_embeds:
         cache = kind(model.session, model.graph, slots, capacity, max_position, embed=model.embed)
     else:
         cache = kind(model.session, model.graph, slots, capacity, max_position)
-    missing = missing_verbs(cache)
-    if missing:
-        raise TypeError(f"cache mode {mode!r} ({type(cache).__name__}) does not implement {', '.join(missing)}: "
-                        f"every mode implements {', '.join(STEP_VERBS)} (cache/base.py)")
     return cache

@@ -79,6 +79,8 @@ class BaseCache:
 
     sized = False
     run_options = None
+    ledger = None  # the runtime.device.Ledger of what crosses host <-> device, where the mode counts it
+    memory = "host"  # where its buffers live: 'host' arrays, or the session's 'device'
 
     def fit(self, rows: int, length: int) -> None:
         """Lay the buffers out for slots [0, rows) of up to `length` cache rows each (grow or
@@ -161,6 +163,19 @@ class CacheInputs:
         if graph.has_logits_positions:  # a step's one token is position 0 of its run
             self.read = np.zeros((slots, 1), np.int64)
             binding.input("logits_positions", self.read)
+
+    def step_rates(self) -> dict:
+        """What a decode step moves between the host and a device, per cause: (bytes a row, bytes
+        a step). Its logits come to the host; its ids (or embeddings), positions and read
+        positions go to the device, with the mask's new entry of each row (a row and a column,
+        int64: the buffer modes mark it where the mask lives), and use_cache_branch once."""
+        row = self.embeds[0].nbytes if self.embeds is not None else self.ids[0].nbytes
+        if self.positions is not None:
+            row += self.positions[..., 0, :].nbytes
+        if self.read is not None:
+            row += self.read[0].nbytes
+        step = self.use_cache.nbytes if getattr(self, "use_cache", None) is not None else 0
+        return {"logits": (self.logits[0].nbytes, 0), "inputs": (row + 16, step)}
 
     def set_positions(self, lengths: np.ndarray) -> None:
         """A row's new token sits at its length (plus its offset; rows never outgrow the model's

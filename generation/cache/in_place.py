@@ -8,6 +8,7 @@ import mmap
 
 import numpy as np
 
+from ..runtime.device import Ledger
 from ..runtime.feeds import Binding, last_read, pieces, prompt_widths, run_options, step_inputs
 from ..runtime.graph import DecoderGraph
 from .base import BaseCache, CacheInputs, size_class, token_bytes
@@ -29,20 +30,31 @@ class InPlaceCache(BaseCache):
 
     Between layouts everything stays bound: the buffers, the token inputs, the logits, and an
     attention mask as wide as the buffer. A step writes one mask entry per row and runs
-    (onnxruntime-genai's C++ loop does the same)."""
+    (onnxruntime-genai's C++ loop does the same).
+
+    The buffers here are host arrays bound by pointer (the CPU's fastest); in_place_device.py's
+    DeviceInPlaceCache keeps them on the session's device, the same verbs through the moves of
+    runtime.device (`_new_layout`, `_write_row`, `_set_lengths`, `_move_rows`, `_bind_rows`,
+    `_decoder` are the seam). Both count in `ledger` what crosses host <-> device (here: what
+    would cross, were the buffers on a device)."""
 
     mode = "in_place"
     verifies_row_by_row = True  # see verify
     sized = True
 
-    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int):
+    memory = "host"
+
+    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int,
+                 ledger: Ledger | None = None):
         self.graph, self.slots, self.capacity = graph, slots, capacity
+        self.ledger = ledger if ledger is not None else Ledger()
         # the decode runs' options: Scheduler.interrupt_for ends a step's run early (its writes are
         # the step's own rows at each row's length: the step run again writes them the same)
         self.run_options = run_options()
         # the step inputs of every slot; a layout binds their leading rows
         self._inputs_binding = Binding(session, self.run_options)
         self.inputs = CacheInputs(self._inputs_binding, graph, slots)
+        self.ledger.rate(self.inputs.step_rates())
         self.token_input = self.inputs.ids[:, 0]
         self.logits = self.inputs.logits[:, 0]
         self.rows = np.arange(slots)
@@ -50,7 +62,7 @@ class InPlaceCache(BaseCache):
         # M-RoPE positions ([3, B, 1]) and embedding inputs run every slot: their rows do not shrink
         self._least_rows = 1 if self.inputs.offsets is None and self.inputs.embeds is None else slots
         self.held, self.length, self.buffers = 0, 0, {}
-        self.mask = np.zeros((slots, 0), graph.dtype("attention_mask"))
+        self.mask = None
         self._lay_out(self._least_rows, size_class(1, capacity))
         self._prompt_binding = Binding(session)  # prompts bind their own shapes, apart from decode's
         self._prompt_logits = np.empty(0, graph.logits_dtype)
@@ -59,7 +71,7 @@ class InPlaceCache(BaseCache):
     def footprint(self, rows: int, length: int) -> int:
         """Bytes of the buffers (and the mask) laid out for slots [0, rows) of `length` cache rows."""
         held, length = size_class(max(rows, 1), self.slots, self._least_rows), size_class(length, self.capacity)
-        return held * length * self.token_bytes + self.slots * length * self.mask.itemsize
+        return held * length * self.token_bytes + self.slots * length * np.dtype(self.graph.dtype("attention_mask")).itemsize
 
     @property
     def nbytes(self) -> int:
@@ -82,18 +94,8 @@ class InPlaceCache(BaseCache):
         """Buffers [held, heads, length, head_dim] holding the rows (and the mask the columns)
         that fit of the ones before, bound for the step; the leading runs (`_leading`) are made
         again over them."""
-        keep_rows, keep = min(held, self.held), min(length, self.length)
-        old, dtype = self.buffers, self.graph.cache_dtype
-        self.buffers = {}
-        for e in self.graph.cache:
-            buffer = _mapped((held, e.heads, length, e.head_dim), dtype)
-            if e.past in old:
-                buffer[:keep_rows, :, :keep] = old[e.past][:keep_rows, :, :keep]
-            self.buffers[e.past] = buffer
-        mask = np.zeros((self.slots, length), self.mask.dtype)
-        mask[:, :keep] = self.mask[:, :keep]
-        mask[~mask.any(axis=1), 0] = 1  # a free slot is a one-token padding row
-        self.mask, self.held, self.length = mask, held, length
+        self.buffers, self.mask = self._new_layout(held, length)
+        self.held, self.length = held, length
         binding = self._inputs_binding.leading(held, self.slots)
         for e in self.graph.cache:
             binding.input(e.past, self.buffers[e.past])
@@ -103,12 +105,52 @@ class InPlaceCache(BaseCache):
         self.__dict__.pop("_spans", None)  # the leading runs of the old buffers
         self._decode = self._decoder()
 
+    def _new_layout(self, held: int, length: int) -> tuple[dict, np.ndarray]:
+        """(buffers, mask) at the classes (held, length), holding the rows (and the mask the
+        columns) that fit of the ones before."""
+        keep_rows, keep = min(held, self.held), min(length, self.length)
+        old, dtype = self.buffers, self.graph.cache_dtype
+        buffers = {}
+        for e in self.graph.cache:
+            buffer = _mapped((held, e.heads, length, e.head_dim), dtype)
+            if e.past in old:
+                buffer[:keep_rows, :, :keep] = old[e.past][:keep_rows, :, :keep]
+            buffers[e.past] = buffer
+        mask = np.zeros((self.slots, length), self.graph.dtype("attention_mask"))
+        if self.mask is not None:
+            mask[:, :keep] = self.mask[:, :keep]
+        mask[~mask.any(axis=1), 0] = 1  # a free slot is a one-token padding row
+        return buffers, mask
+
+    def _write_row(self, name: str, slot: int, rows: np.ndarray, length: int) -> None:
+        self.buffers[name][slot, :, :length] = rows
+
+    def _set_lengths(self, slots, lengths) -> None:
+        """The mask rows of `slots`: ones for their first `lengths` columns (at least one: a free
+        slot is a one-token padding row)."""
+        lengths = np.maximum(np.asarray(lengths, np.int64), 1)
+        self.mask[np.asarray(slots, np.int64)] = np.arange(self.length) < lengths[:, None]
+
+    def _move_rows(self, dst, src, length: int) -> None:
+        for buffer in self.buffers.values():
+            buffer[dst, :, :length] = buffer[src, :, :length]
+        self.mask[dst] = self.mask[src]
+
+    def _bind_rows(self, binding: Binding, slot: int, rows: int) -> None:
+        """Bind the buffers' rows slot..slot+rows-1 as a prompt run's past and present."""
+        for e in self.graph.cache:
+            buffer = self.buffers[e.past]
+            pointer, shape = buffer.ctypes.data + slot * buffer[0].nbytes, (rows, *buffer.shape[1:])
+            binding.input_at(e.past, pointer, shape, buffer.dtype)
+            binding.output_at(e.present, pointer, shape, buffer.dtype)
+
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
+        """A row prefilled apart from the batch (on the host: its rows cross, `insert`)."""
         self._grow(slot + 1, length + 1)
         for name, rows in cache.items():
-            self.buffers[name][slot, :, :length] = rows
-        self.mask[slot] = 0
-        self.mask[slot, :length] = 1
+            self.ledger.add("insert", rows[:, :length].nbytes)
+            self._write_row(name, slot, rows[:, :length], length)
+        self._set_lengths([slot], [length])
 
     def prefill(self, slots: list[int], prompts: list[list[int]], steps: str, pad: int, apart=None) -> np.ndarray:
         """Run fresh prompts straight into their free slots' buffer rows; the last logits [n, V].
@@ -144,9 +186,7 @@ class InPlaceCache(BaseCache):
                     row = np.array([prompts[j][offset:offset + width]], np.int64)
                     last[j] = self._prompt_step(slots[j], row, offset, last_read([width], 0, width))[0, -1]
                     offset += width
-        for j, slot in enumerate(slots):
-            self.mask[slot] = 0
-            self.mask[slot, :len(prompts[j])] = 1
+        self._set_lengths(slots, [len(p) for p in prompts])
         return last
 
     def _prompt_step(self, slot: int, ids: np.ndarray, offset: int, read: np.ndarray | None = None) -> np.ndarray:
@@ -154,11 +194,7 @@ class InPlaceCache(BaseCache):
         or [n, P, V] at the positions `read` [n, P] where the graph computes only those."""
         rows, width = ids.shape
         binding = self._prompt_binding
-        for e in self.graph.cache:
-            buffer = self.buffers[e.past]
-            pointer, shape = buffer.ctypes.data + slot * buffer[0].nbytes, (rows, *buffer.shape[1:])
-            binding.input_at(e.past, pointer, shape, buffer.dtype)
-            binding.output_at(e.present, pointer, shape, buffer.dtype)
+        self._bind_rows(binding, slot, rows)
         positions = np.broadcast_to(offset + np.arange(width), ids.shape)
         read = read if self.graph.has_logits_positions else None
         feeds = step_inputs(self.graph, ids, np.ones((rows, offset + width), np.int64), positions, offset, read=read)
@@ -166,8 +202,10 @@ class InPlaceCache(BaseCache):
         for name, array in feeds.items():
             if name in self.graph.input_dtypes:
                 binding.input(name, array)
+                self.ledger.add("prompt", array.nbytes)
         given = width if read is None else read.shape[1]
         size = rows * given * self.graph.vocab_size
+        self.ledger.add("prompt", size * np.dtype(self.graph.logits_dtype).itemsize)
         if self._prompt_logits.size < size:  # kept between prompts: no fresh pages per request
             self._prompt_logits = np.empty(size, self.graph.logits_dtype)
         logits = self._prompt_logits[:size].reshape(rows, given, self.graph.vocab_size)
@@ -195,21 +233,17 @@ class InPlaceCache(BaseCache):
 
     def rewind(self, lengths: np.ndarray) -> None:
         """A row's valid rows are its mask's ones: the rows past its length are overwritten later."""
-        np.less(np.arange(self.length), lengths[:, None], out=self.mask, casting="unsafe")
-        self.mask[lengths == 0, 0] = 1  # a free slot stays a one-token padding row
+        self._set_lengths(self.rows, lengths)
 
     def copy_rows(self, dst, src, length: int) -> None:
         """Only the rows that move, only their valid part: a beam step moves a few rows of a
         few hundred tokens, where gathering whole buffers would copy them all."""
         self._grow(int(max(dst)) + 1, length + 1)
-        for buffer in self.buffers.values():
-            buffer[dst, :, :length] = buffer[src, :, :length]
-        self.mask[dst] = self.mask[src]
+        self._move_rows(dst, src, length)
 
     def release(self, slot: int) -> None:
         """The slot's rows stay until a new row is inserted; its mask becomes a padding row's."""
-        self.mask[slot] = 0
-        self.mask[slot, 0] = 1
+        self._set_lengths([slot], [0])
 
     def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
         """See the package docstring; a row at the buffer's end first lays it out longer."""
@@ -227,7 +261,7 @@ class InPlaceCache(BaseCache):
         3.5x on the default model). The slots from `held` on are free too. M-RoPE positions
         ([3, B, 1]) and embedding inputs run whole."""
         mask, rows, run, logits, inputs = self.mask, self.rows, self.binding.run, self.logits, self.inputs
-        held, partial = self.held, self._least_rows == 1
+        held, partial, step = self.held, self._least_rows == 1, self.ledger.step
 
         def decode(lengths: np.ndarray, span: int | None = None) -> np.ndarray:
             mask[rows, lengths] = 1  # the new token's row: GroupQueryAttention writes it at the row's length
@@ -235,8 +269,10 @@ class InPlaceCache(BaseCache):
                 inputs.set_positions(lengths)
             if span is None or span >= held or not partial:
                 run()
+                step(held)
             else:
                 self._leading(span)[1]()
+                step(span)
             return logits
         return decode
 
@@ -251,9 +287,11 @@ class InPlaceCache(BaseCache):
         width = self.mask.shape[1]
         where = (self.rows * width + lengths)[None, :] + np.arange(count)[:, None]
         set_mask, run, logits = self.mask.reshape(-1).__setitem__, self.binding.run, self.logits
+        step, held = self.ledger.step, self.held
         for entries in where:
             set_mask(entries, 1)
             run()
+            step(held)
             yield logits
 
 

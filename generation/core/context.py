@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from ..logits.constraints import GrammarBudget
@@ -23,6 +24,7 @@ class Context:
     cache_mode: str
     prompt_steps: str
     batch_size: int | None = None
+    buffers: str = "host"  # where the cache lives: 'host' arrays or the session's 'device' (see `context`)
     token_logprobs: bool = False  # each token with its log-probability (see `context`)
     top_logprobs: int = 0  # and the k most likely tokens of its step
     logprobs_of: str = "processed"  # the scores they are the log-softmax of: 'processed' or 'raw'
@@ -45,7 +47,7 @@ class Context:
 def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = DEFAULT_PROMPT_STEPS,
             token_logprobs: bool = False, top_logprobs: int = 0, logprobs_of: str = "processed",
             processors=(), draft=None, draft_cache_mode: str | None = None, grammar_budget=None,
-            **overrides) -> Context:
+            buffers: str | None = None, **overrides) -> Context:
     """The context for `model`: generation_config.json, then `overrides` (any generation
     setting: max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, ...).
 
@@ -60,7 +62,10 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
     (assisted.py; num_assistant_tokens, num_assistant_tokens_schedule), its cache in
     `draft_cache_mode` (default its native mode). grammar_budget: what compiling a
     structured_outputs constraint may cost (constraints.GrammarBudget, or a dict of some of its
-    fields; default its defaults).
+    fields; default its defaults). buffers: where the cache's buffers live: 'device' (owned by
+    the session's device, only the read logits crossing to the host: cache/in_place_device.py;
+    the in_place mode only) or 'host' (numpy arrays bound by pointer, the CPU's fastest);
+    default 'device' for an in_place cache on a CUDA session, else 'host'.
     """
     if cache_mode is None:
         cache_mode = model.graph.native_mode
@@ -71,6 +76,7 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
                  if model.fused_from is not None else "")
         raise SettingError("cache_mode", f"cache_mode '{cache_mode}' does not fit this graph "
                                          f"({model.decoder_path.name} runs as {' or '.join(model.graph.modes)}{fused})")
+    buffers = _buffers(model, cache_mode, buffers)
     if prompt_steps not in PROMPT_STEPS:
         raise SettingError("prompt_steps", f"prompt_steps must be one of {', '.join(PROMPT_STEPS)}, "
                                            f"not {shown(prompt_steps)}")
@@ -94,9 +100,27 @@ def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = 
         draft = _draft_context(model, draft, draft_cache_mode, prompt_steps)
     _check_verify(cache_mode, "draft" if draft is not None else
                   "prompt_lookup_num_tokens" if settings.prompt_lookup_num_tokens else None)
-    return Context(model=model, settings=settings, cache_mode=cache_mode, prompt_steps=prompt_steps,
+    return Context(model=model, settings=settings, cache_mode=cache_mode, prompt_steps=prompt_steps, buffers=buffers,
                    token_logprobs=token_logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
                    logprobs_of=logprobs_of, processors=processors, draft=draft, grammar_budget=grammar_budget)
+
+
+BUFFERS = ("host", "device")
+
+
+def _buffers(model: Model, cache_mode: str, buffers: str | None) -> str:
+    """Where the cache lives: as asked, or by default on the device of a CUDA session's in_place
+    cache (RAYMUTER_BUFFERS=device: a CPU session's in_place cache too, on CPU OrtValues, the code
+    a CUDA session runs); SettingError where the mode keeps its buffers on the host only."""
+    if buffers is None:
+        device = model.provider == "cuda" or os.environ.get("RAYMUTER_BUFFERS") == "device"
+        return "device" if device and cache_mode == "in_place" else "host"
+    if buffers not in BUFFERS:
+        raise SettingError("buffers", f"buffers must be one of {', '.join(BUFFERS)}, not {shown(buffers)}")
+    if buffers == "device" and cache_mode != "in_place":
+        raise SettingError("buffers", f"buffers 'device' needs cache_mode 'in_place' (the mode onnxruntime-genai "
+                                      f"runs on CUDA); cache_mode '{cache_mode}' keeps its buffers on the host")
+    return buffers
 
 
 def _check_verify(cache_mode: str, asked: str | None) -> None:

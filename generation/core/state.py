@@ -174,10 +174,11 @@ class DecodeState:
 
 
 def new_state(ctx: Context, slots: int | None = None, capacity: int | None = None,
-              prefix: PrefixStore | FirstStepStore | None = None) -> DecodeState:
+              prefix: PrefixStore | FirstStepStore | None = None, ledger=None) -> DecodeState:
     """An empty state of `slots` rows (default: the compiled batch size), each holding up to
     `capacity` tokens (default: the model's context). `prefix`: the store its prompts reuse and
-    fill (a PrefixStore; an encoder-decoder's, a FirstStepStore; ignored when it is the other)."""
+    fill (a PrefixStore; an encoder-decoder's, a FirstStepStore; ignored when it is the other).
+    ledger: the runtime.device.Ledger its cache counts in (a scheduler keeps one across states)."""
     slots = slots or ctx.batch_size
     if not slots:
         raise ValueError("slots: give the number of slots, or compile(ctx, batch_size) first")
@@ -186,7 +187,7 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
         raise ValueError("capacity: the model's config gives no context length; pass capacity")
     if ctx.model.max_context:  # positions (and GroupQueryAttention's rotary tables) end there
         capacity = min(capacity, ctx.model.max_context)
-    cache = new_cache(ctx.model, ctx.cache_mode, slots, capacity, ctx.max_position)
+    cache = new_cache(ctx.model, ctx.cache_mode, slots, capacity, ctx.max_position, ctx.buffers, ledger)
     state = DecodeState(
         cache=cache, capacity=capacity,
         tokens=np.zeros((slots, capacity), np.int64), lengths=np.zeros(slots, np.int64),

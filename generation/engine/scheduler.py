@@ -57,6 +57,7 @@ from ..logits.selection import LogProbs
 from ..params import limits
 from ..params.inputs import check_prompts, check_seeds
 from ..params.settings import SettingError, Settings, check_integer
+from ..runtime.device import Ledger
 from ..runtime.feeds import terminated
 from ..search.beam import Hypothesis
 from .budget import Needs
@@ -186,7 +187,8 @@ class Scheduler:
         self.lookup, self.assistant, self.stream = lookup, assistant, stream
         store = FirstStepStore if ctx.model.is_seq2seq else PrefixStore  # an encoder-decoder's: its first steps
         self.prefix = store(prefix_cache_bytes) if prefix_cache_bytes else None
-        self.state = state if state is not None else new_state(ctx, slots, capacity, self.prefix)
+        self.ledger = Ledger()  # what crosses host <-> device, across the states this scheduler makes
+        self.state = state if state is not None else new_state(ctx, slots, capacity, self.prefix, self.ledger)
         self.waiting: deque[Job] = deque()
         self.holder: dict[int, Job] = {}  # slot -> the job of a plain row
         self.groups: dict[int, Job] = {}  # first slot -> the job of a beam search
@@ -340,7 +342,7 @@ class Scheduler:
                 for slot in [*self.holder, *self.groups]:
                     job = self.holder.pop(slot, None) or self.groups.pop(slot)
                     self._close(job, "error", e)
-                self.state = new_state(self.ctx, self.slots, self.capacity, self.prefix)
+                self.state = new_state(self.ctx, self.slots, self.capacity, self.prefix, self.ledger)
         return updates, ended
 
     def _run(self, updates: list[Update]) -> None:

@@ -295,6 +295,12 @@ class ContinuousBatcher:
         self.preemptions = 0  # rows preempted to keep the KV cache within its budget, so far
         self._thread.start()
 
+    @property
+    def transfers(self) -> dict | None:
+        """The cache's host <-> device ledger (runtime.device.Ledger.stats), where its mode counts one."""
+        ledger = self.scheduler.state.cache.ledger if self.scheduler.state else None
+        return ledger.stats() if ledger is not None else None
+
     @classmethod
     def from_model(cls, source, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
                    prefix_cache_bytes: int = 0, kv_cache_bytes: int | None = None, max_logprobs: int = 20,

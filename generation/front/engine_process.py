@@ -71,6 +71,7 @@ class EngineProcess:
         self._checks = Scheduler(ctx, slots, self.capacity, state=False)  # job() reads the context only
         self.prefix = _PrefixStats() if prefix_cache_bytes else None
         self.preemptions = 0  # the child's batcher's, as its steps report them
+        self.transfers = None  # the child's cache ledger (Ledger.stats), as its steps report it
         self.running = self.waiting = self.occupied = self.steps = 0
         self.interactive_running = 0  # the child's running rows of priority 0, as its last step message said
         self._requests: dict[int, _Request] = {}
@@ -189,7 +190,7 @@ class EngineProcess:
             while True:
                 events, counts, prefix = conn.recv()
                 (self.running, self.occupied, self.waiting, self.steps, self.preemptions,
-                 self.interactive_running) = counts
+                 self.interactive_running, self.transfers) = counts
                 if prefix is not None and self.prefix is not None:
                     self.prefix.queries, self.prefix.hits, self.prefix.bytes = prefix
                 for kind, rid, payload in events:
@@ -307,7 +308,7 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
     at the step boundary after: a compile never holds the loop."""
 
     conn = None  # set in the child before the loop starts
-    _last: tuple = (0, 0, 0, 0, 0, 0)  # the counts the parent has (its own start at nothing)
+    _last: tuple = (0, 0, 0, 0, 0, 0, None)  # the counts the parent has (its own start at nothing)
     requests: dict = {}  # the parent's id -> the live request (for its cancel)
     _compiler = None  # a ThreadPoolExecutor, once a constraint needs compiling
     _compiling: dict = {}  # the parent's id -> its job, while its constraint compiles
@@ -398,7 +399,7 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
 
     def _flush(self) -> None:
         events, counts = _Forwarded.outbox, (self.running, self.occupied, self.waiting, self.steps, self.preemptions,
-                                             self.interactive_running)
+                                             self.interactive_running, self.transfers if self.steps else None)
         if not events and counts == self._last:
             return
         _Forwarded.outbox, self._last = [], counts

@@ -90,11 +90,12 @@ class Binding:
         io, session = self.io, self.session
 
         def bind_input(name, device, dtype, shape, pointer):
-            io.bind_input(name, "cpu", 0, dtype, list(shape), pointer)
+            io.bind_input(name, device, 0, dtype, list(shape), pointer)
 
         def bind_output(name, device, dtype, shape, pointer):
-            io.bind_output(name, "cpu", 0, dtype, list(shape), pointer)
+            io.bind_output(name, device, 0, dtype, list(shape), pointer)
 
+        self._handle = str
         return "cpu", bind_input, bind_output, functools.partial(session.run_with_iobinding, io, self.options)
 
     def _direct(self):
@@ -104,6 +105,7 @@ class Binding:
         raw, run = self.io._iobinding, self.session._sess.run_with_iobinding
         probe = np.zeros(1, np.int64)
         raw.bind_input("attention_mask", device, probe.dtype, [1], probe.ctypes.data)  # TypeError if it differs
+        self._handle = _device_handle
         return device, raw.bind_input, raw.bind_output, functools.partial(run, raw, self.options)
 
     def input_at(self, name: str, pointer: int, shape, dtype) -> None:
@@ -112,13 +114,24 @@ class Binding:
     def output_at(self, name: str, pointer: int, shape, dtype) -> None:
         self.bind_output(name, self.device, dtype, shape, pointer)
 
-    def input(self, name: str, array: np.ndarray) -> None:
+    def input(self, name: str, array) -> None:
+        """Bind a host array, or a runtime.device.DeviceArray on its device."""
         self._held[name] = array
-        self.input_at(name, array.ctypes.data, array.shape, array.dtype)
+        if isinstance(array, np.ndarray):
+            self.input_at(name, array.ctypes.data, array.shape, array.dtype)
+        else:
+            self.bind_input(name, self._handle(array.device), array.dtype, array.shape, array.pointer)
 
-    def output(self, name: str, array: np.ndarray) -> None:
+    def output(self, name: str, array) -> None:
         self._held["output:" + name] = array
-        self.output_at(name, array.ctypes.data, array.shape, array.dtype)
+        if isinstance(array, np.ndarray):
+            self.output_at(name, array.ctypes.data, array.shape, array.dtype)
+        else:
+            self.bind_output(name, self._handle(array.device), array.dtype, array.shape, array.pointer)
+
+    def on_device(self, name: str, device: str, pointer: int, shape, dtype, output: bool = False) -> None:
+        """Bind raw memory on `device` ('cpu', 'cuda'): a device buffer's rows."""
+        (self.bind_output if output else self.bind_input)(name, self._handle(device), dtype, shape, pointer)
 
     def leading(self, count: int, batch: int) -> "Binding":
         """A binding of the same session over the first `count` rows of every array bound here
@@ -132,6 +145,14 @@ class Binding:
             else:
                 out.input(key, part)
         return out
+
+
+@functools.cache
+def _device_handle(name: str):
+    """onnxruntime's C++ device object for `name` (device 0), as the direct binding takes it."""
+    import onnxruntime as ort
+
+    return ort.OrtDevice.make(name, 0)._get_c_device()
 
 
 def prompt_widths(length: int, steps: str) -> list[int]:

@@ -1,0 +1,206 @@
+"""The in_place cache on device-owned buffers (cache/in_place_device.py over CPU OrtValues: the
+code a CUDA session runs, its moves as small graphs on the session's provider), and the ledger of
+what crosses host <-> device (runtime/device.py).
+
+Invariants: every row gets transformers' greedy tokens, and the host cache's tokens and
+log-probabilities when sampling, preempted, reusing prefixes or searching beams; a decode step
+of 32 rows moves at most the read logits plus 4 KB of inputs; relayouts and beam reorders move
+no data; the host cache counts what the device cache moves.
+(`RAYMUTER_BUFFERS=device pytest tests/generation` runs every in_place test on device buffers.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import generation
+from generation.engine.scheduler import Scheduler
+from generation.params.settings import SettingError
+from generation.runtime.device import Device, Ledger
+
+GRAPHS = [("llama-genai", "llama"), ("qwen2-optimum+fused", "qwen2")]
+DATA = ("prompt", "inputs", "logits", "insert", "prefix_store", "prefix_restore")  # what is not a move's indices
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def models(test_models, load_model):
+    return {f: load_model(test_models[f.removesuffix("+fused")], fuse=f.endswith("+fused")) for f, _ in GRAPHS}
+
+
+@pytest.fixture(scope="module")
+def prompts(prompts_of):
+    return prompts_of(range(0, 38, 3), seed=5)
+
+
+def test_the_moves_equal_numpy():
+    """Each device move against the numpy it stands for (float32 buffers, an int64 mask)."""
+    device, ledger, rng = Device.for_provider("cpu"), Ledger(), np.random.default_rng(0)
+    buffer = device.zeros((4, 2, 8, 3), np.float32)
+    expected = np.zeros((4, 2, 8, 3), np.float32)
+    assert np.array_equal(buffer.copy_to_host(), expected)
+    for row, length in ((0, 5), (2, 8), (3, 1)):
+        values = rng.standard_normal((2, length, 3)).astype(np.float32)
+        device.write_row(buffer, row, values, ledger)
+        expected[row] = 0
+        expected[row, :, :length] = values
+    assert np.array_equal(buffer.copy_to_host(), expected)
+    device.move_rows([buffer], [1, 0, 3], [0, 3, 0], ledger)  # a swap among them: each reads the old rows
+    expected[[1, 0, 3]] = expected[[0, 3, 0]]
+    assert np.array_equal(buffer.copy_to_host(), expected)
+    for shape in ((8, 2, 16, 3), (2, 2, 4, 3), (4, 2, 8, 3)):
+        moved = device.relayout(buffer, shape)
+        want = np.zeros(shape, np.float32)
+        keep = tuple(slice(0, min(a, b)) for a, b in zip(shape, expected.shape))
+        want[keep] = expected[keep]
+        assert np.array_equal(moved.copy_to_host(), want), shape
+    mask = device.zeros((5, 6), np.int64)
+    device.set_lengths(mask, np.arange(5), [0, 3, 6, 1, 2], ledger)
+    want = (np.arange(6) < np.maximum([0, 3, 6, 1, 2], 1)[:, None]).astype(np.int64)
+    assert np.array_equal(mask.copy_to_host(), want)
+    device.mark(mask, np.array([[0, 1], [1, 3], [4, 5]], np.int64))
+    want[[0, 1, 4], [1, 3, 5]] = 1
+    assert np.array_equal(mask.copy_to_host(), want)
+    assert ledger.bytes["indices"] > 0 and all(ledger.bytes[c] == 0 for c in DATA)
+
+
+@pytest.mark.parametrize("steps", ["whole", "pieces"])
+@pytest.mark.parametrize("folder, name", GRAPHS, ids=[f for f, _ in GRAPHS])
+def test_greedy_equals_transformers(models, oracle, prompts, folder, name, steps):
+    ctx = generation.context(models[folder], buffers="device", max_new_tokens=MAX_NEW, prompt_steps=steps)
+    assert ctx.buffers == "device" and ctx.cache_mode == "in_place"
+    rows = generation.generate(ctx, prompts)
+    assert rows == [oracle.greedy(name, p, MAX_NEW) if p else [] for p in prompts]
+    small = generation.compile(ctx, batch_size=3)  # later rows into slots that finished rows left
+    assert generation.generate(small, prompts[::-1]) == rows[::-1]
+
+
+def test_the_state_holds_device_buffers(models):
+    state = generation.new_state(generation.context(models["llama-genai"], buffers="device"), slots=4, capacity=64)
+    assert type(state.cache).__name__ == "DeviceInPlaceCache" and state.cache.memory == "device"
+    assert all(type(b).__name__ == "DeviceArray" for b in state.cache.buffers.values())
+    host = generation.new_state(generation.context(models["llama-genai"]), slots=4, capacity=64)
+    assert host.cache.memory == "host" and all(isinstance(b, np.ndarray) for b in host.cache.buffers.values())
+
+
+def both(model, **settings):
+    return {buffers: generation.context(model, buffers=buffers, **settings) for buffers in ("host", "device")}
+
+
+@pytest.mark.parametrize("folder", [f for f, _ in GRAPHS])
+def test_sampling_and_log_probabilities_equal_the_host_cache(models, prompts, folder):
+    out = {}
+    for buffers, ctx in both(models[folder], max_new_tokens=MAX_NEW, do_sample=True, temperature=0.9, top_k=30,
+                             token_logprobs=True, top_logprobs=2).items():
+        out[buffers] = generation.generate(ctx, prompts[1:], seeds=list(range(len(prompts) - 1)))
+    for host, device in zip(out["host"], out["device"]):
+        assert host.tokens == device.tokens
+        np.testing.assert_array_equal(host.logprobs, device.logprobs)
+
+
+def test_beams_equal_the_host_cache(models, prompts):
+    out = {buffers: generation.beam_search(ctx, prompts[1:6], [0] * 5)
+           for buffers, ctx in both(models["llama-genai"], max_new_tokens=12, num_beams=3,
+                                    num_return_sequences=3).items()}
+    for host, device in zip(out["host"], out["device"]):
+        assert [(h.tokens, h.score) for h in host] == [(h.tokens, h.score) for h in device]
+
+
+def run(scheduler, prompts, settings):
+    jobs = [scheduler.job(p, 100 + i, dict(settings)) for i, p in enumerate(prompts)]
+    for job in jobs:
+        scheduler.add(job)
+    while scheduler.busy:
+        scheduler.step()
+    return [(job.reason, job.tokens, job.logprobs) for job in jobs]
+
+
+@pytest.mark.parametrize("kind", ["preempted", "prefix cache", "chunked prefill"])
+def test_the_scheduler_on_device_buffers_equals_the_host_cache(models, prompts_of, kind):
+    """Rows preempted and resumed by a memory budget, prompts reusing cached prefixes, prompts
+    filled in chunks: the device cache's rows are the host cache's."""
+    shared = prompts_of([20], seed=9)[0]
+    prompts = [shared + p for p in prompts_of(list(range(3, 15)), seed=11)]
+    settings = dict(max_new_tokens=40, eos_token_id=[], do_sample=True, temperature=0.8, top_k=40)
+    out = {}
+    for buffers, ctx in both(models["llama-genai"], token_logprobs=True).items():
+        options = {}
+        if kind == "preempted":
+            options["kv_cache_bytes"] = Scheduler(ctx, 8, 128).state.cache.footprint(8, 48)
+        elif kind == "prefix cache":
+            options["prefix_cache_bytes"] = 1 << 22
+        else:
+            options["prefill_chunk_tokens"] = 8
+        scheduler = Scheduler(ctx, 8, 128, **options)
+        out[buffers] = run(scheduler, prompts, settings)
+        if kind == "preempted":
+            assert scheduler.preemptions > 0
+        if kind == "prefix cache":
+            assert scheduler.prefix.hits > 0
+    for (reason, tokens, logprobs), (reason_d, tokens_d, logprobs_d) in zip(out["host"], out["device"]):
+        assert (reason, tokens) == (reason_d, tokens_d)
+        np.testing.assert_allclose(logprobs, logprobs_d, rtol=0, atol=2e-5)
+
+
+def seated(ctx, prompts):
+    """A state of 32 slots, every slot running one of `prompts`."""
+    state = generation.new_state(ctx, slots=32, capacity=128)
+    state, _ = generation.admit(ctx, state, list(range(32)), prompts, list(range(32)), max_new=[60] * 32)
+    return state
+
+
+@pytest.mark.parametrize("folder", [f for f, _ in GRAPHS])
+def test_a_decode_step_moves_the_read_logits_and_a_few_inputs(models, prompts_of, folder):
+    """32 rows a step: at most 32 x vocab x 4 bytes of logits + 4 KB, nothing else; the host
+    cache counts what the device cache moves."""
+    prompts = prompts_of([int(n) for n in np.random.default_rng(1).integers(1, 40, 32)], seed=2)
+    counted = {}
+    for buffers, ctx in both(models[folder], max_new_tokens=60, eos_token_id=[]).items():
+        state = seated(ctx, prompts)
+        ledger = state.cache.ledger
+        for _ in range(3):
+            before = ledger.bytes
+            state, _ = generation.step(ctx, state)
+            moved = {cause: ledger.bytes[cause] - before[cause] for cause in ledger.bytes}
+            vocab = ctx.model.vocab_size
+            assert moved["logits"] == 32 * vocab * 4
+            assert moved["logits"] + moved["inputs"] + moved["indices"] <= 32 * vocab * 4 + 4096, moved
+            assert all(moved[c] == 0 for c in ("prompt", "insert", "prefix_store", "prefix_restore")), moved
+        assert ledger.steps >= 3 and ledger.rows >= 96
+        counted[buffers] = {c: ledger.bytes[c] for c in DATA}
+    assert counted["host"] == counted["device"]
+
+
+def test_relayouts_and_beam_reorders_move_no_data(models, prompts_of):
+    """fit() to larger and smaller classes and copy_rows() (a beam step's reorder) leave every
+    data cause unchanged on both caches; the device buffers then hold what the host's hold."""
+    prompts = prompts_of([5, 17, 9, 30], seed=4)
+    caches = {}
+    for buffers, ctx in both(models["llama-genai"], max_new_tokens=8).items():
+        state = generation.new_state(ctx, slots=8, capacity=128)
+        state, _ = generation.admit(ctx, state, [0, 1, 2, 3], prompts, [0, 1, 2, 3])
+        cache, ledger = state.cache, state.cache.ledger
+        before = {c: ledger.bytes[c] for c in DATA}
+        cache.fit(8, 128)
+        cache.copy_rows(np.array([4, 5, 0]), np.array([1, 3, 3]), 31)
+        cache.fit(6, 64)
+        assert (cache.held, cache.length) == (8, 64)
+        assert {c: ledger.bytes[c] for c in DATA} == before
+        caches[buffers] = cache
+    host, device = caches["host"], caches["device"].host_buffers()
+    lengths = [30, 17, 9, 30, 17, 30]  # the rows each slot holds after the moves (slot 4 <- 1, 5 and 0 <- 3)
+    for name, buffer in host.buffers.items():
+        for slot, length in enumerate(lengths):
+            np.testing.assert_array_equal(device[name][slot, :, :length], buffer[slot, :, :length], err_msg=name)
+    np.testing.assert_array_equal(device["attention_mask"], host.mask)
+
+
+def test_buffers_setting_errors(models, test_models, load_model):
+    with pytest.raises(SettingError, match="buffers must be one of host, device") as e:
+        generation.context(models["llama-genai"], buffers="gpu")
+    assert e.value.setting == "buffers"
+    append = load_model(test_models["llama-optimum"])
+    with pytest.raises(SettingError, match="needs cache_mode 'in_place'"):
+        generation.context(append, buffers="device")
+    assert generation.context(append).buffers == "host"
