@@ -336,7 +336,7 @@ def default_threads() -> int:
 
 
 def load(source: str | os.PathLike, *, variant: str | None = None, provider: str | None = None,
-         threads: int | None = None, spin_wait: bool = True, fuse: bool = True) -> Model:
+         threads: int | None = None, spin_wait: bool = True, fuse: bool = True, precision: str | None = None) -> Model:
     """Load the decoder of `source` (a folder or a hub id).
 
     variant: dtype variant of a transformers.js export (fp16, q4, quantized, ...), None for fp32.
@@ -348,18 +348,21 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
     fuse: run an Optimum / transformers.js decoder of a family the rewrite knows (Llama, Mistral,
     Qwen2, Qwen3, Granite, Phi-3, Gemma: generation.runtime.fusion.FAMILIES) as its fused rewrite
     (generation.runtime.fusion: built once, cached under $RAYMUTER_CACHE, checked against the
-    source); False runs the file as exported.
+    source); False runs the file as exported. precision: the fused graph's, 'fp32' or 'fp16'
+    (default: fp16 on CUDA, whose GroupQueryAttention takes float16; fp32 on the CPU).
 
     The model's family is not looked at here: `generation.load` (generation.families.load) loads
     through this and then gives the model its family and that family's hooks.
     """
     if not isinstance(fuse, bool):
         raise ModelError(f"fuse must be true or false, not {fuse!r}")
-    return _load(source, variant, provider, threads, spin_wait, fuse)
+    if precision not in (None, "fp32", "fp16"):
+        raise ModelError(f"precision must be fp32 or fp16, not {precision!r}")
+    return _load(source, variant, provider, threads, spin_wait, fuse, precision)
 
 
 def _load(source, variant: str | None, provider: str | None, threads: int | None, spin_wait: bool,
-          fuse: bool) -> Model:
+          fuse: bool, precision: str | None = None) -> Model:
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ModelError(f"threads must be a positive integer, not {threads!r}")
     folder = resolve_folder(source, variant)
@@ -378,7 +381,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
             session, used = open_session(decoder_path, provider, threads, spin_wait, head=True, int8_rows=True)
             source = session, used, read_graph(decoder_path, session, _config_dims(config), present_names)
             return source[0], source[2]
-        fused = fused_decoder(decoder_path, config, _provider(provider), load_source)
+        fused = fused_decoder(decoder_path, config, _provider(provider), load_source, precision)
     path = fused or decoder_path
     if fused is None and source is not None:  # refused just now: the source is loaded already
         session, used, graph = source

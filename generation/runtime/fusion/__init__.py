@@ -7,6 +7,13 @@ such a graph (weights.py), writes the fused graph (emit.py; its rotary tables: r
 cache folder keyed by a hash of the source files, and keeps it only when its logits equal the
 source's on a probe prompt and step. A graph it cannot rewrite loads as before, with the reason in
 the log (and remembered under the same key, so it is not retried at every load).
+
+Precision: the fused graph is float32 for the CPU and float16 for CUDA (GroupQueryAttention on
+CUDA takes float16), from a float32 or a float16 source alike: the weights are read as float32,
+the graph emitted and then converted whole (onnxruntime.transformers.float16: weights, cache,
+logits), and checked against the source within float16's tolerance. `precision` overrides the
+provider's (onnxruntime's CPU kernels run the float16 graph too: how the tests hold it). A
+float16 source on the CPU without precision='fp16' keeps running as exported.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from .weights import FusionError
 
 log = logging.getLogger(__name__)
 
-VERSION = 8  # bump when what is rewritten or emitted changes: it is part of every cache key (refusals too)
+VERSION = 9  # bump when what is rewritten or emitted changes: it is part of every cache key (refusals too)
 _CONFIG_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "num_hidden_layers", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta",
                   "rope_scaling", "max_position_embeddings", "hidden_act", "hidden_activation", "tie_word_embeddings",
@@ -39,6 +46,19 @@ _CONFIG_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_v
                   "_sliding_window_pattern", "use_bidirectional_attention", "no_rope_layers", "no_rope_layer_interval",
                   "clip_qkv", "norm_eps", "layer_norm_eps", "qk_layernorm", "num_local_experts", "num_experts_per_tok")
 PROBE_TOLERANCE = 1e-3  # of the logits' scale: a misplaced weight moves them by O(1)
+# float16 against the source: float16 keeps 11 significant bits (2^-10 relative spacing) and a
+# probe's logits pass through each layer's roundings; 2% of their scale, still far below O(1)
+PROBE_TOLERANCE_FP16 = 2e-2
+PRECISIONS = ("fp32", "fp16")
+
+
+def precision_for(provider: str, precision: str | None) -> str:
+    """The fused graph's precision: as asked, else float16 on CUDA and float32 on the CPU."""
+    if precision is None:
+        return "fp16" if provider == "cuda" else "fp32"
+    if precision not in PRECISIONS:
+        raise FusionError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    return precision
 
 
 def cache_root() -> Path:
@@ -48,24 +68,26 @@ def cache_root() -> Path:
 
 
 def unsupported_config(config: dict, provider: str) -> str | None:
-    """Why a decoder of `config` is not rewritten (None: it is a candidate)."""
+    """Why a decoder of `config` is not rewritten (None: it is a candidate; any provider: CUDA
+    takes the float16 graph)."""
     try:
         check(config)
     except FusionError as e:
         return str(e)
-    if provider != "cpu":
-        return "GroupQueryAttention on CUDA takes float16 and the weights are float32"
     return None
 
 
-def unsupported_graph(graph) -> str | None:
-    """Why the decoder `graph` is not rewritten (None: it is a candidate)."""
+def unsupported_graph(graph, precision: str = "fp32") -> str | None:
+    """Why the decoder `graph` is not rewritten at `precision` (None: it is a candidate)."""
     if graph.native_mode not in ("append", "grow"):
         return f"its graph already runs in the {graph.native_mode} cache mode"
     if graph.has_inputs_embeds or graph.position_axes != 1:
         return "it takes inputs_embeds or 3-D positions (a vision-language decoder)"
-    if graph.cache_dtype is not np.float32 or graph.logits_dtype is not np.float32:
-        return "its cache or logits are not float32"
+    kinds = {np.dtype(graph.cache_dtype), np.dtype(graph.logits_dtype)}
+    if precision == "fp32" and kinds != {np.dtype(np.float32)}:
+        return "its cache or logits are not float32 (precision='fp16' rewrites it in float16)"
+    if not kinds <= {np.dtype(np.float32), np.dtype(np.float16)}:
+        return "its cache or logits are neither float32 nor float16"
     return None
 
 
@@ -74,8 +96,8 @@ def _source_files(path: Path) -> list[Path]:
     return [path] + sorted(p for p in path.parent.iterdir() if p != path and p.name.startswith(path.name))
 
 
-def cache_key(path: Path, config: dict) -> str:
-    digest = hashlib.sha256(f"raymuter-fusion-{VERSION}".encode())
+def cache_key(path: Path, config: dict, precision: str = "fp32") -> str:
+    digest = hashlib.sha256(f"raymuter-fusion-{VERSION}".encode() + (b"" if precision == "fp32" else b"-fp16"))
     digest.update(json.dumps({k: config.get(k) for k in _CONFIG_FIELDS}, sort_keys=True).encode())
     for file in _source_files(path):
         with open(file, "rb") as f:
@@ -84,15 +106,17 @@ def cache_key(path: Path, config: dict) -> str:
     return digest.hexdigest()[:32]
 
 
-def fused_decoder(path: Path, config: dict, provider: str, load_source) -> Path | None:
+def fused_decoder(path: Path, config: dict, provider: str, load_source, precision: str | None = None) -> Path | None:
     """The fused graph of the decoder at `path`, or None where it cannot be rewritten (the
-    reason logged). Built once per source and kept in the cache; `load_source()` gives the
-    source's (session, DecoderGraph), asked for only when the cache has no answer yet."""
+    reason logged). Built once per source and precision (default the provider's:
+    `precision_for`) and kept in the cache; `load_source()` gives the source's (session,
+    DecoderGraph), asked for only when the cache has no answer yet."""
+    precision = precision_for(provider, precision)
     reason = unsupported_config(config, provider)
     if reason:
         log.info("%s runs unfused: %s", path.name, reason)
         return None
-    folder = cache_root() / "fused" / cache_key(path, config)
+    folder = cache_root() / "fused" / cache_key(path, config, precision)
     fused, refused = folder / "model.onnx", folder / "refused.json"
     with _exclusive(folder):  # replicas starting together on one node: one builds, the others wait and load it
         if fused.exists():
@@ -101,7 +125,7 @@ def fused_decoder(path: Path, config: dict, provider: str, load_source) -> Path 
         if refused.exists():
             log.warning("%s runs unfused: %s", path.name, json.loads(refused.read_text())["reason"])
             return None
-        return _rewrite(path, config, folder, load_source)
+        return _rewrite(path, config, folder, load_source, precision)
 
 
 @contextlib.contextmanager
@@ -115,16 +139,16 @@ def _exclusive(folder: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _rewrite(path: Path, config: dict, folder: Path, load_source) -> Path | None:
+def _rewrite(path: Path, config: dict, folder: Path, load_source, precision: str) -> Path | None:
     session, graph = load_source()
     try:
-        reason = unsupported_graph(graph)
+        reason = unsupported_graph(graph, precision)
         if reason:
             raise FusionError(reason)
-        log.info("rewriting %s into the fused graph (once; cached in %s)", path, folder)
-        built = _build(path, config, folder.parent)
+        log.info("rewriting %s into the fused graph, %s (once; cached in %s)", path, precision, folder)
+        built = _build(path, config, folder.parent, precision)
         try:
-            _check_against(session, graph, built / "model.onnx")
+            _check_against(session, graph, built / "model.onnx", precision)
         except FusionError:
             shutil.rmtree(built, ignore_errors=True)
             raise
@@ -140,8 +164,9 @@ def _rewrite(path: Path, config: dict, folder: Path, load_source) -> Path | None
     return folder / "model.onnx"
 
 
-def _build(path: Path, config: dict, parent: Path) -> Path:
-    """Write the fused graph into a fresh temporary folder beside its final place."""
+def _build(path: Path, config: dict, parent: Path, precision: str = "fp32") -> Path:
+    """Write the fused graph into a fresh temporary folder beside its final place (float16:
+    emitted in float32, then converted whole)."""
     try:
         import onnx
     except ImportError:  # pragma: no cover - a dependency of raymuter
@@ -153,6 +178,8 @@ def _build(path: Path, config: dict, parent: Path) -> Path:
     layout = family(config)
     weights = read_weights(onnx.load(str(path)), config, layout)
     model = fused_graph(weights, config, layout)
+    if precision == "fp16":
+        model = _float16(model)
     parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=parent, prefix=".building-"))
     onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -160,16 +187,28 @@ def _build(path: Path, config: dict, parent: Path) -> Path:
     return folder
 
 
+def _float16(model):
+    """The float32 fused graph in float16: weights, cache inputs and outputs, logits, and every
+    operator between (onnxruntime's converter; the ids, mask and positions stay integers)."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    converted = convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True)
+    converted.ir_version = model.ir_version
+    return converted
+
+
 def probe_ids(vocab: int, count: int) -> np.ndarray:
     """Token ids spread over the vocabulary (a probe's prompt)."""
     return (np.arange(count, dtype=np.int64) * 7919 + 3) % vocab
 
 
-def _run_probe(session, graph, ids: np.ndarray, steps: int) -> list[np.ndarray]:
-    """Logits of a prompt and `steps` decodes after it, through `session`, with a growing cache."""
+def _run_probe(session, graph, ids: np.ndarray, steps: int, follow: list[int] | None = None) -> list[np.ndarray]:
+    """Logits of a prompt and `steps` decodes after it, through `session`, with a growing cache;
+    each decode feeds the argmax of the step before, or `follow[step]` (another run's argmax: a
+    float16 graph may break a near tie the other way)."""
     names = {i.name for i in session.get_inputs()}
     entries = graph.cache
-    past = {e.past: np.zeros((1, e.heads, 0, e.head_dim), np.float32) for e in entries}
+    past = {e.past: np.zeros((1, e.heads, 0, e.head_dim), graph.cache_dtype) for e in entries}
     tokens, out, length = ids[None, :], [], 0
     for step in range(steps + 1):
         width = tokens.shape[1]
@@ -187,12 +226,13 @@ def _run_probe(session, graph, ids: np.ndarray, steps: int) -> list[np.ndarray]:
         out.append(results["logits"][0])
         past = {e.past: results[e.present] for e in entries}
         length += width
-        tokens = np.array([[int(out[-1][-1].argmax())]], np.int64)
+        tokens = np.array([[int(out[-1][-1].argmax()) if follow is None else follow[step]]], np.int64)
     return out
 
 
-def _check_against(session, graph, fused_path: Path) -> None:
-    """Raise FusionError unless the fused graph's logits equal the source's on a probe."""
+def _check_against(session, graph, fused_path: Path, precision: str = "fp32") -> None:
+    """Raise FusionError unless the fused graph's logits equal the source's on a probe (within
+    float16's tolerance where either is float16)."""
     import onnxruntime as ort
 
     from ..graph import read_graph
@@ -207,12 +247,15 @@ def _check_against(session, graph, fused_path: Path) -> None:
     ids = probe_ids(graph.vocab_size, 7)
     expected = _run_probe(session, graph, ids, steps=2)
     try:
-        got = _run_probe(fused, fused_graph, ids, steps=2)
+        got = _run_probe(fused, fused_graph, ids, steps=2, follow=[int(a[-1].argmax()) for a in expected])
     except Exception as e:  # an attribute the operator's kernel refuses shows only when it runs
         raise FusionError(f"onnxruntime cannot run the fused graph: {e}") from None
+    half = precision == "fp16" or np.dtype(graph.logits_dtype) == np.float16
+    tolerance = PROBE_TOLERANCE_FP16 if half else PROBE_TOLERANCE
     for step, (a, b) in enumerate(zip(expected, got)):
+        a, b = a.astype(np.float32), b.astype(np.float32)
         scale = max(1.0, float(np.abs(a).max()))
         diff = float(np.abs(a - b).max())
-        if diff > PROBE_TOLERANCE * scale:
+        if diff > tolerance * scale:
             raise FusionError(f"the fused graph's logits differ from the source's by {diff:.3g} at probe step {step} "
                               "(the weights did not map as expected)")

@@ -284,9 +284,11 @@ def read_weights(model_proto, config: dict, layout) -> DecoderWeights:
                 bias = [const_through(name) for name in node.input if name not in norm_outputs]
                 if bias and bias[0] is not None and bias[0].ndim == 1 and index not in norm_biases:
                     norm_biases[index] = bias[0]
-    for array in (embed, *norms, *sinks, *(x.weight for x in linears + stacked if not x.quantized)):
-        if array is not None and array.dtype != np.float32:
-            raise FusionError(f"weights of type {array.dtype} are not rewritten (float32 only)")
+    embed, norms, sinks = _float32(embed), [_float32(n) for n in norms], [_float32(x) for x in sinks]
+    norm_biases = {k: _float32(v) for k, v in norm_biases.items()}
+    for x in linears + stacked:
+        if not x.quantized:
+            x.weight, x.bias = _float32(x.weight), _float32(x.bias)
     out = _as_layers(embed, norms, linears, config, layout, norm_biases)
     if layout.experts:
         _add_experts(out, stacked, sinks, config, layout)
@@ -294,6 +296,16 @@ def read_weights(model_proto, config: dict, layout) -> DecoderWeights:
         capped = _capped(graph.node, producer, const_through, layout.attention_softcap)
         out.scores_softcapped = capped >= len(out.layers)
     return out
+
+
+def _float32(array: np.ndarray | None) -> np.ndarray | None:
+    """A weight as float32: a float16 export's weights are read up (the fused graph is emitted in
+    float32, then converted to its precision); other types are not rewritten."""
+    if array is None or array.dtype == np.float32:
+        return array
+    if array.dtype == np.float16:
+        return array.astype(np.float32)
+    raise FusionError(f"weights of type {array.dtype} are not rewritten (float32 or float16 only)")
 
 
 def _add_experts(out: DecoderWeights, stacked: list[Linear], sinks: list[np.ndarray], config: dict, layout) -> None:

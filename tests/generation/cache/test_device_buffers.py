@@ -80,7 +80,7 @@ def test_the_state_holds_device_buffers(models):
     state = generation.new_state(generation.context(models["llama-genai"], buffers="device"), slots=4, capacity=64)
     assert type(state.cache).__name__ == "DeviceInPlaceCache" and state.cache.memory == "device"
     assert all(type(b).__name__ == "DeviceArray" for b in state.cache.buffers.values())
-    host = generation.new_state(generation.context(models["llama-genai"]), slots=4, capacity=64)
+    host = generation.new_state(generation.context(models["llama-genai"], buffers="host"), slots=4, capacity=64)
     assert host.cache.memory == "host" and all(isinstance(b, np.ndarray) for b in host.cache.buffers.values())
 
 

@@ -166,10 +166,11 @@ def test_weights_stored_once_and_shared_are_read(test_models, cache, tmp_path):
     assert rows[0] == rows[1]
 
 
-def test_cuda_and_other_families_are_not_candidates():
+def test_other_families_are_not_candidates():
     llama = {"model_type": "llama", "hidden_act": "silu"}
     assert fusion.unsupported_config(llama, "cpu") is None
-    assert "float16" in fusion.unsupported_config(llama, "cuda")
+    assert fusion.unsupported_config(llama, "cuda") is None  # CUDA takes the float16 rewrite (test_fp16.py)
+    assert fusion.precision_for("cuda", None) == "fp16" and fusion.precision_for("cpu", None) == "fp32"
     assert "gelu" in fusion.unsupported_config({**llama, "hidden_act": "gelu"}, "cpu")
     mistral = {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}
     assert fusion.unsupported_config(mistral, "cpu") is None  # its window: local_window_size (test_fusion_families)
