@@ -53,10 +53,14 @@ from .cross import Seq2SeqCache
 from .grow import GrowCache
 from .in_place import InPlaceCache
 from .in_place_device import DeviceInPlaceCache
+from .append_device import DeviceAppendCache
+from .cross_device import DeviceSeq2SeqCache
+from .grow_device import DeviceGrowCache
 from ..runtime.device import Ledger
 from .windowed import WindowedAppendCache
 
 CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache, "seq2seq": Seq2SeqCache}
+DEVICE_MODES = ("in_place", "append", "grow", "seq2seq")  # the modes whose buffers may live on the session's device
 
 
 def new_cache(model, mode: str, slots: int, capacity: int, max_position: int, buffers: str = "host",
@@ -69,15 +73,33 @@ def new_cache(model, mode: str, slots: int, capacity: int, max_position: int, bu
     session's device: in_place only, in_place_device.py); `ledger` counts what crosses
     host <-> device (the in_place caches count it; the others keep None)."""
     kind = CACHES[mode]
+    windowed = kind is AppendCache and (model.attention_window or model.graph.keys_at_end)
     if buffers == "device":
-        if mode != "in_place":
-            raise ValueError(f"buffers 'device': only the in_place cache keeps its buffers on the device, not {mode!r}")
-        cache = DeviceInPlaceCache(model.session, model.graph, slots, capacity, max_position, ledger,
-                                   provider=model.provider)
+        if mode not in DEVICE_MODES or windowed:
+            raise ValueError(f"buffers 'device': the {mode} cache{' of a sliding window' if windowed else ''} "
+                             f"keeps its buffers on the host")
+        if mode == "in_place":
+            cache = DeviceInPlaceCache(model.session, model.graph, slots, capacity, max_position, ledger,
+                                       provider=model.provider)
+        elif mode == "grow":
+            cache = DeviceGrowCache(model.session, model.graph, slots, capacity, max_position, ledger,
+                                    provider=model.provider)
+        elif mode == "seq2seq":
+            cache = DeviceSeq2SeqCache(model.session, model.graph, slots, capacity, max_position, ledger,
+                                       provider=model.provider)
+        else:
+            cache = DeviceAppendCache(model.session, model.graph, slots, capacity, max_position,
+                                      model.embed if model.graph.has_inputs_embeds else None, ledger,
+                                      provider=model.provider, embed_session=model.embed_session)
     elif kind is InPlaceCache and not model.graph.has_inputs_embeds:
         cache = InPlaceCache(model.session, model.graph, slots, capacity, max_position, ledger)
+    elif kind in (GrowCache, Seq2SeqCache):
+        cache = kind(model.session, model.graph, slots, capacity, max_position, ledger)
     else:
         cache = _other(model, kind, slots, capacity, max_position)
+        if isinstance(cache, AppendCache) and ledger is not None:
+            cache.ledger = ledger
+            cache.ledger.rate(cache.inputs.step_rates())
     missing = missing_verbs(cache)
     if missing:
         raise TypeError(f"cache mode {mode!r} ({type(cache).__name__}) does not implement {', '.join(missing)}: "

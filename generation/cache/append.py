@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime.device import Ledger
 from ..runtime.feeds import Binding, step_inputs
 from ..runtime.graph import DecoderGraph
 from .base import BaseCache, CacheInputs, size_class, token_bytes
@@ -30,7 +31,9 @@ class AppendCache(BaseCache):
     verifies_row_by_row = False
     sized = False  # its footprint does not shrink with the rows held (BaseCache.sized)
 
-    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int, embed=None):
+    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int, embed=None,
+                 ledger: Ledger | None = None):
+        self.ledger = ledger if ledger is not None else Ledger()
         shapes = {(e.heads, e.head_dim) for e in graph.cache}
         if len(shapes) != 1:
             raise ValueError(f"append mode needs one cache shape for all layers, found {sorted(shapes)}")
@@ -49,6 +52,7 @@ class AppendCache(BaseCache):
         self._mask = np.zeros(slots * (capacity + 1), graph.dtype("attention_mask"))
         self._mask_pointer = self._mask.ctypes.data
         self._dtype = np.dtype(graph.cache_dtype)
+        self.ledger.rate(self.inputs.step_rates())
 
     def _allocate(self, room: int) -> None:
         """Both buffers at `room` cache rows per slot (their contents zeros)."""
@@ -119,14 +123,19 @@ class AppendCache(BaseCache):
         into[..., :keep, :] = old[..., :keep, :]
 
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
+        """A row prefilled apart from the batch (its rows cross to a device: `insert`)."""
         self._used.add(slot)
         self._reach(length + 1)
         if length > self.width:
             self._relayout(length)
+        self._write(slot, cache, length)
+        self.inputs.place(slot, cache)
+
+    def _write(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
         layout = self._layout(self.current, self.width)
         for i, e in enumerate(self.graph.cache):
             layout[i, slot, :, :length] = cache[e.past]
-        self.inputs.place(slot, cache)
+            self.ledger.add("insert", layout[i, slot, :, :length].nbytes)
 
     def copy_rows(self, dst, src, length: int) -> None:
         self._used.update(int(d) for d in dst)
@@ -186,6 +195,7 @@ class AppendCache(BaseCache):
             elif positions is not None:
                 positions.fill(width)
             run()
+            self.ledger.step(self.slots)
             self.current, self.width = 1 - self.current, width + 1
             yield logits
 
@@ -202,9 +212,11 @@ class AppendCache(BaseCache):
             rows, (binding, run) = span, self._leading(span)
             lengths = lengths[:span]
         mask = self._valid(self._mask[:rows * (width + 1)].reshape(rows, width + 1), lengths, width)
+        self.ledger.add("inputs", lengths.nbytes)  # on a device the mask is made there from the lengths
         binding.input_at("attention_mask", self._mask_pointer, mask.shape, mask.dtype)
         self._bind_cache(width, binding=binding, rows=rows)
         run()
+        self.ledger.step(rows)
         self.current, self.width = 1 - self.current, width + 1
         self._moved(lengths, width, 1)
         return self.logits

@@ -164,18 +164,19 @@ class CacheInputs:
             self.read = np.zeros((slots, 1), np.int64)
             binding.input("logits_positions", self.read)
 
-    def step_rates(self) -> dict:
+    def step_rates(self, mask_row: int = 0) -> dict:
         """What a decode step moves between the host and a device, per cause: (bytes a row, bytes
-        a step). Its logits come to the host; its ids (or embeddings), positions and read
-        positions go to the device, with the mask's new entry of each row (a row and a column,
-        int64: the buffer modes mark it where the mask lives), and use_cache_branch once."""
-        row = self.embeds[0].nbytes if self.embeds is not None else self.ids[0].nbytes
+        a step). Its logits come to the host; its ids (a graph that takes embeddings gets them
+        from the ids where the buffers live), positions and read positions go to the device,
+        with `mask_row` bytes a row of what updates the mask there (in_place: each row's new
+        entry, a row and a column), and use_cache_branch once."""
+        row = self.ids[0].nbytes
         if self.positions is not None:
             row += self.positions[..., 0, :].nbytes
         if self.read is not None:
             row += self.read[0].nbytes
         step = self.use_cache.nbytes if getattr(self, "use_cache", None) is not None else 0
-        return {"logits": (self.logits[0].nbytes, 0), "inputs": (row + 16, step)}
+        return {"logits": (self.logits[0].nbytes, 0), "inputs": (row + mask_row, step)}
 
     def set_positions(self, lengths: np.ndarray) -> None:
         """A row's new token sits at its length (plus its offset; rows never outgrow the model's

@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..runtime.device import Ledger
 from ..runtime.encoders import EncoderOutputs
 from ..runtime.graph import ORT_TYPES, DecoderGraph
 from .base import BaseCache, moves_by_group
@@ -77,7 +78,9 @@ class Seq2SeqCache(BaseCache):
 
     mode = "seq2seq"
 
-    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int):
+    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int,
+                 ledger: Ledger | None = None):
+        self.ledger = ledger if ledger is not None else Ledger()
         self.session, self.graph, self.capacity = session, graph, capacity
         self.token_input = np.zeros(slots, np.int64)
         self.inputs = session_inputs(session)
@@ -85,6 +88,9 @@ class Seq2SeqCache(BaseCache):
         self._names = ["logits"] + [e.present for e in graph.cache]
 
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
+        """A row's first step, run apart (its decoder and cross cache and its source cross to a
+        device once: `insert`)."""
+        self.ledger.add("insert", sum(np.asarray(a).nbytes for a in cache.values()))
         row = {"past": {e.past: cache[e.past][None] for e in self.graph.cache},
                "cross": {e.past: cache[e.past] for e in self.graph.cross_cache},
                "hidden": cache["encoder_hidden_states"]}
@@ -132,6 +138,14 @@ class Seq2SeqCache(BaseCache):
                 for array in list(group["cross"].values()) + [group["hidden"], group["mask"]]:
                     array[into] = array[take]
 
+    def _count(self, feeds: dict, rows: int) -> None:
+        """A step's crossing, were the groups on a device (cross_device.py): its ids and
+        use_cache_branch in (the source and its mask stay there), its logits out."""
+        self.ledger.add("inputs", sum(a.nbytes for k, a in feeds.items()
+                                      if k not in ("encoder_hidden_states", "encoder_attention_mask")))
+        self.ledger.add("logits", rows * self.graph.vocab_size * np.dtype(self.graph.logits_dtype).itemsize)
+        self.ledger.step(rows)
+
     def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
         logits = np.zeros((len(lengths), self.graph.vocab_size), np.float32)
         for group in self.groups:
@@ -141,6 +155,7 @@ class Seq2SeqCache(BaseCache):
                 raise ValueError(f"a row needs {group['length'] + 1} cache rows; this state holds {self.capacity}")
             ids = np.where(live, self.token_input[np.maximum(slots, 0)], 0).reshape(-1, 1)
             feeds = _feeds(self.inputs, ids, group["hidden"], group["mask"], use_cache=True)
+            self._count(feeds, len(slots))
             feeds.update(group["past"])
             feeds.update(group["cross"])
             out, *presents = self.session.run(self._names, feeds)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime.device import Ledger
 from ..runtime.feeds import step_inputs
 from ..runtime.graph import DecoderGraph
 from .base import BaseCache, moves_by_group
@@ -21,14 +22,24 @@ class GrowCache(BaseCache):
     def verifies_row_by_row(self) -> bool:
         return self.graph.has_group_query_attention
 
-    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int):
+    def __init__(self, session, graph: DecoderGraph, slots: int, capacity: int, max_position: int,
+                 ledger: Ledger | None = None):
+        self.ledger = ledger if ledger is not None else Ledger()
         self.session, self.graph, self.max_position = session, graph, max_position
         self.capacity = capacity
         self.token_input = np.zeros(slots, np.int64)
         self.groups: list[dict] = []  # {"slots": [int] (-1 = released), "length": int, "past": {name: array}}
         self._names = ["logits"] + [e.present for e in graph.cache]
 
+    def _count(self, feeds: dict, rows: int, count: int) -> None:
+        """A run's crossing, were the groups on a device (grow_device.py): its inputs but the
+        mask (made there) in, its logits out."""
+        self.ledger.add("inputs", sum(a.nbytes for k, a in feeds.items()
+                                      if k in self.graph.input_dtypes and k != "attention_mask"))
+        self.ledger.add("logits", rows * count * self.graph.vocab_size * np.dtype(self.graph.logits_dtype).itemsize)
+
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
+        self.ledger.add("insert", sum(a.nbytes for a in cache.values()))
         for group in self.groups:
             if group["length"] == length:
                 group["slots"].append(slot)
@@ -73,6 +84,7 @@ class GrowCache(BaseCache):
             for part in parts:
                 feeds = step_inputs(self.graph, group_ids[part], np.ones((len(part), length + count), np.int64),
                                     np.broadcast_to(positions, (len(part), count)), length)
+                self._count(feeds, len(part), count)
                 feeds.update({name: array[part] for name, array in group["past"].items()})
                 out, *present = self.session.run(self._names, feeds)
                 outs.append(out)
@@ -107,6 +119,8 @@ class GrowCache(BaseCache):
             positions = np.full((len(slots), 1), min(length, self.max_position - 1))
             mask = np.ones((len(slots), length + 1), np.int64)
             feeds = step_inputs(self.graph, ids, mask, positions, length)
+            self._count(feeds, len(slots), 1)
+            self.ledger.step(len(slots))
             feeds.update(group["past"])
             out, *presents = self.session.run(self._names, feeds)
             group["past"] = {e.past: p for e, p in zip(self.graph.cache, presents)}

@@ -54,7 +54,7 @@ class InPlaceCache(BaseCache):
         # the step inputs of every slot; a layout binds their leading rows
         self._inputs_binding = Binding(session, self.run_options)
         self.inputs = CacheInputs(self._inputs_binding, graph, slots)
-        self.ledger.rate(self.inputs.step_rates())
+        self.ledger.rate(self.inputs.step_rates(mask_row=16))
         self.token_input = self.inputs.ids[:, 0]
         self.logits = self.inputs.logits[:, 0]
         self.rows = np.arange(slots)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..logits.constraints import GrammarBudget
 from ..params.settings import SettingError, Settings, make_settings, model_settings, shown
+from ..cache import DEVICE_MODES
 from ..runtime.graph import CACHE_MODES
 from ..runtime.model import Model
 
@@ -112,14 +113,17 @@ def _buffers(model: Model, cache_mode: str, buffers: str | None) -> str:
     """Where the cache lives: as asked, or by default on the device of a CUDA session's in_place
     cache (RAYMUTER_BUFFERS=device: a CPU session's in_place cache too, on CPU OrtValues, the code
     a CUDA session runs); SettingError where the mode keeps its buffers on the host only."""
+    windowed = cache_mode == "append" and bool(model.attention_window or model.graph.keys_at_end)
+    on_device = cache_mode in DEVICE_MODES and not windowed
     if buffers is None:
         device = model.provider == "cuda" or os.environ.get("RAYMUTER_BUFFERS") == "device"
-        return "device" if device and cache_mode == "in_place" else "host"
+        return "device" if device and on_device else "host"
     if buffers not in BUFFERS:
         raise SettingError("buffers", f"buffers must be one of {', '.join(BUFFERS)}, not {shown(buffers)}")
-    if buffers == "device" and cache_mode != "in_place":
-        raise SettingError("buffers", f"buffers 'device' needs cache_mode 'in_place' (the mode onnxruntime-genai "
-                                      f"runs on CUDA); cache_mode '{cache_mode}' keeps its buffers on the host")
+    if buffers == "device" and not on_device:
+        what = "a sliding window's append cache" if windowed else f"cache_mode '{cache_mode}'"
+        raise SettingError("buffers", f"buffers 'device': {what} keeps its buffers on the host (a sliding "
+                                      f"window's columns move with each row; see cache/windowed.py)")
     return buffers
 
 

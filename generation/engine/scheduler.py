@@ -188,6 +188,8 @@ class Scheduler:
         store = FirstStepStore if ctx.model.is_seq2seq else PrefixStore  # an encoder-decoder's: its first steps
         self.prefix = store(prefix_cache_bytes) if prefix_cache_bytes else None
         self.ledger = Ledger()  # what crosses host <-> device, across the states this scheduler makes
+        if state:  # a state given (generate's spare one): its cache's ledger goes on
+            self.ledger = state.cache.ledger or self.ledger
         self.state = state if state is not None else new_state(ctx, slots, capacity, self.prefix, self.ledger)
         self.waiting: deque[Job] = deque()
         self.holder: dict[int, Job] = {}  # slot -> the job of a plain row

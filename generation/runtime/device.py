@@ -162,6 +162,48 @@ class Device:
         pads = np.concatenate([np.zeros(len(shape), np.int64), np.asarray(shape, np.int64) - keep])
         return self._run("relayout", old.dtype, {"x": old, "ends": keep, "pads": pads}, out="y", rank=old.ndim)
 
+    def copy_into(self, old: DeviceArray, into: DeviceArray) -> None:
+        """`into` (zeros) holding what fits of `old` (its leading part on every axis): a buffer
+        laid out again in memory of its own (the append cache's other buffer)."""
+        keep = np.minimum(old.shape, into.shape).astype(np.int64)
+        pads = np.concatenate([np.zeros(len(into.shape), np.int64), np.asarray(into.shape, np.int64) - keep])
+        self._run("relayout", old.dtype, {"x": old, "ends": keep, "pads": pads}, inplace=("y", into), rank=old.ndim)
+
+    def move_columns(self, array: DeviceArray, lengths: DeviceArray, start: int, count: int) -> None:
+        """array[b, :, lengths[b] + k] = array[b, :, start + k] for k < count, every row b, in place
+        (array [rows, heads, columns, head_dim]): a run's new columns, landed at `start` for every
+        row, moved to each row's length (the widest rows' own place: they stay)."""
+        self._run("move_columns", array.dtype, {"x": array, "lengths": lengths, "starts": np.array([start], np.int64),
+                                                "ends": np.array([start + count], np.int64)},
+                  inplace=("y", array), rank=array.ndim)
+
+    def valid_mask(self, mask: DeviceArray, lengths: DeviceArray, width: int) -> None:
+        """mask [n, total] = 1 where column c < lengths[b] or c >= width: each row's valid cache
+        rows and a run's new columns, computed on the device from the lengths."""
+        self._run("valid_mask", mask.dtype, {"lengths": lengths, "width": np.array([width], np.int64),
+                                             "total": np.array([mask.shape[1]], np.int64)},
+                  inplace=("y", mask), rank=2)
+
+    def gather(self, array: DeviceArray, rows, ledger: Ledger | None = None) -> DeviceArray:
+        """array[rows] in a new buffer (rows may repeat)."""
+        rows = np.asarray(rows, np.int64)
+        if ledger is not None:
+            ledger.add("indices", rows.nbytes)
+        return self._run("gather", array.dtype, {"x": array, "rows": rows}, out="y", rank=array.ndim)
+
+    def concat(self, arrays: list[DeviceArray]) -> DeviceArray:
+        """The arrays one after another along their first axis, in a new buffer."""
+        if len(arrays) == 1:
+            return self.relayout(arrays[0], arrays[0].shape)
+        out = arrays[0]
+        for array in arrays[1:]:
+            out = self._run("concat", array.dtype, {"a": out, "b": array}, out="y", rank=array.ndim)
+        return out
+
+    def view(self, array: DeviceArray, offset: int, shape) -> DeviceArray:
+        """`shape` of `array`'s memory from element `offset` on (a layout of a flat block)."""
+        return DeviceArray(array.value, array.pointer + offset * array.dtype.itemsize, shape, array.dtype, array.device)
+
     def upload(self, values: np.ndarray, ledger: Ledger | None = None, cause: str = "indices") -> DeviceArray:
         """A host array copied to the device once (row indices several moves share)."""
         import onnxruntime as ort
@@ -346,6 +388,39 @@ def _graph(op: str, dtype: np.dtype, rank: int):
                  helper.make_node("ScatterND", ["x", "entries", "values"], ["y"])]
         inputs = [tensor("x", element, 2), tensor("entries", i64, 2)]
         outputs, inits = [tensor("y", element, 2)], [one, axis0, axis1]
+    elif op == "move_columns":
+        axes = helper.make_tensor("axis2", i64, [1], [2])
+        nodes = [helper.make_node("Slice", ["x", "starts", "ends", "axis2"], ["moved"]),
+                 helper.make_node("Sub", ["ends", "starts"], ["count1"]),
+                 helper.make_node("Squeeze", ["count1"], ["count"]),
+                 helper.make_node("Range", ["zero_i", "count", "one_i"], ["steps"]),
+                 helper.make_node("Unsqueeze", ["lengths", "axes123"], ["rows4"]),
+                 helper.make_node("Unsqueeze", ["steps", "axes013"], ["steps4"]),
+                 helper.make_node("Add", ["rows4", "steps4"], ["columns"]),
+                 helper.make_node("Shape", ["moved"], ["moved_shape"]),
+                 helper.make_node("Expand", ["columns", "moved_shape"], ["where"]),
+                 helper.make_node("ScatterElements", ["x", "where", "moved"], ["y"], axis=2)]
+        inputs = [tensor("x", element, 4), tensor("lengths", i64, 1), tensor("starts", i64, 1), tensor("ends", i64, 1)]
+        outputs = [tensor("y", element, 4)]
+        inits = [axes, zero_i, one_i, helper.make_tensor("axes123", i64, [3], [1, 2, 3]),
+                 helper.make_tensor("axes013", i64, [3], [0, 1, 3])]
+    elif op == "valid_mask":
+        nodes = [helper.make_node("Squeeze", ["total"], ["total0"]),
+                 helper.make_node("Range", ["zero_i", "total0", "one_i"], ["columns"]),
+                 helper.make_node("Unsqueeze", ["columns", "axis0"], ["columns2"]),
+                 helper.make_node("Unsqueeze", ["lengths", "axis1"], ["lengths2"]),
+                 helper.make_node("Less", ["columns2", "lengths2"], ["valid"]),
+                 helper.make_node("GreaterOrEqual", ["columns2", "width"], ["new"]),
+                 helper.make_node("Or", ["valid", "new"], ["seen"]),
+                 helper.make_node("Cast", ["seen"], ["y"], to=element)]
+        inputs = [tensor("lengths", i64, 1), tensor("width", i64, 1), tensor("total", i64, 1)]
+        outputs, inits = [tensor("y", element, 2)], [zero_i, one_i, axis0, axis1]
+    elif op == "gather":
+        nodes = [helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)]
+        inputs, outputs, inits = [tensor("x", element, rank), tensor("rows", i64, 1)], [tensor("y", element, rank)], []
+    elif op == "concat":
+        nodes = [helper.make_node("Concat", ["a", "b"], ["y"], axis=0)]
+        inputs, outputs, inits = [tensor("a", element, rank), tensor("b", element, rank)], [tensor("y", element, rank)], []
     elif op == "identity":
         nodes = [helper.make_node("Identity", ["x"], ["y"])]
         inputs, outputs, inits = [tensor("x", element, rank)], [tensor("y", element, rank)], []

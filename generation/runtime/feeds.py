@@ -104,7 +104,8 @@ class Binding:
         device = ort.OrtDevice.make("cpu", 0)._get_c_device()
         raw, run = self.io._iobinding, self.session._sess.run_with_iobinding
         probe = np.zeros(1, np.int64)
-        raw.bind_input("attention_mask", device, probe.dtype, [1], probe.ctypes.data)  # TypeError if it differs
+        name = self.session.get_inputs()[0].name  # (bound again before any run)
+        raw.bind_input(name, device, probe.dtype, [1], probe.ctypes.data)  # TypeError if it differs
         self._handle = _device_handle
         return device, raw.bind_input, raw.bind_output, functools.partial(run, raw, self.options)
 

@@ -1,12 +1,14 @@
-"""The in_place cache on device-owned buffers (cache/in_place_device.py over CPU OrtValues: the
-code a CUDA session runs, its moves as small graphs on the session's provider), and the ledger of
-what crosses host <-> device (runtime/device.py).
+"""The in_place, append and grow caches on device-owned buffers (cache/in_place_device.py,
+cache/append_device.py, cache/grow_device.py, over CPU OrtValues: the code a CUDA session runs, their moves as small
+graphs on the session's provider), and the ledger of what crosses host <-> device
+(runtime/device.py).
 
 Invariants: every row gets transformers' greedy tokens, and the host cache's tokens and
 log-probabilities when sampling, preempted, reusing prefixes or searching beams; a decode step
 of 32 rows moves at most the read logits plus 4 KB of inputs; relayouts and beam reorders move
 no data; the host cache counts what the device cache moves.
-(`RAYMUTER_BUFFERS=device pytest tests/generation` runs every in_place test on device buffers.)
+(`RAYMUTER_BUFFERS=device pytest tests/generation` runs every in_place, append and grow test on
+device buffers.)
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ from generation.engine.scheduler import Scheduler
 from generation.params.settings import SettingError
 from generation.runtime.device import Device, Ledger
 
-GRAPHS = [("llama-genai", "llama"), ("qwen2-optimum+fused", "qwen2")]
+# folder (+fused: the rewrite), oracle model, cache mode
+GRAPHS = [("llama-genai", "llama", "in_place"), ("qwen2-optimum+fused", "qwen2", "in_place"),
+          ("llama-optimum", "llama", "append"), ("qwen2-optimum", "qwen2", "append"), ("llama-merged", "llama", "append"),
+          ("gpt2-grow", "gpt2", "grow")]
+FOLDERS = [f for f, _, _ in GRAPHS]
 DATA = ("prompt", "inputs", "logits", "insert", "prefix_store", "prefix_restore")  # what is not a move's indices
 MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
 def models(test_models, load_model):
-    return {f: load_model(test_models[f.removesuffix("+fused")], fuse=f.endswith("+fused")) for f, _ in GRAPHS}
+    return {f: load_model(test_models[f.removesuffix("+fused")], fuse=f.endswith("+fused")) for f in FOLDERS}
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +72,10 @@ def test_the_moves_equal_numpy():
 
 
 @pytest.mark.parametrize("steps", ["whole", "pieces"])
-@pytest.mark.parametrize("folder, name", GRAPHS, ids=[f for f, _ in GRAPHS])
-def test_greedy_equals_transformers(models, oracle, prompts, folder, name, steps):
+@pytest.mark.parametrize("folder, name, mode", GRAPHS, ids=FOLDERS)
+def test_greedy_equals_transformers(models, oracle, prompts, folder, name, mode, steps):
     ctx = generation.context(models[folder], buffers="device", max_new_tokens=MAX_NEW, prompt_steps=steps)
-    assert ctx.buffers == "device" and ctx.cache_mode == "in_place"
+    assert ctx.buffers == "device" and ctx.cache_mode == mode
     rows = generation.generate(ctx, prompts)
     assert rows == [oracle.greedy(name, p, MAX_NEW) if p else [] for p in prompts]
     small = generation.compile(ctx, batch_size=3)  # later rows into slots that finished rows left
@@ -82,13 +88,16 @@ def test_the_state_holds_device_buffers(models):
     assert all(type(b).__name__ == "DeviceArray" for b in state.cache.buffers.values())
     host = generation.new_state(generation.context(models["llama-genai"], buffers="host"), slots=4, capacity=64)
     assert host.cache.memory == "host" and all(isinstance(b, np.ndarray) for b in host.cache.buffers.values())
+    append = generation.new_state(generation.context(models["llama-optimum"], buffers="device"), slots=4, capacity=64)
+    assert type(append.cache).__name__ == "DeviceAppendCache"
+    assert all(type(b).__name__ == "DeviceArray" for b in (*append.cache.flat, append.cache._mask))
 
 
 def both(model, **settings):
     return {buffers: generation.context(model, buffers=buffers, **settings) for buffers in ("host", "device")}
 
 
-@pytest.mark.parametrize("folder", [f for f, _ in GRAPHS])
+@pytest.mark.parametrize("folder", FOLDERS)
 def test_sampling_and_log_probabilities_equal_the_host_cache(models, prompts, folder):
     out = {}
     for buffers, ctx in both(models[folder], max_new_tokens=MAX_NEW, do_sample=True, temperature=0.9, top_k=30,
@@ -99,9 +108,10 @@ def test_sampling_and_log_probabilities_equal_the_host_cache(models, prompts, fo
         np.testing.assert_array_equal(host.logprobs, device.logprobs)
 
 
-def test_beams_equal_the_host_cache(models, prompts):
-    out = {buffers: generation.beam_search(ctx, prompts[1:6], [0] * 5)
-           for buffers, ctx in both(models["llama-genai"], max_new_tokens=12, num_beams=3,
+@pytest.mark.parametrize("folder", ["llama-genai", "llama-optimum", "gpt2-grow"])
+def test_beams_equal_the_host_cache(models, prompts, folder):
+    out = {buffers: generation.beam_search(generation.compile(ctx, 4), prompts[1:6], [0] * 5)
+           for buffers, ctx in both(models[folder], max_new_tokens=12, num_beams=3,
                                     num_return_sequences=3).items()}
     for host, device in zip(out["host"], out["device"]):
         assert [(h.tokens, h.score) for h in host] == [(h.tokens, h.score) for h in device]
@@ -116,15 +126,17 @@ def run(scheduler, prompts, settings):
     return [(job.reason, job.tokens, job.logprobs) for job in jobs]
 
 
-@pytest.mark.parametrize("kind", ["preempted", "prefix cache", "chunked prefill"])
-def test_the_scheduler_on_device_buffers_equals_the_host_cache(models, prompts_of, kind):
+@pytest.mark.parametrize("folder, kind", [("llama-genai", "preempted"), ("llama-genai", "prefix cache"),
+                                          ("llama-genai", "chunked prefill"), ("llama-optimum", "prefix cache"),
+                                          ("llama-optimum", "chunked prefill")])
+def test_the_scheduler_on_device_buffers_equals_the_host_cache(models, prompts_of, folder, kind):
     """Rows preempted and resumed by a memory budget, prompts reusing cached prefixes, prompts
     filled in chunks: the device cache's rows are the host cache's."""
     shared = prompts_of([20], seed=9)[0]
     prompts = [shared + p for p in prompts_of(list(range(3, 15)), seed=11)]
     settings = dict(max_new_tokens=40, eos_token_id=[], do_sample=True, temperature=0.8, top_k=40)
     out = {}
-    for buffers, ctx in both(models["llama-genai"], token_logprobs=True).items():
+    for buffers, ctx in both(models[folder], token_logprobs=True).items():
         options = {}
         if kind == "preempted":
             options["kv_cache_bytes"] = Scheduler(ctx, 8, 128).state.cache.footprint(8, 48)
@@ -150,7 +162,7 @@ def seated(ctx, prompts):
     return state
 
 
-@pytest.mark.parametrize("folder", [f for f, _ in GRAPHS])
+@pytest.mark.parametrize("folder", FOLDERS)
 def test_a_decode_step_moves_the_read_logits_and_a_few_inputs(models, prompts_of, folder):
     """32 rows a step: at most 32 x vocab x 4 bytes of logits + 4 KB, nothing else; the host
     cache counts what the device cache moves."""
@@ -196,11 +208,84 @@ def test_relayouts_and_beam_reorders_move_no_data(models, prompts_of):
     np.testing.assert_array_equal(device["attention_mask"], host.mask)
 
 
-def test_buffers_setting_errors(models, test_models, load_model):
+def test_buffers_setting_errors(models, load_model, monkeypatch):
+    from model_builders.windows import ensure_window_models
+
     with pytest.raises(SettingError, match="buffers must be one of host, device") as e:
         generation.context(models["llama-genai"], buffers="gpu")
     assert e.value.setting == "buffers"
-    append = load_model(test_models["llama-optimum"])
-    with pytest.raises(SettingError, match="needs cache_mode 'in_place'"):
-        generation.context(append, buffers="device")
-    assert generation.context(append).buffers == "host"
+    windowed = load_model(ensure_window_models()["mistral-optimum"])  # a sliding window's append cache
+    with pytest.raises(SettingError, match="a sliding window's append cache keeps its buffers on the host"):
+        generation.context(windowed, buffers="device")
+    monkeypatch.delenv("RAYMUTER_BUFFERS", raising=False)
+    assert generation.context(models["llama-optimum"]).buffers == "host"  # the CPU's default
+    monkeypatch.setenv("RAYMUTER_BUFFERS", "device")
+    assert generation.context(models["llama-optimum"]).buffers == "device"
+    assert generation.context(windowed).buffers == "host"
+
+
+@pytest.mark.parametrize("folder", ["qwen2vl-onnx", "idefics3-onnx"])
+def test_vision_rows_on_device_buffers(vision_paths, load_model, folder):
+    """Image prompts (their features scattered into the prompt's embeddings, prefilled apart and
+    inserted; Qwen2-VL's 3-D positions) decode on device buffers as on the host, each step's
+    embeddings made on the device from the ids: a step moves its logits and a few bytes a row."""
+    from generation.tasks import image_text_to_text
+
+    model = load_model(vision_paths[folder])
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((13, 21), (30, 17))]
+    prompts = [[[1, 17, 23, 44]], [[1, 17, 23], images[0], [44, 55, 66]], [[1, 5], images[1], [9, 8, 7]]]
+    out, ledgers = {}, {}
+    for buffers, ctx in both(model, max_new_tokens=10).items():
+        ctx = generation.compile(ctx, batch_size=2)
+        out[buffers] = [r.tokens for r in image_text_to_text(ctx, prompts, seeds=[0, 1, 2])]
+        ledgers[buffers] = ctx.spare_states[0].cache.ledger
+        assert ctx.spare_states[0].cache.memory == buffers
+    assert out["device"] == out["host"] and all(out["host"])
+    ledger = ledgers["device"]
+    moved = ledger.bytes
+    assert ledger.rows > 0 and moved["logits"] == ledger.rows * model.vocab_size * 4
+    positions = 24 if folder == "qwen2vl-onnx" else 8  # [3, B, 1] or [B, 1] int64
+    assert moved["inputs"] <= ledger.rows * (8 + positions + 8 + 8) + ledger.steps * 8  # ids, positions, read, length
+    assert moved["insert"] > 0  # the image prompts' rows, prefilled apart
+    assert {c: v for c, v in moved.items() if c in DATA} == {c: v for c, v in ledgers["host"].bytes.items() if c in DATA}
+
+
+@pytest.mark.parametrize("folder", ["llama-genai", "llama-optimum", "gpt2-grow"])
+@pytest.mark.parametrize("assistant", ["prompt lookup", "draft"])
+def test_assisted_decoding_on_device_buffers(models, prompts_of, folder, assistant):
+    """Candidates verified and rewound on device buffers (the target's and the draft's) give the
+    host cache's tokens."""
+    base = prompts_of([9, 14], seed=6)
+    prompts = [p + p[:6] + p for p in base]  # repeats: prompt lookup finds candidates
+    settings = (dict(prompt_lookup_num_tokens=4) if assistant == "prompt lookup"
+                else dict(draft=models[folder], num_assistant_tokens=3))
+    out = {buffers: generation.generate(ctx, prompts) for buffers, ctx in both(models[folder], max_new_tokens=16,
+                                                                             **settings).items()}
+    assert out["device"] == out["host"] == generation.generate(generation.context(models[folder], max_new_tokens=16),
+                                                               prompts)
+
+
+@pytest.mark.parametrize("folder", ["marian-optimum", "t5-optimum", "bart-optimum", "marian-unmerged"])
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=3), dict(do_sample=True, top_k=20)],
+                         ids=["greedy", "beams", "sampling"])
+def test_encoder_decoder_rows_on_device_buffers(s2s, load_model, folder, settings):
+    """Groups of rows of one decoder length, their cross caches and sources on the device (rows of
+    different source lengths joining a group padded there): the host cache's tokens; a step moves
+    its ids and its logits."""
+    from generation.tasks import text_to_text
+
+    model = load_model(s2s[folder])
+    sources = [[int(t) for t in np.random.default_rng(n).integers(3, 90, n)] for n in (3, 9, 5, 14, 7)]
+    out, ledgers = {}, {}
+    for buffers, ctx in both(model, max_new_tokens=12, **settings).items():
+        ctx = generation.compile(ctx, batch_size=4)
+        out[buffers] = [r.tokens for r in text_to_text(ctx, sources, seeds=list(range(5)))]
+        ledgers[buffers] = ctx.spare_states[0].cache.ledger
+        assert ctx.spare_states[0].cache.memory == buffers
+    assert out["device"] == out["host"] and all(out["host"])
+    ledger = ledgers["device"]
+    moved = ledger.bytes
+    assert ledger.rows > 0 and moved["logits"] == ledger.rows * model.vocab_size * 4
+    assert moved["inputs"] <= ledger.rows * 8 + ledger.steps * 8 and moved["insert"] > 0
+    assert {c: v for c, v in moved.items() if c in DATA} == {c: v for c, v in ledgers["host"].bytes.items() if c in DATA}

@@ -120,7 +120,7 @@ def test_in_place_buffers_are_mapped_when_laid_out(models):
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    ctx = generation.context(models["llama-genai"], max_new_tokens=8)
+    ctx = generation.context(models["llama-genai"], max_new_tokens=8, buffers="host")  # (numpy pages: _mapped)
     before = resident()
     state = generation.new_state(ctx, slots=256, capacity=256)
     assert (state.cache.held, state.cache.length) == (1, 16)

@@ -4,6 +4,8 @@ context or the request is built, and leaves nothing broken behind it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -246,7 +248,7 @@ def test_a_cache_mode_missing_a_verb_is_refused_when_made(ctx, monkeypatch):
     monkeypatch.setitem(cache.CACHES, "append", NoCopies)
     with pytest.raises(TypeError, match=r"cache mode 'append' \(NoCopies\) does not implement copy_rows: every mode "
                                         r"implements prefill, insert, decode, decode_steps, copy_rows, release"):
-        generation.new_state(ctx, slots=2, capacity=8)
+        generation.new_state(replace(ctx, buffers="host"), slots=2, capacity=8)  # (the host mode's class)
 
 
 def test_every_cache_mode_prefills_through_the_contract(test_models, monkeypatch):
