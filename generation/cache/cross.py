@@ -146,6 +146,15 @@ class Seq2SeqCache(BaseCache):
         self.ledger.add("logits", rows * self.graph.vocab_size * np.dtype(self.graph.logits_dtype).itemsize)
         self.ledger.step(rows)
 
+    def _step_group(self, group: dict, ids: np.ndarray) -> tuple[np.ndarray, list]:
+        """A decode step of the group's rows: (logits [n, 1, V], the presents of the decoder cache)."""
+        feeds = _feeds(self.inputs, ids, group["hidden"], group["mask"], use_cache=True)
+        self._count(feeds, len(ids))
+        feeds.update(group["past"])
+        feeds.update(group["cross"])
+        out, *presents = self.session.run(self._names, feeds)
+        return out, presents
+
     def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
         logits = np.zeros((len(lengths), self.graph.vocab_size), np.float32)
         for group in self.groups:
@@ -154,11 +163,7 @@ class Seq2SeqCache(BaseCache):
             if group["length"] + 1 > self.capacity:
                 raise ValueError(f"a row needs {group['length'] + 1} cache rows; this state holds {self.capacity}")
             ids = np.where(live, self.token_input[np.maximum(slots, 0)], 0).reshape(-1, 1)
-            feeds = _feeds(self.inputs, ids, group["hidden"], group["mask"], use_cache=True)
-            self._count(feeds, len(slots))
-            feeds.update(group["past"])
-            feeds.update(group["cross"])
-            out, *presents = self.session.run(self._names, feeds)
+            out, presents = self._step_group(group, ids)
             group["past"] = {e.past: p for e, p in zip(self.graph.cache, presents)}
             group["length"] += 1
             logits[slots[live]] = out[live, 0]

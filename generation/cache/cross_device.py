@@ -15,7 +15,6 @@ from ..runtime.graph import DecoderGraph
 from .base import moves_by_group
 from .cross import Seq2SeqCache, _feeds
 
-ARRAYS = ("past", "cross")  # a group's dicts of cache arrays; "hidden" and "mask" are arrays of their own
 
 
 class DeviceSeq2SeqCache(Seq2SeqCache):
@@ -79,32 +78,22 @@ class DeviceSeq2SeqCache(Seq2SeqCache):
                 arrays += [*group["cross"].values(), group["hidden"], group["mask"]]
             self.device.move_rows(arrays, into, take, self.ledger)
 
-    def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
-        logits = np.zeros((len(lengths), self.graph.vocab_size), np.float32)
-        for group in self.groups:
-            slots = np.array(group["slots"])
-            live = slots >= 0
-            if group["length"] + 1 > self.capacity:
-                raise ValueError(f"a row needs {group['length'] + 1} cache rows; this state holds {self.capacity}")
-            ids = np.where(live, self.token_input[np.maximum(slots, 0)], 0).reshape(-1, 1)
-            feeds = _feeds(self.inputs, ids, np.zeros(0, np.float32), np.zeros(0, np.int64), use_cache=True)
-            on_device = {"encoder_hidden_states": group["hidden"], "encoder_attention_mask": group["mask"],
-                         **group["past"], **group["cross"]}
-            io = self.session.io_binding()
-            for name, array in feeds.items():
-                if name not in on_device:
-                    io.bind_cpu_input(name, np.ascontiguousarray(array))
-            for name, array in on_device.items():
-                if name in self.inputs:
-                    io.bind_input(name, array.device, 0, array.dtype, list(array.shape), array.pointer)
-            out = np.empty((len(slots), 1, self.graph.vocab_size), self.graph.logits_dtype)
-            io.bind_output("logits", "cpu", 0, out.dtype, list(out.shape), out.ctypes.data)
-            for e in self.graph.cache:
-                io.bind_output(e.present, self.device.provider)
-            self.session.run_with_iobinding(io)
-            self._count({k: v for k, v in feeds.items() if k not in on_device}, len(slots))
-            group["past"] = {e.past: DeviceArray.of(v, self.device.provider)
-                             for e, v in zip(self.graph.cache, io.get_outputs()[1:])}
-            group["length"] += 1
-            logits[slots[live]] = out[live, 0]
-        return logits
+    def _step_group(self, group: dict, ids: np.ndarray) -> tuple[np.ndarray, list[DeviceArray]]:
+        """As Seq2SeqCache's: the logits on the host, the presents allocated on the device."""
+        on_device = {"encoder_hidden_states": group["hidden"], "encoder_attention_mask": group["mask"],
+                     **group["past"], **group["cross"]}
+        feeds = _feeds(self.inputs, ids, np.zeros(0, np.float32), np.zeros(0, np.int64), use_cache=True)
+        feeds = {name: array for name, array in feeds.items() if name not in on_device}
+        self._count(feeds, len(ids))
+        io = self.session.io_binding()
+        for name, array in feeds.items():
+            io.bind_cpu_input(name, np.ascontiguousarray(array))
+        for name, array in on_device.items():
+            if name in self.inputs:
+                io.bind_input(name, array.device, 0, array.dtype, list(array.shape), array.pointer)
+        out = np.empty((len(ids), 1, self.graph.vocab_size), self.graph.logits_dtype)
+        io.bind_output("logits", "cpu", 0, out.dtype, list(out.shape), out.ctypes.data)
+        for e in self.graph.cache:
+            io.bind_output(e.present, self.device.provider)
+        self.session.run_with_iobinding(io)
+        return out, [DeviceArray.of(value, self.device.provider) for value in io.get_outputs()[1:]]

@@ -79,21 +79,33 @@ class GrowCache(BaseCache):
                 raise ValueError(f"a row needs {length + count} cache rows; this state holds {self.capacity}")
             group_ids = np.where(live[:, None], ids[np.maximum(slots, 0)], 0)
             positions = np.minimum(length + np.arange(count), self.max_position - 1)
-            parts = [np.arange(len(slots))] if not self.graph.has_group_query_attention else np.arange(len(slots))[:, None]
+            parts = [None] if not self.graph.has_group_query_attention else list(np.arange(len(slots))[:, None])
             outs, presents = [], []
             for part in parts:
-                feeds = step_inputs(self.graph, group_ids[part], np.ones((len(part), length + count), np.int64),
-                                    np.broadcast_to(positions, (len(part), count)), length)
-                self._count(feeds, len(part), count)
-                feeds.update({name: array[part] for name, array in group["past"].items()})
-                out, *present = self.session.run(self._names, feeds)
+                chosen = group_ids if part is None else group_ids[part]
+                out, present = self._run_group(group, chosen, np.broadcast_to(positions, (len(chosen), count)), count,
+                                               part)
                 outs.append(out)
                 presents.append(present)
             out = np.concatenate(outs)
-            group["past"] = {e.past: np.concatenate([p[i] for p in presents]) for i, e in enumerate(self.graph.cache)}
+            group["past"] = {e.past: self._concat([p[i] for p in presents]) for i, e in enumerate(self.graph.cache)}
             group["length"] = length + count
             logits[slots[live]] = out[live]
         return logits[rows]
+
+    def _run_group(self, group: dict, ids: np.ndarray, positions: np.ndarray, count: int,
+                   part: np.ndarray | None = None) -> tuple[np.ndarray, list]:
+        """One run of `count` tokens over the group's rows (or its rows `part`): (logits
+        [n, count, V], the presents, one per cache input)."""
+        n, length = ids.shape[0], group["length"]
+        feeds = step_inputs(self.graph, ids, np.ones((n, length + count), np.int64), positions, length)
+        self._count(feeds, n, count)
+        feeds.update(group["past"] if part is None else {name: array[part] for name, array in group["past"].items()})
+        out, *presents = self.session.run(self._names, feeds)
+        return out, presents
+
+    def _concat(self, arrays: list) -> np.ndarray:
+        return np.concatenate(arrays)
 
     def rewind(self, lengths: np.ndarray) -> None:
         """Rows are cropped to their lengths (at most their group's) and grouped again by length."""
@@ -103,9 +115,12 @@ class GrowCache(BaseCache):
                 if slot >= 0:
                     members.setdefault(min(int(lengths[slot]), group["length"]), []).append((slot, group, i))
         self.groups = [{"slots": [slot for slot, _, _ in rows], "length": length,
-                        "past": {e.past: np.stack([g["past"][e.past][i, :, :length] for _, g, i in rows])
-                                 for e in self.graph.cache}}
+                        "past": {e.past: self._cropped(rows, e.past, length) for e in self.graph.cache}}
                        for length, rows in members.items()]
+
+    def _cropped(self, rows: list, name: str, length: int) -> np.ndarray:
+        """Rows (slot, group, index) of cache input `name`, each its first `length` cache rows."""
+        return np.stack([g["past"][name][i, :, :length] for _, g, i in rows])
 
     def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
         logits = np.zeros((len(lengths), self.graph.vocab_size), np.float32)
@@ -117,12 +132,8 @@ class GrowCache(BaseCache):
                 raise ValueError(f"a row needs {length + 1} cache rows; this state holds {self.capacity}")
             ids = np.where(live, self.token_input[np.maximum(slots, 0)], 0).reshape(-1, 1)
             positions = np.full((len(slots), 1), min(length, self.max_position - 1))
-            mask = np.ones((len(slots), length + 1), np.int64)
-            feeds = step_inputs(self.graph, ids, mask, positions, length)
-            self._count(feeds, len(slots), 1)
+            out, presents = self._run_group(group, ids, positions, 1)
             self.ledger.step(len(slots))
-            feeds.update(group["past"])
-            out, *presents = self.session.run(self._names, feeds)
             group["past"] = {e.past: p for e, p in zip(self.graph.cache, presents)}
             group["length"] = length + 1
             logits[slots[live]] = out[live, 0]

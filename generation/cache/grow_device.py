@@ -52,40 +52,26 @@ class DeviceGrowCache(GrowCache):
         for group, into, take in moves_by_group(self.groups, dst, src, join):
             self.device.move_rows(list(group["past"].values()), into, take, self.ledger)
 
-    def rewind(self, lengths: np.ndarray) -> None:
-        members: dict[int, list] = {}
-        for group in self.groups:
-            for i, slot in enumerate(group["slots"]):
-                if slot >= 0:
-                    members.setdefault(min(int(lengths[slot]), group["length"]), []).append((slot, group, i))
-        groups = []
-        for length, rows in members.items():
-            past = {}
-            for e in self.graph.cache:
-                parts = []
-                for _, g, i in rows:
-                    row = g["past"][e.past]
-                    parts.append(self.device.relayout(self.device.gather(row, [i], self.ledger),
-                                                      (1, row.shape[1], length, row.shape[3])))
-                past[e.past] = self.device.concat(parts)
-            groups.append({"slots": [slot for slot, _, _ in rows], "length": length, "past": past})
-        self.groups = groups
+    def _cropped(self, rows: list, name: str, length: int) -> DeviceArray:
+        parts = []
+        for _, group, i in rows:
+            row = group["past"][name]
+            parts.append(self.device.relayout(self.device.gather(row, [i], self.ledger),
+                                              (1, row.shape[1], length, row.shape[3])))
+        return self.device.concat(parts)
 
     def _run_group(self, group: dict, ids: np.ndarray, positions: np.ndarray, count: int,
                    part: np.ndarray | None = None) -> tuple[np.ndarray, list[DeviceArray]]:
-        """One run of `count` tokens over the group's rows (or the rows `part` of it): (logits
-        [n, count, V] on the host, the presents on the device)."""
+        """As GrowCache's: the logits on the host, the presents allocated on the device."""
         past = group["past"] if part is None else {k: self.device.gather(v, part, self.ledger)
                                                    for k, v in group["past"].items()}
         n, length = ids.shape[0], group["length"]
         feeds = step_inputs(self.graph, ids, np.ones((n, 1), np.int64), positions, length)
+        self._count(feeds, n, count)
         feeds.pop("attention_mask")
         io = self.session.io_binding()
         for name, array in feeds.items():
-            array = np.ascontiguousarray(array)
-            io.bind_cpu_input(name, array)
-            if name in self.graph.input_dtypes:
-                self.ledger.add("inputs", array.nbytes)
+            io.bind_cpu_input(name, np.ascontiguousarray(array))
         mask = self.device.view(self._ones, 0, (n, length + count))
         io.bind_input("attention_mask", mask.device, 0, mask.dtype, list(mask.shape), mask.pointer)
         for name, array in past.items():
@@ -95,46 +81,8 @@ class DeviceGrowCache(GrowCache):
         for e in self.graph.cache:
             io.bind_output(e.present, self.device.provider)
         self.session.run_with_iobinding(io)
-        self.ledger.add("logits", logits.nbytes)
         presents = [DeviceArray.of(value, self.device.provider) for value in io.get_outputs()[1:]]
         return logits, presents
 
-    def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
-        logits = np.zeros((len(lengths), self.graph.vocab_size), np.float32)
-        for group in self.groups:
-            slots = np.array(group["slots"])
-            live = slots >= 0
-            length = group["length"]
-            if length + 1 > self.capacity:
-                raise ValueError(f"a row needs {length + 1} cache rows; this state holds {self.capacity}")
-            ids = np.where(live, self.token_input[np.maximum(slots, 0)], 0).reshape(-1, 1)
-            positions = np.full((len(slots), 1), min(length, self.max_position - 1))
-            out, presents = self._run_group(group, ids, positions, 1)
-            self.ledger.step(len(slots))
-            group["past"] = {e.past: p for e, p in zip(self.graph.cache, presents)}
-            group["length"] = length + 1
-            logits[slots[live]] = out[live, 0]
-        return logits
-
-    def verify(self, lengths: np.ndarray, ids: np.ndarray, rows: np.ndarray, widths: np.ndarray) -> np.ndarray:
-        count = ids.shape[1]
-        logits = np.zeros((len(lengths), count, self.graph.vocab_size), np.float32)
-        for group in self.groups:
-            slots = np.array(group["slots"])
-            live, length = slots >= 0, group["length"]
-            if length + count > self.capacity:
-                raise ValueError(f"a row needs {length + count} cache rows; this state holds {self.capacity}")
-            group_ids = np.where(live[:, None], ids[np.maximum(slots, 0)], 0)
-            positions = np.minimum(length + np.arange(count), self.max_position - 1)
-            parts = [None] if not self.graph.has_group_query_attention else [np.array([i]) for i in range(len(slots))]
-            outs, presents = [], []
-            for part in parts:
-                chosen = group_ids if part is None else group_ids[part]
-                out, present = self._run_group(group, chosen, np.broadcast_to(positions, (len(chosen), count)),
-                                               count, part)
-                outs.append(out)
-                presents.append(present)
-            group["past"] = {e.past: self.device.concat([p[i] for p in presents]) for i, e in enumerate(self.graph.cache)}
-            group["length"] = length + count
-            logits[slots[live]] = np.concatenate(outs)[live]
-        return logits[rows]
+    def _concat(self, arrays: list) -> DeviceArray:
+        return self.device.concat(arrays)

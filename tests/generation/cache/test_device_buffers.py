@@ -224,6 +224,16 @@ def test_buffers_setting_errors(models, load_model, monkeypatch):
     assert generation.context(windowed).buffers == "host"
 
 
+def assert_few_bytes(ledgers: dict, vocab: int, row_inputs: int) -> None:
+    """The device cache's steps moved their rows' logits and `row_inputs` bytes a row (and a few a
+    step), their rows crossed once at insert (prefilled apart), and the host cache counted the same."""
+    ledger = ledgers["device"]
+    moved = ledger.bytes
+    assert ledger.rows > 0 and moved["logits"] == ledger.rows * vocab * 4
+    assert moved["inputs"] <= ledger.rows * row_inputs + ledger.steps * 8 and moved["insert"] > 0
+    assert {c: v for c, v in moved.items() if c in DATA} == {c: v for c, v in ledgers["host"].bytes.items() if c in DATA}
+
+
 @pytest.mark.parametrize("folder", ["qwen2vl-onnx", "idefics3-onnx"])
 def test_vision_rows_on_device_buffers(vision_paths, load_model, folder):
     """Image prompts (their features scattered into the prompt's embeddings, prefilled apart and
@@ -242,13 +252,8 @@ def test_vision_rows_on_device_buffers(vision_paths, load_model, folder):
         ledgers[buffers] = ctx.spare_states[0].cache.ledger
         assert ctx.spare_states[0].cache.memory == buffers
     assert out["device"] == out["host"] and all(out["host"])
-    ledger = ledgers["device"]
-    moved = ledger.bytes
-    assert ledger.rows > 0 and moved["logits"] == ledger.rows * model.vocab_size * 4
     positions = 24 if folder == "qwen2vl-onnx" else 8  # [3, B, 1] or [B, 1] int64
-    assert moved["inputs"] <= ledger.rows * (8 + positions + 8 + 8) + ledger.steps * 8  # ids, positions, read, length
-    assert moved["insert"] > 0  # the image prompts' rows, prefilled apart
-    assert {c: v for c, v in moved.items() if c in DATA} == {c: v for c, v in ledgers["host"].bytes.items() if c in DATA}
+    assert_few_bytes(ledgers, model.vocab_size, 8 + positions + 8 + 8)  # ids, positions, read, length
 
 
 @pytest.mark.parametrize("folder", ["llama-genai", "llama-optimum", "gpt2-grow"])
@@ -284,8 +289,4 @@ def test_encoder_decoder_rows_on_device_buffers(s2s, load_model, folder, setting
         ledgers[buffers] = ctx.spare_states[0].cache.ledger
         assert ctx.spare_states[0].cache.memory == buffers
     assert out["device"] == out["host"] and all(out["host"])
-    ledger = ledgers["device"]
-    moved = ledger.bytes
-    assert ledger.rows > 0 and moved["logits"] == ledger.rows * model.vocab_size * 4
-    assert moved["inputs"] <= ledger.rows * 8 + ledger.steps * 8 and moved["insert"] > 0
-    assert {c: v for c, v in moved.items() if c in DATA} == {c: v for c, v in ledgers["host"].bytes.items() if c in DATA}
+    assert_few_bytes(ledgers, model.vocab_size, 8)  # ids
