@@ -80,7 +80,7 @@ def new_cache(model, mode: str, slots: int, capacity: int, max_position: int, bu
                              f"keeps its buffers on the host")
         if mode == "in_place":
             cache = DeviceInPlaceCache(model.session, model.graph, slots, capacity, max_position, ledger,
-                                       provider=model.provider)
+                                       provider=model.provider, graphs=model.cuda_graphs)
         elif mode == "grow":
             cache = DeviceGrowCache(model.session, model.graph, slots, capacity, max_position, ledger,
                                     provider=model.provider)

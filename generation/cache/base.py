@@ -106,9 +106,14 @@ class BaseCache:
         spans = self.__dict__.setdefault("_spans", {})
         found = spans.get(span)
         if found is None:
-            binding = self.binding.leading(span, getattr(self, "held", None) or self.inputs.ids.shape[0])
+            binding = self.binding.leading(span, getattr(self, "held", None) or self.inputs.ids.shape[0],
+                                           self._options_for(span))
             found = spans[span] = (binding, self.inputs.runner(binding.run))
         return found
+
+    def _options_for(self, rows: int):
+        """The RunOptions of a decode binding over `rows` slots (None: the binding's own)."""
+        return None
 
     def decode_steps(self, lengths: np.ndarray, count: int):
         """Up to `count` decodes, the k-th (from 0) at `lengths + k`, yielding each step's logits;

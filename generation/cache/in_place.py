@@ -63,8 +63,10 @@ class InPlaceCache(BaseCache):
         self._least_rows = 1 if self.inputs.offsets is None and self.inputs.embeds is None else slots
         self.held, self.length, self.buffers = 0, 0, {}
         self.mask = None
+        self._own_inputs()
         self._lay_out(self._least_rows, size_class(1, capacity))
-        self._prompt_binding = Binding(session)  # prompts bind their own shapes, apart from decode's
+        # prompts bind their own shapes, apart from decode's
+        self._prompt_binding = Binding(session, self._options_for(None))
         self._prompt_logits = np.empty(0, graph.logits_dtype)
 
     # -- sizes ------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ class InPlaceCache(BaseCache):
         again over them."""
         self.buffers, self.mask = self._new_layout(held, length)
         self.held, self.length = held, length
-        binding = self._inputs_binding.leading(held, self.slots)
+        binding = self._inputs_binding.leading(held, self.slots, self._options_for(held))
         for e in self.graph.cache:
             binding.input(e.past, self.buffers[e.past])
             binding.output(e.present, self.buffers[e.past])
@@ -104,6 +106,10 @@ class InPlaceCache(BaseCache):
         self.binding = binding
         self.__dict__.pop("_spans", None)  # the leading runs of the old buffers
         self._decode = self._decoder()
+
+    def _own_inputs(self) -> None:
+        """Where the step inputs and logits bound in `_inputs_binding` live: here, the host arrays
+        CacheInputs made (the device cache's CUDA graphs move them to the device)."""
 
     def _new_layout(self, held: int, length: int) -> tuple[dict, np.ndarray]:
         """(buffers, mask) at the classes (held, length), holding the rows (and the mask the

@@ -204,6 +204,18 @@ class Device:
         """`shape` of `array`'s memory from element `offset` on (a layout of a flat block)."""
         return DeviceArray(array.value, array.pointer + offset * array.dtype.itemsize, shape, array.dtype, array.device)
 
+    def write_from(self, host: np.ndarray, array: DeviceArray) -> None:
+        """array = host (same shape), into the device buffer's own memory (a fixed address)."""
+        self._run("identity", array.dtype, {"x": np.ascontiguousarray(host, array.dtype)}, inplace=("y", array),
+                  rank=array.ndim)
+
+    def read_into(self, array: DeviceArray, host: np.ndarray) -> None:
+        """host = array (same shape): a device buffer read into a host array of the caller's."""
+        binding = _Bound(self._session("identity", array.dtype, array.ndim), self)
+        binding.bind("x", array)
+        binding.bind_out("y", host)
+        binding.run()
+
     def upload(self, values: np.ndarray, ledger: Ledger | None = None, cause: str = "indices") -> DeviceArray:
         """A host array copied to the device once (row indices several moves share)."""
         import onnxruntime as ort

@@ -134,11 +134,12 @@ class Binding:
         """Bind raw memory on `device` ('cpu', 'cuda'): a device buffer's rows."""
         (self.bind_output if output else self.bind_input)(name, self._handle(device), dtype, shape, pointer)
 
-    def leading(self, count: int, batch: int) -> "Binding":
+    def leading(self, count: int, batch: int, options=None) -> "Binding":
         """A binding of the same session over the first `count` rows of every array bound here
         by `input` / `output` whose first axis is `batch` long (the others as they are): a run of
-        the leading rows only, in the same memory (a C-contiguous array's leading rows are)."""
-        out = Binding(self.session, self.options)
+        the leading rows only, in the same memory (a C-contiguous array's leading rows are).
+        `options`: its runs' RunOptions (default this binding's)."""
+        out = Binding(self.session, options if options is not None else self.options)
         for key, array in self._held.items():
             part = array[:count] if array.ndim and array.shape[0] == batch else array
             if key.startswith("output:"):

@@ -86,6 +86,9 @@ class Model:
     # folder loads the same way (core/context.py); None: runtime.model.load
     loader: Callable | None = field(default=None, compare=False, repr=False)
     fused_from: Path | None = None  # the decoder file whose fused rewrite this is (generation.runtime.fusion)
+    # the decoder session captures CUDA graphs (load's cuda_graphs): its in_place device cache runs
+    # each class as a captured graph (cache/in_place_device.py)
+    cuda_graphs: bool = False
 
     @property
     def is_seq2seq(self) -> bool:
@@ -253,7 +256,7 @@ def _provider(provider: str | None) -> str:
 
 
 def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool = True, head: bool = False,
-                 int8_rows: bool = False):
+                 int8_rows: bool = False, cuda_graphs: bool = False):
     """An onnxruntime session of `path` and the provider it got. head: a decoder's LM head runs
     only at the positions its `logits_positions` input names, where the graph allows
     (runtime.head; the reason logged where not). int8_rows: int8 dynamic quantization takes each
@@ -281,14 +284,26 @@ def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool
     source = str(path)
     if head or int8_rows:
         source = _rewritten_source(path, options, head, int8_rows)
+    providers = names[provider]
+    if cuda_graphs and provider == "cuda":
+        providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"]
     try:
-        session = ort.InferenceSession(source, options, providers=names[provider])
+        session = ort.InferenceSession(source, options, providers=providers)
     except Exception as e:
+        if providers is not names[provider]:  # a graph CUDA graphs cannot capture (nodes on the CPU, ...)
+            log.warning("%s: CUDA graphs refused (%s); running without them", path.name, e)
+            return open_session(path, provider, threads, spin_wait, head, int8_rows)
         raise ModelError(f"onnxruntime cannot load {path}: {e}") from None
     used = "cuda" if session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
     if used != provider:
         log.warning("CUDA provider unusable for %s; running on the CPU", path.name)
     return session, used
+
+
+def _captures(session) -> bool:
+    """Whether the session's CUDA provider was made with enable_cuda_graph (not refused)."""
+    options = session.get_provider_options().get("CUDAExecutionProvider", {})
+    return options.get("enable_cuda_graph") in ("1", "True", "true")
 
 
 def _rewritten_source(path: Path, options, head: bool, int8_rows: bool):
@@ -336,7 +351,8 @@ def default_threads() -> int:
 
 
 def load(source: str | os.PathLike, *, variant: str | None = None, provider: str | None = None,
-         threads: int | None = None, spin_wait: bool = True, fuse: bool = True, precision: str | None = None) -> Model:
+         threads: int | None = None, spin_wait: bool = True, fuse: bool = True, precision: str | None = None,
+         cuda_graphs: bool = False) -> Model:
     """Load the decoder of `source` (a folder or a hub id).
 
     variant: dtype variant of a transformers.js export (fp16, q4, quantized, ...), None for fp32.
@@ -350,6 +366,9 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
     (generation.runtime.fusion: built once, cached under $RAYMUTER_CACHE, checked against the
     source); False runs the file as exported. precision: the fused graph's, 'fp32' or 'fp16'
     (default: fp16 on CUDA, whose GroupQueryAttention takes float16; fp32 on the CPU).
+    cuda_graphs: the decoder session captures CUDA graphs, its in_place cache on device buffers
+    replaying one per class (CUDA only; off by default; where onnxruntime refuses the graph, the
+    session runs without them and the log says why).
 
     The model's family is not looked at here: `generation.load` (generation.families.load) loads
     through this and then gives the model its family and that family's hooks.
@@ -358,11 +377,15 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
         raise ModelError(f"fuse must be true or false, not {fuse!r}")
     if precision not in (None, "fp32", "fp16"):
         raise ModelError(f"precision must be fp32 or fp16, not {precision!r}")
-    return _load(source, variant, provider, threads, spin_wait, fuse, precision)
+    if not isinstance(cuda_graphs, bool):
+        raise ModelError(f"cuda_graphs must be true or false, not {cuda_graphs!r}")
+    if cuda_graphs and _provider(provider) != "cuda":
+        raise ModelError(f"cuda_graphs needs the CUDA provider; this session runs on {_provider(provider)}")
+    return _load(source, variant, provider, threads, spin_wait, fuse, precision, cuda_graphs)
 
 
 def _load(source, variant: str | None, provider: str | None, threads: int | None, spin_wait: bool,
-          fuse: bool, precision: str | None = None) -> Model:
+          fuse: bool, precision: str | None = None, cuda_graphs: bool = False) -> Model:
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ModelError(f"threads must be a positive integer, not {threads!r}")
     folder = resolve_folder(source, variant)
@@ -387,12 +410,14 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
         session, used, graph = source
     else:
         source = None  # the source's weights are not kept beside the fused graph's
-        session, used = open_session(path, provider, threads, spin_wait, head=True, int8_rows=True)
+        session, used = open_session(path, provider, threads, spin_wait, head=True, int8_rows=True,
+                                     cuda_graphs=cuda_graphs)
         graph = read_graph(path, session, _config_dims(config), present_names)
     graph = _placed(graph, config, path)
     model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,
                   generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path,
-                  fused_from=decoder_path if fused else None)
+                  fused_from=decoder_path if fused else None,
+                  cuda_graphs=cuda_graphs and used == "cuda" and _captures(session))
     if graph.has_inputs_embeds:
         _load_vision_parts(model, variant, provider, threads)
     return model

@@ -290,3 +290,47 @@ def test_encoder_decoder_rows_on_device_buffers(s2s, load_model, folder, setting
         assert ctx.spare_states[0].cache.memory == buffers
     assert out["device"] == out["host"] and all(out["host"])
     assert_few_bytes(ledgers, model.vocab_size, 8)  # ids
+
+
+def drive(ctx, prompts, max_new):
+    """Every prompt admitted at once into 8 slots and stepped to its own end: (tokens, the cache)."""
+    state = generation.new_state(ctx, slots=8, capacity=96)
+    state, first = generation.admit(ctx, state, list(range(len(prompts))), prompts, [1] * len(prompts),
+                                    max_new=max_new)
+    tokens = [[int(t)] for t in first.token]
+    while state.live.any():
+        state, out = generation.step(ctx, state)
+        for slot in np.flatnonzero(out.token >= 0):
+            tokens[slot].append(int(out.token[slot]))
+        for slot in np.flatnonzero(out.finished):
+            state = generation.release(ctx, state, int(slot))
+    return tokens, state.cache
+
+
+def test_cuda_graph_classes_bind_only_device_buffers(models, prompts_of):
+    """With CUDA graphs (a model loaded with cuda_graphs=True on a CUDA node; here the same cache
+    over CPU OrtValues, where onnxruntime ignores the graph ids), every decode binding, one per
+    class of rows and layout, binds device buffers only (fixed addresses: what a captured graph
+    replays), each class its own gpu_graph_id, prompts uncaptured; the rows equal the host cache's."""
+    from dataclasses import replace
+
+    from generation.runtime.device import DeviceArray
+
+    prompts, max_new = prompts_of([3, 17, 9, 30, 5], seed=8), [20, 6, 14, 3, 9]  # rows end apart: leading runs
+    settings = dict(do_sample=True, top_k=30, eos_token_id=[])
+    host, _ = drive(generation.context(models["llama-genai"], **settings), prompts, max_new)
+    ctx = generation.context(replace(models["llama-genai"], cuda_graphs=True), buffers="device", **settings)
+    got, cache = drive(ctx, prompts, max_new)
+    assert got == host
+    assert cache.graphs and cache.run_options is None
+    spans = {key: found[0] for key, found in cache.__dict__.get("_spans", {}).items() if isinstance(key, int)}
+    assert spans  # rows ended: later steps ran the leading rows, a class of their own
+    for binding in [cache.binding, *spans.values()]:
+        assert binding._held and all(isinstance(a, DeviceArray) for a in binding._held.values()), binding._held
+    ids = cache._graph_ids
+    assert sorted(ids.values()) == list(range(len(ids))) and len(ids) > len(spans)
+    for rows, binding in [(cache.held, cache.binding), *spans.items()]:
+        assert binding.options.get_run_config_entry("gpu_graph_id") == str(ids[rows, cache.held, cache.length])
+    assert cache._prompt_binding.options.get_run_config_entry("gpu_graph_id") == "-1"
+    with pytest.raises(generation.ModelError, match="cuda_graphs needs the CUDA provider"):
+        generation.load(models["llama-genai"].folder, provider="cpu", cuda_graphs=True)
