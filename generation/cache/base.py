@@ -126,9 +126,21 @@ class BaseCache:
 def insert_prompts(cache, slots: list[int], prompts: list[list[int]], found) -> np.ndarray:
     """Insert prompts run apart from the batch (`found`, a prefill.PromptCache) into `slots` of
     any mode's cache and return their last logits (what a prefix cache needs even of in_place:
-    the rows it reuses come from elsewhere)."""
+    the rows it reuses come from elsewhere).
+
+    The ledger: a run apart from the buffers brings its rows and last logits to the host
+    (`prompt`), except a prefix a prefix store on the host gave; each row then goes to the device
+    (`insert`), the store's part of it as `prefix_restore`."""
+    ledger = cache.ledger
     for j, slot in enumerate(slots):
-        cache.insert(slot, found.rows[j], len(prompts[j]))
+        length = len(prompts[j])
+        cache.insert(slot, found.rows[j], length)
+        if ledger is not None and length:
+            row = sum(np.asarray(a).nbytes for a in found.rows[j].values())
+            restored = row * int(found.cached[j]) // length if found.cached is not None else 0
+            ledger.add("prompt", row - restored + found.last_logits[j].nbytes)
+            ledger.add("insert", -restored)
+            ledger.add("prefix_restore", restored)
     return found.last_logits
 
 

@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # Why bytes cross: a decode step's `logits` (at the read positions) and `inputs` (ids, positions,
-# read positions, the mask's new entries); a prompt's run (`prompt`: its ids, mask and positions
-# in, its logits out); the rows a prefix store keeps on the host (`prefix_store`) and gives back
-# (`prefix_restore`); a row prefilled apart from the batch and inserted (`insert`); the row
-# indices of a move (`indices`). Relayouts and beam reorders run on the device: no cause of theirs.
-CAUSES = ("prompt", "inputs", "logits", "insert", "prefix_store", "prefix_restore", "indices")
+# read positions, the rows' lengths or new mask entries); a prompt's run (`prompt`: its ids, mask
+# and positions in, its logits out, and the rows of a run apart from the buffers out); a row
+# prefilled apart from the batch and inserted (`insert`), but the part a prefix store on the host
+# gave back (`prefix_restore`); the row indices of a move (`indices`). Relayouts and beam
+# reorders run on the device: no cause of theirs. (The prefix store keeps rows a run apart
+# already brought to the host: storing moves nothing.)
+CAUSES = ("prompt", "inputs", "logits", "insert", "prefix_restore", "indices")
 
 
 @dataclass
