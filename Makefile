@@ -33,7 +33,7 @@ $(VENV)/.installed-serve: pyproject.toml constraints.txt | $(BIN)/python
 	touch $@
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 PORT ?= 8000
 serve: $(VENV)/.installed-serve

@@ -582,7 +582,7 @@ def _first_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     said = [line for line in lines if not line.startswith(("File ", "Traceback", "^", "ray::"))]
     line = said[-1] if said else lines[-1] if lines else type(error).__name__
-    # an exception named with its module (a replica's: generation.runtime.model.ModelError) by its name alone
+    # an exception named with its module (a replica's: generation.runtime.errors.ModelError) by its name alone
     return re.sub(r"^(?:\w+\.)+(\w*(?:Error|Exception): )", r"\1", line)[:300]
 
 

@@ -27,20 +27,20 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import ModelError
 from .fusion import fused_decoder
 from .graph import DecoderGraph, GraphError, read_graph
 from .hooks import Hooks
 from .positions import append_layout
+from .session import captures_graphs, chosen_provider, open_session
+
+__all__ = ["Encoder", "Model", "ModelError", "default_threads", "load", "open_session", "read_json", "resolve_folder"]
 
 log = logging.getLogger(__name__)
 
 # transformers.js / onnx-community dtype suffixes.
 VARIANTS = ("fp16", "q4", "q4f16", "quantized", "int8", "uint8", "bnb4")
 _DECODER_NAMES = ("onnx/decoder_model_merged", "onnx/model", "decoder_model_merged", "model")
-
-
-class ModelError(ValueError):
-    """A model folder is missing a file, or a file or field in it is wrong."""
 
 
 @dataclass
@@ -244,105 +244,6 @@ def find_decoder(folder: Path, variant: str | None) -> Path:
                      + (f" (pass variant= one of {have})" if have else ""))
 
 
-def _provider(provider: str | None) -> str:
-    """The provider a session will use: CUDA where asked, or by default where usable."""
-    if provider is not None:
-        return provider
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        return "cpu"
-    return "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
-
-
-def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool = True, head: bool = False,
-                 int8_rows: bool = False, cuda_graphs: bool = False):
-    """An onnxruntime session of `path` and the provider it got. head: a decoder's LM head runs
-    only at the positions its `logits_positions` input names, where the graph allows
-    (runtime.head; the reason logged where not). int8_rows: int8 dynamic quantization takes each
-    batch row's own scale (runtime.int8_rows; the reason logged where it cannot)."""
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        raise ModelError("onnxruntime is not installed: pip install 'raymuter[cpu]' (or '[gpu]' on a "
-                         "CUDA node; never both)") from None
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
-    if not spin_wait:
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    available = ort.get_available_providers()
-    provider = _provider(provider)
-    names = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
-    if provider not in names:
-        raise ModelError(f"provider '{provider}' is not one of cpu, cuda")
-    if provider == "cuda" and "CUDAExecutionProvider" not in available:
-        raise ModelError("provider 'cuda' asked for, but this onnxruntime has no CUDA provider "
-                         "(install raymuter[gpu] on a CUDA node)")
-    source = str(path)
-    if head or int8_rows:
-        source = _rewritten_source(path, options, head, int8_rows)
-    providers = names[provider]
-    if cuda_graphs and provider == "cuda":
-        providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"]
-    try:
-        session = ort.InferenceSession(source, options, providers=providers)
-    except Exception as e:
-        if providers is not names[provider]:  # a graph CUDA graphs cannot capture (nodes on the CPU, ...)
-            log.warning("%s: CUDA graphs refused (%s); running without them", path.name, e)
-            return open_session(path, provider, threads, spin_wait, head, int8_rows)
-        raise ModelError(f"onnxruntime cannot load {path}: {e}") from None
-    used = "cuda" if session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
-    if used != provider:
-        log.warning("CUDA provider unusable for %s; running on the CPU", path.name)
-    return session, used
-
-
-def _captures(session) -> bool:
-    """Whether the session's CUDA provider was made with enable_cuda_graph (not refused)."""
-    options = session.get_provider_options().get("CUDAExecutionProvider", {})
-    return options.get("enable_cuda_graph") in ("1", "True", "true")
-
-
-def _rewritten_source(path: Path, options, head: bool, int8_rows: bool):
-    """The decoder at `path` rewritten in memory (runtime.int8_rows, then runtime.head) as bytes whose
-    weights onnxruntime reads from `path`'s folder; `path` itself where neither rewrite applies."""
-    import onnx
-
-    from .head import head_positions
-    from .int8_rows import rows_apart
-
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # noqa: BLE001 - an unreadable graph fails below, with onnxruntime's own message
-        log.info("%s is not rewritten: %s: %s", path.name, type(e).__name__, e)
-        return str(path)
-    changed = False
-    if int8_rows:
-        count, reason = rows_apart(model)
-        if reason:
-            log.warning("%s quantizes its activations over the whole batch: %s", path.name, reason)
-        elif count:
-            log.info("%s quantizes its activations per batch row (%d DynamicQuantizeLinear)", path.name, count)
-        changed = count > 0
-    if head:
-        try:
-            rewritten, reason = head_positions(model)
-        except Exception as e:  # noqa: BLE001 - as above
-            rewritten, reason = None, f"{type(e).__name__}: {e}"
-        if rewritten is None:
-            log.info("%s computes logits at every position: %s", path.name, reason)
-        else:
-            log.info("%s computes logits only at the positions read", path.name)
-            model, changed = rewritten, True
-    if not changed:
-        return str(path)
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
-    return model.SerializeToString()
-
-
 def default_threads() -> int:
     """One a core this process may use, within its cgroup's CPU quota (runtime.cores.allowed)."""
     from .cores import allowed
@@ -379,8 +280,8 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
         raise ModelError(f"precision must be fp32 or fp16, not {precision!r}")
     if not isinstance(cuda_graphs, bool):
         raise ModelError(f"cuda_graphs must be true or false, not {cuda_graphs!r}")
-    if cuda_graphs and _provider(provider) != "cuda":
-        raise ModelError(f"cuda_graphs needs the CUDA provider; this session runs on {_provider(provider)}")
+    if cuda_graphs and chosen_provider(provider) != "cuda":
+        raise ModelError(f"cuda_graphs needs the CUDA provider; this session runs on {chosen_provider(provider)}")
     return _load(source, variant, provider, threads, spin_wait, fuse, precision, cuda_graphs)
 
 
@@ -404,7 +305,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
             session, used = open_session(decoder_path, provider, threads, spin_wait, head=True, int8_rows=True)
             source = session, used, read_graph(decoder_path, session, _config_dims(config), present_names)
             return source[0], source[2]
-        fused = fused_decoder(decoder_path, config, _provider(provider), load_source, precision)
+        fused = fused_decoder(decoder_path, config, chosen_provider(provider), load_source, precision)
     path = fused or decoder_path
     if fused is None and source is not None:  # refused just now: the source is loaded already
         session, used, graph = source
@@ -417,7 +318,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,
                   generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path,
                   fused_from=decoder_path if fused else None,
-                  cuda_graphs=cuda_graphs and used == "cuda" and _captures(session))
+                  cuda_graphs=cuda_graphs and used == "cuda" and captures_graphs(session))
     if graph.has_inputs_embeds:
         _load_vision_parts(model, variant, provider, threads)
     return model

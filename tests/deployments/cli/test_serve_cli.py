@@ -343,7 +343,7 @@ def test_start_up_progress_names_what_it_waits_for(monkeypatch, capsys):
                 "ray::ServeReplica:raymuter:Server.initialize_and_get_metadata() (pid=1, ip=127.0.0.1)\n"
                 '  File "/x/generation/runtime/model.py", line 144, in read_json\n'
                 "    raise ModelError(f\"{path.name} is missing from {path.parent}\")\n"
-                "generation.runtime.model.ModelError: tokenizer.json is missing from /m"))})})
+                "generation.runtime.errors.ModelError: tokenizer.json is missing from /m"))})})
     try:
         cli.wait_running("raymuter", time.monotonic() + 60, time.monotonic(), status=lambda: replica_failed)
         raise AssertionError("no StartFailed")
