@@ -77,7 +77,7 @@ def test_a_merged_decoder_is_cut_in_both_branches(test_models):
 def test_an_int8_head_keeps_every_position(test_models, caplog):
     """int8 dynamic quantization scales the head's input by its largest value over every
     position: picking rows first would change the logits, so the head stays whole."""
-    with caplog.at_level(logging.INFO, logger="generation.runtime.model"):
+    with caplog.at_level(logging.INFO, logger="generation.runtime.session"):
         model = generation.load(test_models["llama-merged"], variant="quantized", threads=1, fuse=False)
     assert not model.graph.has_logits_positions
     assert "computes logits at every position: its logits come from" in caplog.text

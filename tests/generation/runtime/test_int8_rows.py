@@ -123,7 +123,7 @@ def test_the_q4_and_fp32_decoders_load_as_they_were(test_models, caplog):
     prompts run by length."""
     import logging
 
-    with caplog.at_level(logging.INFO, logger="generation.runtime.model"):
+    with caplog.at_level(logging.INFO, logger="generation.runtime.session"):
         fp32 = generation.load(test_models["llama-merged"], threads=1, fuse=False)
         assert "quantizes its activations" not in caplog.text
         int8 = generation.load(test_models["llama-merged"], variant="quantized", threads=1, fuse=False)
