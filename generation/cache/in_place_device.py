@@ -16,7 +16,11 @@ decode binding lives on the device at a fixed address: the step inputs and the l
 buffers of their own (bound once per class, as the cache and the mask are), written from the host
 arrays before each run and read into the host logits after (the same bytes the ledger counts).
 Prompt runs, whose shapes vary, run uncaptured (`gpu_graph_id` -1). A captured run cannot end
-early: the cache then has no `run_options` (Scheduler.interrupt_for does nothing).
+early: the cache then has no `run_options` (Scheduler.interrupt_for does nothing). The buffers are
+laid out once, at every slot and the whole capacity (onnxruntime-genai's static buffers for its
+graphs): a relayout would move the addresses a graph replays, and captured graphs are never
+released, so the classes are the leading rows a run takes, at most one per slot count. The cache
+is then not `sized` (admission by slots: the budget must hold the whole layout).
 """
 
 from __future__ import annotations
@@ -44,6 +48,16 @@ class DeviceInPlaceCache(InPlaceCache):
         super().__init__(session, graph, slots, capacity, max_position, ledger)
         if graphs:
             self.run_options = None  # a captured run is not ended early
+            self._lay_out(slots, capacity)  # once, for good
+            self.sized = False
+
+    def _grow(self, rows: int, length: int) -> None:
+        if not self.graphs:
+            super()._grow(rows, length)
+
+    def fit(self, rows: int, length: int) -> None:
+        if not self.graphs:
+            super().fit(rows, length)
 
     # -- CUDA graphs --------------------------------------------------------------------------
     def _options_for(self, rows: int | None):

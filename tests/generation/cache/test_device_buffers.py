@@ -312,7 +312,8 @@ def test_cuda_graph_classes_bind_only_device_buffers(models, prompts_of):
     """With CUDA graphs (a model loaded with cuda_graphs=True on a CUDA node; here the same cache
     over CPU OrtValues, where onnxruntime ignores the graph ids), every decode binding, one per
     class of rows and layout, binds device buffers only (fixed addresses: what a captured graph
-    replays), each class its own gpu_graph_id, prompts uncaptured; the rows equal the host cache's."""
+    replays), each class its own gpu_graph_id, prompts uncaptured, the buffers laid out once; the
+    rows equal the host cache's."""
     from dataclasses import replace
 
     from generation.runtime.device import DeviceArray
@@ -323,7 +324,8 @@ def test_cuda_graph_classes_bind_only_device_buffers(models, prompts_of):
     ctx = generation.context(replace(models["llama-genai"], cuda_graphs=True), buffers="device", **settings)
     got, cache = drive(ctx, prompts, max_new)
     assert got == host
-    assert cache.graphs and cache.run_options is None
+    assert cache.graphs and cache.run_options is None and not cache.sized
+    assert (cache.held, cache.length) == (8, 96)  # laid out once, whole: a relayout would move the addresses
     spans = {key: found[0] for key, found in cache.__dict__.get("_spans", {}).items() if isinstance(key, int)}
     assert spans  # rows ended: later steps ran the leading rows, a class of their own
     for binding in [cache.binding, *spans.values()]:
