@@ -243,15 +243,10 @@ def main(argv=None) -> int:
                   f"{s['beside'] / s['alone']:.2f}x (goal <= 1.2x)"
                   + ("" if s["overlapped"] else "; the batch ended before the probes did")),
                  ("server batch, tok/s", f"{s['batch_tok_s']:.1f}", f"{s['batch_status']} {s['counts']}")]
-    import platform
+    from machine import cpu  # bench/machine.py
 
-    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
-               platform.processor() or "?")
-    flags = next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
-    have = [f for f in ("amx_tile", "avx512f", "avx512_vnni", "avx2") if f in flags] or ["none of amx, avx512, avx2"]
     print(f"\nSmolLM2-135M fp32, {args.prompt}-token prompts, {args.new} new tokens a line, "
-          f"{args.slots} slots, {args.lines} lines; {cpu} ({', '.join(have)}), {os.cpu_count()} CPUs\n")
+          f"{args.slots} slots, {args.lines} lines; {cpu()}\n")
     print("| measure | value | ratio |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")

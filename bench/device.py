@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -98,13 +97,6 @@ def genai_runner(folder: Path, provider: str, prompts, new: int):
     return run
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def timed(run, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -131,7 +123,9 @@ def main(argv=None) -> int:
     model = generation.load(paths["genai"], provider=args.provider)
     if model.provider != args.provider:
         raise SystemExit(f"asked for {args.provider}, the session runs on {model.provider}")
-    device_name = ort.get_device() if args.provider == "cuda" else cpu_name()
+    from machine import cpu  # bench/machine.py
+
+    device_name = ort.get_device() if args.provider == "cuda" else cpu()
     print(f"# {paths['genai']} on {args.provider} ({device_name}), onnxruntime {ort.__version__}, "
           f"cache {np.dtype(model.graph.cache_dtype).name}, prompt {args.prompt}, {args.new} new tokens")
 
