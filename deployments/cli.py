@@ -49,7 +49,7 @@ def add_engine_arguments(parser, whole_prompts: bool = False) -> None:
                         "core, within a container's CPU quota)")
     parser.add_argument("--no-spin", dest="spin", action="store_false",
                         help="the decoder's idle onnxruntime threads sleep between the model's runs instead of "
-                             "spinning (frees the cores for the HTTP stack: a small CPU machine; see README's Serve)")
+                             "spinning (frees the cores for the HTTP stack: a small CPU machine; see docs/serving.md)")
     parser.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
     parser.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
     parser.add_argument("--no-fuse", dest="fuse", action="store_false",
@@ -136,7 +136,7 @@ def add_arguments(parser) -> None:
                              "unless --threads says); Ray, HAProxy and the routes run on the others")
     parser.add_argument("--reserve-cores", type=int, metavar="N",
                         help="cores kept from the engine for Ray, HAProxy and the routes: the engine process on the "
-                             "rest (default: 1 on machines of 4 cores or more, 0 below: shared; README's Cores)")
+                             "rest (default: 1 on machines of 4 cores or more, 0 below: shared; docs/serving.md, Cores)")
     parser.add_argument("--split", action="store_true",
                         help="an Ingress deployment for the routes and the batching loop in the Decoder's replica "
                              "(what a Serve config or the Helm chart builds unless told otherwise); default: a "

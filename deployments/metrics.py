@@ -8,7 +8,7 @@ is `raymuter:kv_cache_usage_perc` under that name too). Each metric means what v
 
 Each deployment keeps its own registry; the ingress's `/metrics` joins the ingress's with one
 replica of each deployment behind it (`exposition`). With several replicas of a deployment,
-scrape each replica's node through Ray's metrics export instead (cluster/README.md).
+scrape each replica's node through Ray's metrics export instead (docs/cluster.md).
 """
 
 from __future__ import annotations

@@ -240,6 +240,11 @@ def serve_apps(test_models):
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Behind HAProxy an ingress replica that stops stays reachable this long before it drains, so a
+    # load balancer can drop it (Ray's default 30 s: every serve.delete of a module's app waited it
+    # out, ~6 minutes a session). HAProxy here learns of it within a second and retries refused
+    # connections; tests/deployments/app/test_drain.py still checks a redeploy under load.
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
     from deployments.cli import use_serving_environment
 
     use_serving_environment(os.environ.get("RAYMUTER_TEST_PROXY", "haproxy"))  # what `raymuter serve` runs

@@ -502,7 +502,7 @@ def make_settings(base: dict, overrides: dict, vocab: int | None = None, context
         off = value is None or value == [] or value == {}
         if key in _UNSUPPORTED:
             if value != _UNSUPPORTED[key] and not off:
-                raise SettingError(key, f"{key}={shown(value)} is not supported by raymuter (see README, 'Settings'); "
+                raise SettingError(key, f"{key}={shown(value)} is not supported by raymuter (see docs/settings.md); "
                                         f"remove it (or set it to {_UNSUPPORTED[key]!r}) to generate")
         elif key in _NOT_YET:
             if value != _NOT_YET[key] and not off:

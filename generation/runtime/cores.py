@@ -6,7 +6,7 @@ moment, every other thread waits for it. vLLM's CPU build keeps a core away from
 threads for its scheduler and API processes (`VLLM_CPU_OMP_THREADS_BIND=auto`). A `Placement`
 says the same here: the engine process and its threads on `engine`, everything else on `service`.
 
-Measured on 2 cores (bench/peers.py's model served at concurrency 32, README "Cores"): one core
+Measured on 2 cores (bench/peers.py's model served at concurrency 32, docs/serving.md, "Cores"): one core
 kept for the server (the engine on the other, one thread) served less than both cores shared,
 so machines below RESERVE_FROM cores share them; from RESERVE_FROM on, one core is kept, as
 vLLM keeps one (not measured here: no machine of this project has more than 2 cores).

@@ -1,4 +1,4 @@
-"""README's claim about the API key, over every route the app has (the routes in this process,
+"""The docs' claim about the API key (docs/serving.md), over every route the app has (the routes in this process,
 the fake engine): with a key, every route but /health answers 401 in OpenAI's error shape to a
 request without it or with a wrong one, before it reads the body or touches a store. A route
 added later is held to it without a line here."""

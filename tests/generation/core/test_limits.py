@@ -337,7 +337,7 @@ def test_exponential_decay_with_a_huge_factor_gives_transformers_numbers_and_nev
 
 
 def brute_lookup(row: list[int], max_ngram: int, k: int) -> list[int]:
-    """Prompt lookup as the README says it: the longest n from max_ngram down whose last-n-tokens
+    """Prompt lookup as docs/settings.md says it: the longest n from max_ngram down whose last-n-tokens
     occur earlier with a token after them, the earliest occurrence, then k tokens on (repeating)."""
     for n in range(min(max_ngram, len(row) - 1), 0, -1):
         tail = row[len(row) - n:]

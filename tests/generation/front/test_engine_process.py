@@ -283,7 +283,7 @@ def test_preemptions_under_the_kv_budget_are_counted_from_the_child(test_models,
 def test_the_engine_process_computes_on_its_cores_and_this_process_on_the_others(generators, test_models):
     """reserve_cores=1: the child (every thread of it, onnxruntime's too) runs on all cores but the
     first, this process (the replica: its routes, its reader thread) on the first; what it streams
-    is unchanged. generation/runtime/cores.py; README's Cores."""
+    is unchanged. generation/runtime/cores.py; docs/serving.md, Cores."""
     from generation.runtime import cores
 
     local, _ = generators

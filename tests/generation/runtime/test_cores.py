@@ -13,7 +13,7 @@ from generation.runtime.cores import Placement, parse, placement, span
 
 def test_small_machines_share_every_core_larger_ones_keep_one():
     assert placement(cores=[0]) == Placement((0,), (0,))
-    assert placement(cores=[0, 1]).shared  # measured: keeping one of 2 cores serves less (README's Cores)
+    assert placement(cores=[0, 1]).shared  # measured: keeping one of 2 cores serves less (docs/serving.md, Cores)
     assert placement(cores=[0, 1, 2]).shared
     assert placement(cores=[0, 1, 2, 3]) == Placement((1, 2, 3), (0,))
     assert placement(cores=range(16)) == Placement(tuple(range(1, 16)), (0,))
