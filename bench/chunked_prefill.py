@@ -128,7 +128,7 @@ def direct(args, dirs, budgets: list[int], work: dict, tokenizer) -> dict[int, l
     """--direct: one batcher (raymuter serve's engine defaults), the budgets in turn at each level
     of each round (the order rotating), so each budget meets the machine as the others do; each
     run's prompts its own (its prefix store finds none of another run's)."""
-    from generation.front.batching import ContinuousBatcher
+    from generation.engine.batching import ContinuousBatcher
 
     batcher = ContinuousBatcher.from_model(str(dirs["genai"]), slots=32, prefix_cache_bytes=256 * 2**20,
                                            max_logprobs=20, threads=args.threads)

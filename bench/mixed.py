@@ -34,7 +34,7 @@ import numpy as np
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import generation  # noqa: E402
 from decode_systems import model_dirs  # noqa: E402
-from generation.front.batching import ContinuousBatcher  # noqa: E402
+from generation.engine.batching import ContinuousBatcher  # noqa: E402
 
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=40)
 BEAMS = dict(num_beams=4)

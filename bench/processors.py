@@ -25,7 +25,7 @@ import numpy as np
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import generation  # noqa: E402
 from decode_systems import model_dirs  # noqa: E402
-from generation.core.state import _select  # noqa: E402
+from generation.core.rows import _select  # noqa: E402
 
 CONFIGS = {
     "greedy (nothing to process)": dict(do_sample=False),

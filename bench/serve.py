@@ -185,7 +185,7 @@ def main() -> int:
     parser.add_argument("--mix", default="64,16,256", help="requests,short,long tokens for table 2 (1 in 4 long)")
     parser.add_argument("--stream-interval-ms", type=float, default=10.0, help="the server's stream_interval_ms")
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
-                        help="the request path, as `raymuter serve --proxy` (deployments.cli.serving_environment)")
+                        help="the request path, as `raymuter serve --proxy` (deployments.cli.environment.serving_environment)")
     parser.add_argument("--colocate", action="store_true", default=None,
                         help="the routes in the decoder's replica (AppConfig.colocate)")
     parser.add_argument("--split", action="store_true",
@@ -196,14 +196,14 @@ def main() -> int:
     parser.add_argument("--engine-process", action="store_true", default=None,
                         help="the decoder's batching loop in a child process of its replica (AppConfig.engine_process)")
     args = parser.parse_args()
-    from deployments.cli import layout
+    from deployments.cli.arguments import layout
 
     picked = layout(args.split, args.colocate, args.engine_process, model=args.model)
     args.colocate, args.engine_process = picked["colocate"], picked["engine_process"]
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from deployments.cli import use_serving_environment
+    from deployments.cli.environment import use_serving_environment
 
     use_serving_environment(args.proxy)
     from generation.default_model import default_model_path

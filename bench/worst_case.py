@@ -48,7 +48,7 @@ from generation.assisted import verify as assisted
 from generation.params import limits  # noqa: E402
 from generation.assisted.budget import CostAware  # noqa: E402
 from generation.assisted.prompt_lookup import PromptLookup  # noqa: E402
-from generation.params.settings import SettingError  # noqa: E402
+from generation.params.checks import SettingError# noqa: E402
 from generation.core.stop_strings import StopMatcher  # noqa: E402
 from generation.logits.constraints import Grammars  # noqa: E402
 from generation.text.tokenizer import model_tokenizer  # noqa: E402

@@ -5,7 +5,7 @@ The deployments, their names and their default options live in deployments/app.p
 module reads them from the built application (Serve's own `deployment_to_schema`, as
 `serve build` does) and writes what the chart needs into helm/raymuter/files/deployments.json,
 so the chart never holds a second copy of them; and it writes the schema of the application's
-arguments (deployments.app.AppConfig) into the chart's values.schema.json (`app.args`):
+arguments (deployments.config.AppConfig) into the chart's values.schema.json (`app.args`):
 
     python -m cluster.render            # rewrite both after changing a deployment or AppConfig
     python -m cluster.render --check    # exit 1 if either is out of date (a test runs this)

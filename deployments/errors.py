@@ -26,3 +26,11 @@ class Overloaded(RuntimeError):
 class NotFound(RequestError):
     """A request names a stored thing that is not there: an unknown or deleted file or batch
     (HTTP 404 naming the field that named it)."""
+
+
+def refusal_fields(error: Exception) -> dict:
+    """A decoder answer's refusal fields (deployments/schema.py's Refusal): 503 for a full queue,
+    else 400 naming the field."""
+    if isinstance(error, Overloaded):
+        return {"error": str(error), "status": 503}
+    return {"error": str(error), "status": 400, "field": error.field, "predicate": getattr(error, "predicate", None)}

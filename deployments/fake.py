@@ -156,24 +156,24 @@ class FakeBatcher:
             time.sleep(self.step_seconds + self.step_seconds_per_row * len(live))
             self.steps += 1
             for request in list(live):
-                if request._cancelled:
-                    request._finish(request._tokens, "cancelled", started=started.pop(request.id))
+                if request.cancelled:
+                    request.finish(request.emitted, "cancelled", started=started.pop(request.id))
                     live.remove(request)
                     continue
                 if FAIL in request.prompt:
-                    request._finish(request._tokens, "error", "RuntimeError: the fake engine failed on purpose "
+                    request.finish(request.emitted, "error", "RuntimeError: the fake engine failed on purpose "
                                     "(token 1 in the prompt)", started=started.pop(request.id))
                     live.remove(request)
                     continue
-                done = len(request._tokens)
+                done = len(request.emitted)
                 if done < len(request.planned):
-                    request._emit(request.planned[done], -0.5, [(request.planned[done], -0.5)])
-                if len(request._tokens) == len(request.planned):
+                    request.emit(request.planned[done], -0.5, [(request.planned[done], -0.5)])
+                if len(request.emitted) == len(request.planned):
                     reason = "length" if len(request.planned) >= request.max_new else "stop"
-                    request._finish(request._tokens, reason, started=started.pop(request.id))
+                    request.finish(request.emitted, reason, started=started.pop(request.id))
                     live.remove(request)
         for request in live:
-            request._finish(request._tokens, "cancelled", "the batcher closed")
+            request.finish(request.emitted, "cancelled", "the batcher closed")
 
 
 def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int = 64, name: str = "fake",

@@ -1,7 +1,7 @@
 """What one `raymuter serve` owns on its host, so that two on one host never answer each other's
 clients: ports chosen free for it (or given by the operator) and never shared through
 SO_REUSEPORT, and a run folder for its files, removed when it stops. `raymuter batch`'s local Ray
-takes the same (deployments/cli.py batch_command).
+takes the same (deployments/cli/batch.py batch_command).
 
 Ray Serve 2.60 binds fixed ports unless told otherwise: its fallback proxy (the Python proxy
 HAProxy lists as every backend's `backup` server, 127.0.0.1:8500 and gRPC 9500) with

@@ -34,10 +34,13 @@ decoder deployment's continuous batching all run it.
 """
 
 from .core.context import Context, context
-from .core.state import DecodeState, Prefix, StepTokens, admit, advance, insert, new_state, prefill, release, step
+from .core.insert import admit, insert, prefill
+from .core.state import DecodeState, Prefix, StepTokens, new_state, release
+from .core.step import advance, step
 from .core.warm import compile
 from .engine.generate import Generated, beam_search, generate
-from .params.settings import SettingError, Settings
+from .params.settings import Settings
+from .params.checks import SettingError
 from .families import load
 from .runtime.model import Model, ModelError
 from .search.beam import Hypothesis

@@ -1,6 +1,6 @@
 """`raymuter generate`: generate text from a model folder or hub id, streamed as it comes.
 
-The `raymuter` command itself (this subcommand beside `raymuter serve`) is deployments/cli.py's
+The `raymuter` command itself (this subcommand beside `raymuter serve`) is deployments/cli/'s
 `main`: the serving layer composes the engine's command, the engine never imports the serving
 layer."""
 

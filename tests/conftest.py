@@ -245,7 +245,7 @@ def serve_apps(test_models):
     # out, ~6 minutes a session). HAProxy here learns of it within a second and retries refused
     # connections; tests/deployments/app/test_drain.py still checks a redeploy under load.
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
-    from deployments.cli import use_serving_environment
+    from deployments.cli.environment import use_serving_environment
 
     use_serving_environment(os.environ.get("RAYMUTER_TEST_PROXY", "haproxy"))  # what `raymuter serve` runs
     import ray

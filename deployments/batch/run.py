@@ -4,7 +4,7 @@ Ray Data reads the input, map_batches sends its lines through `--replicas` Batch
 decoder with `--slots` rows, and its encoder where the model has one), and the driver appends
 each answered line to OUTPUT as it comes, so a run killed midway keeps what it finished: run again,
 the lines whose custom_id is in OUTPUT already are skipped. It runs on the Ray this process is
-connected to: `raymuter batch` (deployments/cli.py) starts a local one of its own, as `raymuter
+connected to: `raymuter batch` (deployments/cli/batch.py) starts a local one of its own, as `raymuter
 serve` does, or joins a cluster at `--address` (INPUT must then be readable from every node: shared
 storage, or a URI Arrow reads).
 """
@@ -103,7 +103,7 @@ def _lines(input_path: str, config: dict, table: dict | None):
         if column and column not in rows.column_names:
             raise ValueError(f"{input_path}: no column '{column}' (it has {', '.join(rows.column_names)})")
     rows = rows.append_column("__row", pa.array(range(rows.num_rows), pa.int64()))
-    from ..app import served_name
+    from ..config import served_name
 
     model = served_name(config.get("model"), config.get("name"))
 

@@ -146,6 +146,27 @@ class BatchCalls:
                            code="unknown_url")
         return self._service
 
+    async def create(self, input_file_id: str, endpoint: str, window: str, metadata, output_expires: int | None):
+        return await self.call(self.service.create.remote(input_file_id, endpoint, window, metadata, output_expires))
+
+    async def page(self, after: str | None, limit: int) -> dict:
+        return await self.call(self.service.page.remote(after, limit))
+
+    async def batch(self, batch_id: str) -> dict:
+        return await self.call(self.service.batch.remote(batch_id))
+
+    async def cancel(self, batch_id: str) -> dict:
+        return await self.call(self.service.cancel.remote(batch_id))
+
+    async def file_page(self, purpose: str | None, after: str | None, limit: int, order: str) -> dict:
+        return await self.call(self.service.file_page.remote(purpose, after, limit, order))
+
+    async def file(self, file_id: str) -> dict:
+        return await self.call(self.service.file.remote(file_id))
+
+    async def delete_file(self, file_id: str) -> dict:
+        return await self.call(self.service.delete_file.remote(file_id))
+
     async def upload(self, request: Request) -> dict:
         """POST /v1/files: the multipart form's file (purpose batch) into the store a piece at a
         time as it arrives, never more than the size limit of it (multipart_upload.read_upload)."""

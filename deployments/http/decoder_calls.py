@@ -146,6 +146,29 @@ class DecoderCalls:
         """Embeddings (the handle API's); a refusal is an EmbedResponse with its error, status and field."""
         return await self.call(self.decoder.embed.remote(request), request.request_id or request_id("embd-"))
 
+    async def tokenize(self, prompt, messages, add_special_tokens, add_generation_prompt, variables, token_strs,
+                       request_id_: str):
+        """Token ids (and their strings) of a text or of chat messages rendered by the template."""
+        return await self.answer(self.decoder.tokenize.remote(prompt, messages, add_special_tokens,
+                                                              add_generation_prompt, variables, token_strs), request_id_)
+
+    async def detokenize(self, ids: list[int], request_id_: str) -> str:
+        return await self.answer(self.decoder.detokenize.remote(ids), request_id_)
+
+    async def metrics(self, timeout: float = 5.0) -> list[str]:
+        """The decoder's metrics and the encoder's or vision encoder's where the application has
+        one, each in Prometheus' text format; a part that does not answer in `timeout` seconds
+        is a comment saying so (the ingress's own still come back)."""
+        parts = []
+        for name, handle in (("decoder", self.decoder), ("encoder", self.encoder), ("vision", self.vision)):
+            if handle is None:
+                continue
+            try:
+                parts.append(await asyncio.wait_for(handle.metrics.remote(), timeout=timeout))
+            except Exception as e:  # noqa: BLE001 - the other parts still come back
+                parts.append(f"# {name} metrics unavailable: {type(e).__name__}\n")
+        return parts
+
     async def answer(self, response, request_id_: str):
         """A decoder call's reply (tokenize, detokenize, transcribe), a Refusal raised as its ApiError."""
         out = await self.call(response, request_id_)

@@ -156,7 +156,7 @@ def answers(model, *statuses: int, stream: bool = False, text: bool = False, bin
     """A route's `responses`: `model` for 200 (with server-sent events where it streams, plain
     text where it can answer text, bytes where it answers a file's), OpenAI's error body for each
     of `statuses`."""
-    from .openai import ErrorResponse
+    from .openai_replies import ErrorResponse
 
     ok: dict = {"description": "OK"}
     if model is not None:

@@ -7,11 +7,12 @@ A route reaches the IngressState of the replica serving it through FastAPI's dep
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from contextlib import contextmanager
 
-from fastapi import Request
+from fastapi import Depends, Request
 from pydantic import ValidationError
 
 from ..metrics import IngressMetrics
@@ -68,21 +69,20 @@ class IngressState:
                            param=param, kind="invalid_request_error", code="model_not_found")
 
     async def route(self, request: Request, kind, run, prefix: str = "req-"):
-        """A JSON route: authorized, its body validated into `kind`, the model checked when
-        named, then `run(body, card, request id)`; counted in the metrics."""
-        with self.counted(request):
-            self.authorize(request)
-            body = parse(kind, await read_json(request, self.max_body))
-            card = await self.model_card()
-            if getattr(body, "model", None) is not None:
-                self.check_model(body.model, card)
-            return await run(body, card, request_id(prefix))
+        """A JSON route's work (authorized and counted by its dependency, `guarded`): its body
+        validated into `kind`, the model checked when named, then `run(body, card, request id)`."""
+        body = parse(kind, await read_json(request, self.max_body))
+        card = await self.model_card()
+        if getattr(body, "model", None) is not None:
+            self.check_model(body.model, card)
+        return await run(body, card, request_id(prefix))
 
     @contextmanager
     def counted(self, request: Request, route: str | None = None):
-        """The request in raymuter:http_requests_total by route (`route`, or the path) and status
-        (an ApiError's, else 200)."""
-        route = route or request.url.path
+        """The request in raymuter:http_requests_total by route (`route`, or the route's path as
+        declared, its parameters as {id}: a series per route, not per id) and status (an
+        ApiError's, else 200)."""
+        route = route or route_label(request)
         try:
             yield
         except ApiError as e:
@@ -121,3 +121,25 @@ async def replica_state() -> IngressState:
     from ray import serve
 
     return serve.get_replica_context().servable_object.state
+
+
+def route_label(request: Request) -> str:
+    """The route's path as declared, each parameter as {id} (`/v1/files/{id}`); the request's path
+    where no route matched."""
+    route = request.scope.get("route")
+    path = getattr(route, "path", None)
+    return re.sub(r"\{[^}]+\}", "{id}", path) if path else request.url.path
+
+
+async def authorized(request: Request, state: IngressState = Depends(replica_state)) -> IngressState:
+    """A route's dependency: the API key checked (401 without it), the replica's state given."""
+    state.authorize(request)
+    return state
+
+
+async def guarded(request: Request, state: IngressState = Depends(replica_state)):
+    """A route's dependency: authorized, and counted by route and status once it has answered
+    (an ApiError it raises comes back through here)."""
+    with state.counted(request):
+        state.authorize(request)
+        yield state

@@ -27,8 +27,9 @@ from .answers import completion_logprobs
 from .assembly import gathered
 from .decoder_calls import DecoderCalls
 from .openai import ApiError, ChatCompletionRequest
-from .responses import (ENDS, ResponseEvents, ResponseRequest, assistant_turn, chat_body, ending, ends, input_items,
-                        messages_of, new_id, response_object, responses_error, sse, usage)
+from .responses import ResponseRequest, new_id
+from .responses_conversion import assistant_turn, chat_body, input_items, messages_of, responses_error
+from .responses_events import ENDS, ResponseEvents, ending, ends, response_object, sse, usage
 from .to_decoder import generate_request, typed
 from .validation import parse
 

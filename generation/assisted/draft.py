@@ -73,7 +73,8 @@ class Draft:
         for sampling rows drawn from the draft's probabilities under the row's warpers (a
         stream of the row's seed of its own), which come back as probs [n, K, V] for the
         speculative sampling rule (None when no row samples)."""
-        from ..core.state import admit, release
+        from ..core.insert import admit
+        from ..core.state import release
 
         self._fit(state)
         draft, ctx = self.state, self.ctx

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..params import limits
-from ..params.settings import check_integer
+from ..params.checks import check_integer
 
 
 def lookup(tokens: np.ndarray, counts: np.ndarray, max_ngram, num_tokens: np.ndarray

@@ -30,8 +30,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.context import Context, assisted_refusal
-from ..core.state import DecodeState, StepTokens, ends, select_rows, step, with_logprobs
-from ..logits.processors import NEG_INF, apply
+from ..core.rows import ends, select_rows
+from ..core.state import DecodeState, StepTokens, with_logprobs
+from ..core.step import step
+from ..logits.processors import NEG_INF
+from ..logits.row_settings import apply
 from ..logits.rng import derived_seeds, uniforms
 from ..logits.selection import LogProbs, SamplingRows, final_scores, softmax
 

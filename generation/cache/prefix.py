@@ -103,7 +103,7 @@ class PrefixStore:
 
     def shrink(self, max_bytes: int) -> None:
         """Keep at most `max_bytes` (the least recently used entries leave first): what the
-        running rows leave of a budget the store shares with them (engine/scheduler.py)."""
+        running rows leave of a budget the store shares with them (engine/budget.py)."""
         while self.bytes > max(0, max_bytes) and self.entries:
             self._evict(next(iter(self.entries)))
 

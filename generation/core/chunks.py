@@ -42,7 +42,8 @@ from ..cache.prefix import PrefixStore
 from ..params.settings import Settings
 from ..runtime.feeds import prompt_widths
 from .context import Context
-from .state import DecodeState, StepTokens, _first_tokens, insert
+from .insert import first_tokens_of, insert
+from .state import DecodeState, StepTokens
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def seat(ctx: Context, state: DecodeState, slots, partials: list[Partial], seeds
         raise ValueError("seat: a prompt has tokens left to run")
     prompts = [p.tokens for p in partials]
     last = np.stack([p.last for p in partials]).astype(np.float32, copy=False)
-    prefix = _first_tokens(ctx, prompts, seeds, settings, max_new, last, prompts)
+    prefix = first_tokens_of(ctx, prompts, seeds, settings, max_new, last, prompts)
     rows = [p.rows() for p in partials]
     prefix.cache = PromptCache(rows, np.array([len(p) for p in prompts]), last)
     state = insert(ctx, prefix, state, slots)

@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass, field
 
 from ..logits.constraints import GrammarBudget
-from ..params.settings import SettingError, Settings, make_settings, model_settings, shown
+from ..params.settings import Settings, make_settings, model_settings
+from ..params.checks import SettingError, shown
 from ..cache import DEVICE_MODES
 from ..runtime.graph import CACHE_MODES
 from ..runtime.model import Model

@@ -25,7 +25,8 @@ import numpy as np
 
 from ..params.settings import Settings
 from .context import Context
-from .state import DecodeState, _free, _prompt_cache, _undone_on_error
+from .insert import prompt_cache_of, undone_on_error
+from .state import DecodeState, free_slot
 
 
 @dataclass
@@ -65,7 +66,7 @@ def pause(ctx: Context, state: DecodeState, slot: int) -> Paused:
         paused.logprob = state.logprob[slot, :length + 1].copy()
         if state.top is not None:
             paused.top_ids, paused.top = state.top_ids[slot, :length + 1].copy(), state.top[slot, :length + 1].copy()
-    _free(ctx, state, slot)
+    free_slot(ctx, state, slot)
     state.refresh()
     return paused
 
@@ -80,10 +81,10 @@ def resume(ctx: Context, state: DecodeState, slots, rows: list[Paused], settings
     for j, slot in enumerate(slots):
         if not 0 <= slot < state.slots or state.used[slot] or slot in slots[:j]:
             raise ValueError(f"slots[{j}] = {slot} is not a free slot of this state")
-    with _undone_on_error(ctx, state, slots):
+    with undone_on_error(ctx, state, slots):
         if caches is None:
             state.cache.prefill(slots, [row.tokens[:row.length].tolist() for row in rows], ctx.prompt_steps,
-                                ctx.settings.pad_token_id, lambda prompts: _prompt_cache(ctx, prompts))
+                                ctx.settings.pad_token_id, lambda prompts: prompt_cache_of(ctx, prompts))
         else:
             for slot, row, cache in zip(slots, rows, caches):
                 state.cache.insert(slot, cache, row.length)

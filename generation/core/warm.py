@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .context import Context
-from .state import insert, new_state, prefill, step
+from .insert import insert, prefill
+from .state import new_state
+from .step import step
 
 
 def compile(ctx: Context, batch_size: int) -> Context:  # noqa: A001 - the public verb of the seed

@@ -14,7 +14,7 @@ granted (their rows are not preempted: see core/preempt.py).
 
 The scheduler admits a waiting job while the rows' needs with it fit the budget (vLLM admits
 by the blocks a request needs now, not by its whole length) and, before a step whose needs do
-not fit, preempts the newest plain rows (generation/engine/scheduler.py).
+not fit, preempts the newest plain rows: `KVBudget` below, a part of the Scheduler (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..params import limits
 
 # A quarter of the machine's memory for the KV cache of one decoder, by default, as vLLM sets a KV
 # space aside (what gpu_memory_utilization leaves of a GPU past the weights; VLLM_CPU_KVCACHE_SPACE
@@ -63,3 +65,100 @@ class Needs:
 
     def fits(self, cache, budget: int) -> bool:
         return self.bytes(cache) <= budget
+
+
+class KVBudget:
+    """The scheduler's rows within a KV cache budget (a part of the Scheduler, engine/scheduler.py).
+
+    `kv_cache_bytes`: admission by memory. The in_place cache's buffers take bytes by the
+    classes of the rows they hold (engine/budget.py); a waiting job is seated while the
+    rows' needs with it fit the budget, and before a step whose needs do not fit, the newest
+    plain rows are preempted (core/preempt.py: their tokens and random state kept, their cache
+    recomputed when they are seated again, their tokens those of an uninterrupted run). Beam
+    searches reserve their whole limit when seated and are not preempted. The prefix store
+    (`prefix_cache_bytes`) counts in the same budget: it keeps at most what the rows' buffers
+    leave of it, its least recently used prefixes giving way to rows (never the reverse). None
+    (or 0): rows are admitted by slots, each growing to the capacity. Only the in_place mode's
+    buffers shrink with the rows they hold (`cache.sized`): the append, grow and seq2seq modes
+    and vision-language models admit by slots whatever the budget (`budget` is then None)."""
+
+    def _lookahead(self, jobs) -> int:
+        """The cache rows past its length that a row's next step may write: 1, or 1 and the most
+        candidates a verifying step runs (every row runs as wide as the widest). A draft model's
+        heuristic schedule may ask for more than limits.MAX_LOOKUP_TOKENS: the buffers then grow
+        past the budget for that step, and the next boundary preempts."""
+        if self.state.groups or any(job.beams > 1 for job in jobs):
+            return 1  # beam searches step plainly, and every row with them
+        if self.assistant is not None:
+            return 1 + limits.MAX_LOOKUP_TOKENS
+        if self.lookup is not None:
+            return 1 + max((job.settings.prompt_lookup_num_tokens or 0 for job in jobs), default=0)
+        return 1
+
+    def _needs(self, seated) -> Needs:
+        """What the running rows and the rows `seated` (slots, job) need of the cache: a plain
+        row its length and the lookahead, a resumed one its paused length and the lookahead, a
+        beam search its limit in each of its slots."""
+        seated = [*(([slot], job) for slot, job in self.filling.items()), *seated]  # prompts part-way: seated
+        lookahead = self._lookahead([*self.holder.values(), *(job for _, job in seated)])
+        needs = Needs.of(self.state, lookahead)
+        for slots, job in seated:
+            if job.paused is not None:
+                need = job.paused.length + lookahead
+            elif job.beams > 1:
+                need = min(len(job.prompt) + job.max_new, self.capacity)
+            else:
+                need = len(job.prompt) + lookahead
+            needs = needs.with_row(slots, need)
+        return needs
+
+    def _make_room(self) -> None:
+        """Before a step: while the rows' needs do not fit the budget, preempt the newest plain
+        row (vLLM preempts the last arrived); then the buffers are laid out for the needs."""
+        state, cache = self.state, self.state.cache
+        longest = int(state.lengths.max()) + self._lookahead(self.holder.values())
+        if longest <= cache.length and cache.footprint(cache.held, cache.length) <= self.budget:
+            return  # most steps: the layout holds the rows' next tokens (and the beams' limits, since seated)
+        needs = self._needs([])
+        while not needs.fits(self.state.cache, self.budget) and (self.holder or self.filling):
+            rows = {**self.holder, **self.filling}
+            self._preempt(max(rows, key=lambda slot: rows[slot].rank))
+            needs = self._needs([])
+        self._lay_out(needs, self._limits([]))
+        self._trim_prefix()
+
+    def _trim_prefix(self) -> None:
+        """The prefix store within what the rows' buffers leave of the budget."""
+        if self.budget is not None and self.state.prefix is not None:
+            self.state.prefix.shrink(self.budget - self.state.cache.nbytes)
+
+    def _limits(self, seated) -> int:
+        """The most cache rows a running row, or one of `seated` (slots, job), may come to hold:
+        its limit (prompt and new tokens)."""
+        state = self.state
+        longest = int(state.limit[state.used].max(initial=0))
+        for job in [*self.filling.values(), *(job for _, job in seated)]:
+            limit = job.paused.limit if job.paused is not None else len(job.prompt) + job.max_new
+            longest = max(longest, min(limit, self.capacity))
+        return longest
+
+    def _lay_out(self, needs: Needs, limits: int) -> None:
+        """The buffers for `needs`, the first of these layouts that fits the budget (any, with
+        none): the rows' whole limits (`limits`), so that no layout comes mid-run; the rows and
+        length they have, grown to the needs (no churn as rows come and go); the needs alone
+        (smaller: rows left). A row that would grow them inside a step or a prompt run finds
+        them laid out already."""
+        if not needs.top:
+            return
+        cache = self.state.cache
+        top = max(needs.top, cache.held)
+        for layout in (Needs(top, max(limits, needs.longest, cache.length)),
+                       Needs(top, max(needs.longest, cache.length)), needs):
+            if self.budget is None or layout.fits(cache, self.budget):
+                break
+        cache.fit(layout.top, layout.longest)
+
+    def _reach(self) -> int:
+        """The plain steps the buffers hold as laid out for this one (`_make_room`): until the
+        longest row reaches their length."""
+        return max(1, self.state.cache.length - int(self.state.lengths.max()))

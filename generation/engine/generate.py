@@ -18,7 +18,8 @@ from ..core.state import StepTokens, new_state
 from ..params.inputs import check_prompts, check_seeds
 from ..params.settings import Settings
 from ..search.beam import Hypothesis, check_beam_settings
-from .scheduler import Job, Scheduler, spread
+from .jobs import Job, spread
+from .scheduler import Scheduler
 
 __all__ = ["Generated", "beam_search", "check_prompts", "check_seeds", "generate"]
 

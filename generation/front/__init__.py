@@ -8,8 +8,8 @@ strings applied once, tokens and log-probabilities; `Finish`: tool calls, why it
     request.py         the front's request (EngineRequest)
     options.py         how the engine behind it runs (EngineOptions: slots, threads, ...)
     prompts.py         input processing: chat templates, tool grammars, eos ids, image prompts, checks
-    batching.py        the continuous batching loop on a thread (the engine's Scheduler)
-    engine_process.py  the same loop in a child process
+    loading.py         a batching loop (generation/engine/batching.py, or in a child process:
+                       engine/process.py) over a model loaded from its folder
     output.py          output processing: detokenizing, stop strings held back and cut, tool calls
     reasoning.py       a thinking model's reasoning told apart from its answer (<think>...</think>)
     front.py           EngineFront: the door itself
@@ -43,7 +43,7 @@ from .encoders import (
     model_kind,
     takes_videos,
 )
-from .batching import DEFAULT_PREFILL_CHUNK_TOKENS, Completion, ContinuousBatcher, QueueFull, Request, Token
+from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS, Completion, ContinuousBatcher, QueueFull, Request, Token
 from .errors import Overloaded, Refused, request_field, speech_field
 from .front import Delta, Echo, EngineFront, Finish, detokenized
 from .options import EngineOptions

@@ -3,8 +3,8 @@
 An `EngineRequest` goes in; events come out as its row runs in the continuous batch: `Echo` (the
 prompt given back, once admitted), `Delta`s (text with stop strings applied, the tokens, their
 log-probabilities) and one `Finish` (the rest of the text, tool calls, why it ended, counts).
-Behind it: input processing (front/prompts.py), the batching loop (front/batching.py, or a child
-process: front/engine_process.py), output processing (front/output.py), Whisper's windows
+Behind it: input processing (front/prompts.py), the batching loop (engine/batching.py, or a child
+process: engine/process.py), output processing (front/output.py), Whisper's windows
 (front/speech.py). A server adds transport, metrics and its own shapes; it never reaches past
 this door into the engine.
 
@@ -22,9 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from generation.params.settings import SettingError
+from generation.params.checks import SettingError
 
-from .batching import ContinuousBatcher, QueueFull
+from generation.engine.batching import ContinuousBatcher, QueueFull
+
+from .loading import batcher_from_model
 from .errors import Overloaded, Refused, refused, request_field
 from .output import TextDeltas, TokenText, TokenTexts, tool_calls
 from .options import EngineOptions
@@ -106,7 +108,7 @@ class EngineFront:
             raise ValueError("engine_cores / reserve_cores: place the batching loop's child process "
                              "(engine_process); without it the loop runs in this process")
         else:
-            batcher = ContinuousBatcher.from_model(source, **options.batcher_arguments(), **settings)
+            batcher = batcher_from_model(ContinuousBatcher, source, **options.batcher_arguments(), **settings)
         model = batcher.ctx.model
         inputs = InputProcessor(model_tokenizer(model), chat_template(model.folder), special_tokens(model.folder),
                                 batcher.capacity, options.max_logprobs, model, batcher.ctx, families.family(model).KIND)
@@ -337,7 +339,7 @@ def _engine_process(source, options: EngineOptions, settings: dict):
     import generation
     from generation import families
 
-    from .engine_process import EngineProcess, parent_context
+    from generation.engine.process import EngineProcess, parent_context
 
     model = generation.load(source, variant=options.variant, provider="cpu", threads=1, spin_wait=False,
                             fuse=options.fuse)
@@ -354,4 +356,5 @@ def _engine_process(source, options: EngineOptions, settings: dict):
         del load[name]
     load["cores"] = _placed(options)
     return EngineProcess(parent_context(ctx, options.slots), load, slots=options.slots, capacity=options.capacity,
-                         max_waiting=options.max_waiting, prefix_cache_bytes=options.prefix_cache_bytes)
+                         max_waiting=options.max_waiting, prefix_cache_bytes=options.prefix_cache_bytes,
+                         loader=batcher_from_model)

@@ -104,7 +104,7 @@ class _Result:
 
 def _prepared(front, ctx, samples, request: SpeechRequest, fallback: bool, timestamps: bool, encode):
     """The clip prepared (generation.families.whisper.speech.prepare_speech), on a worker thread."""
-    from generation.params.settings import SettingError
+    from generation.params.checks import SettingError
     from generation.families.whisper.prompt import prompt_ids
     from generation.families.whisper.speech import prepare_speech
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from ..params.settings import SettingError
+from ..params.checks import SettingError
 
 FIELD = "structured_outputs"
 NEG_INF = np.float32(-np.inf)

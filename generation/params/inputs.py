@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from .limits import SEED_LIMIT
-from .settings import SettingError, shown
+from .checks import SettingError, shown
 
 
 def check_prompts(ctx, prompts) -> list[list[int]]:

@@ -6,18 +6,18 @@ only a family knows reaches them by injection: each family module gives a `Hooks
 `generation.load`, which sits above the families, puts it on the loaded Model (`model.hooks`).
 The layers call it where they need it:
 
-    join(encoders)                      engine/scheduler.py: the jobs' encoder inputs as one
+    join(encoders)                      engine/jobs.py: the jobs' encoder inputs as one
                                         batch's (an encoder-decoder's EncoderOutputs, a
                                         vision-language model's PromptImages; a None entry: a job
                                         without any, never all of them)
     prompt_inputs(model, prompts, encoder)
-                                        core/state.py: the checked inputs a decoder-only batch's
+                                        core/rows.py: the checked inputs a decoder-only batch's
                                         prompts run with beside their ids (PromptImages: features
                                         in the embeddings, M-RoPE positions), None for none, or
                                         ValueError naming what is wrong
-    prompt_types                        core/state.py: the types of those inputs a prefix store
+    prompt_types                        core/insert.py: the types of those inputs a prefix store
                                         may name (by their `prefix_key`); () for none
-    timestamp_rules(model)              engine/scheduler.py: a timestamped row's
+    timestamp_rules(model)              engine/jobs.py: a timestamped row's
                                         Settings.timestamp_rules; None: the family decodes none
     timestamps(scores, rules, history, length, prompt_length)
                                         logits/processors.py: the processor of the rows whose

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..logits.processors import apply
+from ..logits.row_settings import apply
 from ..logits.rng import uniforms
 from ..logits.selection import SamplingRows, log_softmax, top_k_candidates, warp
 from ..params.settings import Settings

@@ -95,7 +95,7 @@ def test_generated_parts_are_up_to_date():
 
 
 def _cli_config(*argv: str) -> dict:
-    from deployments.cli import add_arguments, app_config
+    from deployments.cli.serve import add_arguments, app_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -8,8 +8,9 @@ from fastapi.responses import JSONResponse
 
 from ..assembly import event_stream, whole_answer
 from ..edge import ERRORS, answers, body_of
-from ..ingress_state import IngressState, replica_state
-from ..openai import ApiError, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
+from ..ingress_state import IngressState, guarded
+from ..openai import ApiError, ChatCompletionRequest, CompletionRequest
+from ..openai_replies import ChatCompletion, Completion
 from ..to_decoder import generate_request, typed
 
 router = APIRouter()
@@ -17,13 +18,13 @@ router = APIRouter()
 
 @router.post("/v1/completions", openapi_extra=body_of(CompletionRequest),
              responses=answers(Completion, *ERRORS, stream=True))
-async def completions(request: Request, state: IngressState = Depends(replica_state)):
+async def completions(request: Request, state: IngressState = Depends(guarded)):
     return await _completion(state, request, CompletionRequest, chat=False)
 
 
 @router.post("/v1/chat/completions", openapi_extra=body_of(ChatCompletionRequest),
              responses=answers(ChatCompletion, *ERRORS, stream=True))
-async def chat_completions(request: Request, state: IngressState = Depends(replica_state)):
+async def chat_completions(request: Request, state: IngressState = Depends(guarded)):
     return await _completion(state, request, ChatCompletionRequest, chat=True)
 
 

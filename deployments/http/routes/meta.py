@@ -3,16 +3,15 @@ the decoder's, the encoder's or vision's), /openapi.json and /docs (Swagger UI).
 
 from __future__ import annotations
 
-import asyncio
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ..edge import answers, openapi_document
-from ..ingress_state import IngressState, replica_state
-from ..openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
-                      VersionResponse)
+from ..ingress_state import IngressState, authorized
+from ..openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
+from ..openai_replies import VersionResponse
 from ..batches import BatchCreateRequest
 from ..responses import ResponseRequest
 
@@ -28,14 +27,12 @@ async def health() -> dict:
 
 
 @router.get("/version", responses=answers(VersionResponse, 401))
-async def version(request: Request, state: IngressState = Depends(replica_state)):
-    state.authorize(request)
+async def version(request: Request, state: IngressState = Depends(authorized)):
     return {"version": request.app.version}
 
 
 @router.get("/openapi.json", include_in_schema=False)
-async def openapi(request: Request, state: IngressState = Depends(replica_state)):
-    state.authorize(request)
+async def openapi(request: Request, state: IngressState = Depends(authorized)):
     if state.openapi is None:
         document = openapi_document(request.app, REQUEST_MODELS)
         document["servers"] = [{"url": request.scope.get("root_path") or "/"}]
@@ -44,24 +41,12 @@ async def openapi(request: Request, state: IngressState = Depends(replica_state)
 
 
 @router.get("/docs", include_in_schema=False)
-async def docs(request: Request, state: IngressState = Depends(replica_state)):
-    state.authorize(request)
+async def docs(request: Request, state: IngressState = Depends(authorized)):
     return get_swagger_ui_html(openapi_url=(request.scope.get("root_path") or "") + "/openapi.json",
                                title="Raymuter")
 
 
 @router.get("/metrics", responses=answers(None, 401, text=True))
-async def metrics(request: Request, state: IngressState = Depends(replica_state)):
-    state.authorize(request)
-    parts = [state.metrics.text()]
-    try:
-        parts.append(await asyncio.wait_for(state.calls.decoder.metrics.remote(), timeout=5))
-    except Exception as e:  # noqa: BLE001 - the ingress's own metrics still come back
-        parts.append(f"# decoder metrics unavailable: {type(e).__name__}\n")
-    for name, handle in (("encoder", state.calls.encoder), ("vision", state.calls.vision)):
-        if handle is not None:
-            try:
-                parts.append(await asyncio.wait_for(handle.metrics.remote(), timeout=5))
-            except Exception as e:  # noqa: BLE001
-                parts.append(f"# {name} metrics unavailable: {type(e).__name__}\n")
+async def metrics(state: IngressState = Depends(authorized)):
+    parts = [state.metrics.text(), *await state.calls.metrics()]
     return PlainTextResponse("".join(parts), media_type="text/plain; version=0.0.4")

@@ -22,7 +22,7 @@ import math
 import zlib
 from dataclasses import dataclass
 
-from ...params.settings import SettingError, check_number
+from ...params.checks import SettingError, check_number
 
 CONDITION_TYPES = ("first-segment", "all-segments")
 

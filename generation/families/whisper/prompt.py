@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ...params.settings import SettingError
+from ...params.checks import SettingError
 from .languages import LANGUAGES, TASKS, TO_LANGUAGE_CODE
 
 

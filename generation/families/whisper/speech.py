@@ -12,7 +12,7 @@ import numpy as np
 from ...cache.cross import run_first_steps
 from ...core.context import Context
 from ...params.inputs import check_seeds
-from ...params.settings import SettingError
+from ...params.checks import SettingError
 from ...runtime.encoders import EncoderOutputs, encode_audio
 from ...runtime.model import preprocessor_config
 from .. import Prepared

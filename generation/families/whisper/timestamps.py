@@ -79,7 +79,7 @@ def timestamp_processor(scores: np.ndarray, rules: np.ndarray, history: np.ndarr
     """WhisperTimeStampLogitsProcessor, in place on `scores` [n, V], on the rows whose `rules` [n, 3]
     (no_timestamps_token_id, eos, max_initial_timestamp_index or -1) are on (first entry >= 0; one
     model's, so alike); each row's new tokens are history[i, prompt_length[i]:length[i]]. The
-    family's `timestamps` hook: processors.apply runs it where Whisper's generate puts it."""
+    family's `timestamps` hook: row_settings.apply runs it where Whisper's generate puts it."""
     on = np.flatnonzero(rules[:, 0] >= 0)
     no_timestamps, eos, max_initial = rules[on[0]].tolist()
     states = np.stack([timestamp_history(history[i, prompt_length[i]:length[i]].tolist(), no_timestamps + 1)

@@ -270,7 +270,8 @@ def decode_windows(ctx: Context, features: np.ndarray, num_frames, prompts: list
     window is those frames reuses them. timestamps False: windows without the timestamp rules
     (a short clip with options that need the loop).
     """
-    from ...engine.scheduler import Job, Scheduler
+    from ...engine.jobs import Job
+    from ...engine.scheduler import Scheduler
 
     clips = clip_windows(ctx, features, num_frames, prompts, seeds, options, timestamps)
     rated = (options or WhisperOptions()).logprob_threshold is not None
@@ -372,7 +373,7 @@ def check_decoder_length(ctx: Context, prompt: int, settings=None) -> None:
     """As transformers' Whisper generate (`_set_max_new_tokens_and_length`, each window): a
     decoder prompt of `prompt` tokens (previous tokens included) and max_new_tokens (of
     `settings`, default the context's) within the decoder's positions."""
-    from ...params.settings import SettingError
+    from ...params.checks import SettingError
 
     limit, new = ctx.model.config.get("max_target_positions"), (settings or ctx.settings).max_new_tokens
     if isinstance(limit, int) and new is not None and new + prompt > limit:

@@ -73,25 +73,26 @@ def test_each_part_gets_serve_s_autoscaling_config():
 
 def test_raymuter_serve_autoscale_flags():
     from deployments import cli
+    from deployments.cli import serve as serving
     from deployments.app import AppConfig
 
     args = cli.parser().parse_args(["serve", "--autoscale", "decoder=1:6", "--autoscale", "ingress=1:2"])
-    cfg = AppConfig(**cli.app_config(args))
+    cfg = AppConfig(**serving.app_config(args))
     assert (cfg.autoscaling["decoder"].min_replicas, cfg.autoscaling["decoder"].max_replicas) == (1, 6)
     assert cfg.autoscaling["ingress"].max_replicas == 2
     for bad in ("decoder=6:1", "router=1:2", "decoder=1"):
         with pytest.raises(ValueError, match="max_replicas|PART=MIN:MAX"):
-            cli.app_config(cli.parser().parse_args(["serve", "--autoscale", bad]))
+            serving.app_config(cli.parser().parse_args(["serve", "--autoscale", bad]))
     args = cli.parser().parse_args(["serve", "--autoscale", "decoder=2:6,target_occupancy=0.6,downscale_delay_s=30,"
                                     "policy=ongoing"])
-    decoder = AppConfig(**cli.app_config(args)).autoscaling["decoder"]
+    decoder = AppConfig(**serving.app_config(args)).autoscaling["decoder"]
     assert (decoder.min_replicas, decoder.target_occupancy, decoder.downscale_delay_s, decoder.policy) == \
         (2, 0.6, 30.0, "ongoing")
     for bad, message in (("decoder=1:2,occupancy=0.5", "'occupancy=0.5' is not FIELD=VALUE"),
                          ("decoder=1:2,max_replicas=3", "is not FIELD=VALUE"),
                          ("decoder=1:2,target_occupancy=2", "less than or equal to 1")):
         with pytest.raises(ValueError, match=message):
-            cli.app_config(cli.parser().parse_args(["serve", "--autoscale", bad]))
+            serving.app_config(cli.parser().parse_args(["serve", "--autoscale", bad]))
 
 
 def test_the_application_carries_the_autoscaling_config():

@@ -140,14 +140,15 @@ def test_the_budget_is_the_operators(apps):
     out, _ = post(apps["small"], prompt="The", guided_grammar=alternatives(600))
     assert "grammar_budget.max_grammar_size is 500" in refused(out, "guided_grammar")
     from deployments import cli
+    from deployments.cli import serve as serving
     from deployments.app import AppConfig
 
     args = cli.parser().parse_args(["serve", "--grammar-budget", "seconds=2.5,max_grammar_size=8192",
                                     "--grammar-budget", "initial_lexer_fuel=100000"])
-    assert AppConfig(**cli.app_config(args)).grammar_budget == {"seconds": 2.5, "max_grammar_size": 8192,
+    assert AppConfig(**serving.app_config(args)).grammar_budget == {"seconds": 2.5, "max_grammar_size": 8192,
                                                                  "initial_lexer_fuel": 100000}
     with pytest.raises(ValueError, match="grammar_budget.fuel is not a budget field"):
-        cli.app_config(cli.parser().parse_args(["serve", "--grammar-budget", "fuel=1"]))
+        serving.app_config(cli.parser().parse_args(["serve", "--grammar-budget", "fuel=1"]))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -268,7 +269,8 @@ def test_the_engine_process_compiles_a_new_constraint_off_its_loop(test_models, 
     import multiprocessing
 
     import generation
-    from generation.front import batching, engine_process
+    from generation.engine import batching
+    from generation.engine import process as engine_process
     from generation.engine.scheduler import Scheduler
 
     folder = test_models["llama-genai"]

@@ -164,7 +164,7 @@ def test_a_table_of_a_format_it_does_not_read_is_one_line_before_ray_starts(tmp_
 
 
 def test_help_shows_each_default_as_a_value():
-    from generation.front.batching import DEFAULT_PREFILL_CHUNK_TOKENS
+    from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS
 
     chunks = {"serve": f"(default: {DEFAULT_PREFILL_CHUNK_TOKENS}; 0: every prompt whole at once)",
               "batch": "(default: 0: every prompt whole at once", "generate": ""}

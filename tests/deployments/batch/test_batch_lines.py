@@ -62,7 +62,9 @@ def test_a_resumed_run_drops_a_line_cut_short(tmp_path):
 
 
 def test_a_batch_runs_prompts_whole_unless_told_to_chunk_and_its_loop_apart():
-    from deployments.cli import batch_engine_config, engine_config, parser
+    from deployments.cli import parser
+    from deployments.cli.arguments import engine_config
+    from deployments.cli.batch import batch_engine_config
 
     args = parser().parse_args(["batch", "in.jsonl", "out.jsonl"])
     assert batch_engine_config(args)["prefill_chunk_tokens"] == 0

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from processes import environment, is_loopback, listening, process_tree
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -109,14 +110,15 @@ def settled_sockets(process, port: int, timeout: float = 15) -> tuple[list[psuti
 
 
 def assert_stops(process, signum, url) -> None:
-    """`signum` ends the server: exit code 0, "stopping" and no traceback; within a few seconds no
-    process of its tree listens and the URL does not answer."""
+    """`signum` ends the server: exit code 0, "stopping" and no traceback; soon no process of its
+    tree listens (30 s: a loaded 2-core machine once took over 10 for the last of Ray's) and the
+    URL does not answer."""
     tree = process_tree(process.pid)
     process.send_signal(signum)
     assert process.wait(timeout=60) == 0
     rest = process.stderr.read()
     assert "stopping" in rest and "Traceback" not in rest, rest
-    deadline = time.time() + 10
+    deadline = time.time() + 30
     while listening(tree) and time.time() < deadline:
         time.sleep(0.2)
     assert listening(tree) == []
@@ -127,34 +129,66 @@ def assert_stops(process, signum, url) -> None:
         pass
 
 
-def test_on_loopback_nothing_listens_beyond_it_and_sigint_stops_it_though_ignored():
-    port, key = free_port(), "test-key"
-    with serving("--host", "127.0.0.1", "--port", port, "--api-key", key) as (process, url):
-        assert url == f"http://127.0.0.1:{port}"
-        out = httpx.post(url + "/v1/completions", json=dict(model="raymuter-default", prompt="abc", max_tokens=3),
-                         headers={"Authorization": f"Bearer {key}"}, timeout=30)
-        assert out.status_code == 200, out.text
-        assert out.json()["choices"][0]["text"] == "cba"  # ingress -> decoder over gRPC, on loopback too
-        tree, sockets = settled_sockets(process, port)
-        assert {(ip, p) for ip, p, _ in sockets if p == port} == {("127.0.0.1", port)}, sockets  # HAProxy's API port
-        names = {name for _, _, name in sockets}
-        assert {"gcs_server", "raylet", "haproxy"} <= names, names  # guard: Ray's own servers were read
-        assert [s for s in sockets if not is_loopback(s[0])] == []
+@pytest.fixture(scope="module")
+def pair():
+    """Two `raymuter serve` of the fake engine started at once on one host, each with its own key
+    and its own temporary folder (short enough for the run folder's sockets), both launched with
+    SIGINT ignored (as nohup and `&` in a script leave it): {name: (process, url, key, folder)}.
+    The module's tests read them in order; its last two stop them (SIGINT, SIGTERM), so one
+    start serves the checks that need a running server and those of its stop."""
+    keys = {"a": "key-a", "b": "key-b"}
+    folders = {name: Path(f"/tmp/{name}{os.getpid() % 100000}") for name in keys}
+    with contextlib.ExitStack() as stack:
+        for folder in folders.values():
+            folder.mkdir()
+            stack.callback(subprocess.run, ["rm", "-rf", str(folder)])
+        ports = {name: free_port() for name in keys}
+        launched = {name: stack.enter_context(serving("--host", "127.0.0.1", "--port", ports[name], "--api-key",
+                                                      keys[name], launch_only=True, env={"TMPDIR": str(folders[name])}))
+                    for name in keys}
+        urls = {name: wait_for_url(process) for name, process in launched.items()}
+        yield {name: (launched[name], urls[name], keys[name], folders[name]) for name in keys}
 
-        haproxy = [p for p in tree if p.name() == "haproxy"]
-        assert haproxy, "no HAProxy in the process tree"
-        command = haproxy[0].cmdline()
-        config_path = Path(command[command.index("-f") + 1])
-        config = config_path.read_text()
-        admin = Path(re.search(r"^\s*stats socket (\S+)", config, re.M).group(1))
-        assert stat.S_IMODE(admin.stat().st_mode) == 0o600
-        assert stat.S_IMODE(admin.parent.stat().st_mode) == 0o700  # Ray's metrics socket beside it is 666
-        stats_port = int(re.search(r"^listen stats\n\s*bind 127\.0\.0\.1:(\d+)$", config, re.M).group(1))
-        assert httpx.get(f"http://127.0.0.1:{stats_port}/stats", timeout=10).status_code == 200
-        run_folder = config_path.parents[1]  # the instance's own: HAProxy's files (under the node's id), Ray's session
-        assert run_folder.name.startswith("raymuter-") and (run_folder / "ray").is_dir()
-        assert_stops(process, signal.SIGINT, url)
-        assert not run_folder.exists()  # nothing of it is left in the temporary folder
+
+def test_on_loopback_nothing_listens_beyond_it(pair):
+    process, url, key, _ = pair["a"]
+    port = int(url.rpartition(":")[2])
+    assert url == f"http://127.0.0.1:{port}"
+    out = httpx.post(url + "/v1/completions", json=dict(model="raymuter-default", prompt="abc", max_tokens=3),
+                     headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert out.status_code == 200, out.text
+    assert out.json()["choices"][0]["text"] == "cba"  # ingress -> decoder over gRPC, on loopback too
+    tree, sockets = settled_sockets(process, port)
+    assert {(ip, p) for ip, p, _ in sockets if p == port} == {("127.0.0.1", port)}, sockets  # HAProxy's API port
+    names = {name for _, _, name in sockets}
+    assert {"gcs_server", "raylet", "haproxy"} <= names, names  # guard: Ray's own servers were read
+    assert [s for s in sockets if not is_loopback(s[0])] == []
+
+    haproxy = [p for p in tree if p.name() == "haproxy"]
+    assert haproxy, "no HAProxy in the process tree"
+    command = haproxy[0].cmdline()
+    config_path = Path(command[command.index("-f") + 1])
+    config = config_path.read_text()
+    admin = Path(re.search(r"^\s*stats socket (\S+)", config, re.M).group(1))
+    assert stat.S_IMODE(admin.stat().st_mode) == 0o600
+    assert stat.S_IMODE(admin.parent.stat().st_mode) == 0o700  # Ray's metrics socket beside it is 666
+    stats_port = int(re.search(r"^listen stats\n\s*bind 127\.0\.0\.1:(\d+)$", config, re.M).group(1))
+    assert httpx.get(f"http://127.0.0.1:{stats_port}/stats", timeout=10).status_code == 200
+    run_folder = config_path.parents[1]  # the instance's own: HAProxy's files (under the node's id), Ray's session
+    assert run_folder.name.startswith("raymuter-") and (run_folder / "ray").is_dir()
+    assert run_folder.parent == pair["a"][3]  # in its temporary folder: the stop test checks it is gone
+
+
+def test_the_uploads_land_in_the_server_s_run_folder(pair):
+    """The Files and Batches API's default folder is in the server's run folder (0700): an upload
+    lands there, nothing of it beside (the stop test: nothing is left at stop)."""
+    process, url, key, temporary = pair["b"]
+    upload = httpx.post(url + "/v1/files", files={"file": ("r.jsonl", b"{}\n")}, data={"purpose": "batch"},
+                        headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert upload.status_code == 200, upload.text
+    kept = list(temporary.glob(f"raymuter-*/batches/files/{upload.json()['id']}.data"))
+    assert len(kept) == 1 and not list(temporary.glob("raymuter-batches-*")), list(temporary.iterdir())
+    assert stat.S_IMODE(kept[0].parents[2].stat().st_mode) == 0o700
 
 
 def answers(url: str, key: str) -> int | str:
@@ -172,49 +206,62 @@ def answers(url: str, key: str) -> int | str:
     return out.status_code if isinstance(body, dict) and ("data" in body or "error" in body) else "not the application"
 
 
-def test_two_instances_share_no_port_and_each_answers_only_its_own_key():
+def test_two_instances_share_no_port_and_each_answers_only_its_own_key(pair):
     """Two `raymuter serve` started at once on one host with different keys: no port of one's
     process tree is one of the other's (Serve's fallback proxy once bound 127.0.0.1:8500 in both,
     with SO_REUSEPORT, and the kernel split one's clients between the two applications); on every
     port of each, the other's key never gets the model list. Then one's ingress replica is
     killed: while it restarts its port answers its own key 503 (Retry-After) or 200, never the
     other's 200, and the other instance goes on."""
-    keys = {"a": "key-a", "b": "key-b"}
-    with contextlib.ExitStack() as stack:
-        ports = {name: free_port() for name in keys}
-        launched = {name: stack.enter_context(serving("--port", ports[name], "--api-key", keys[name], launch_only=True))
-                    for name in keys}
-        urls = {name: wait_for_url(process) for name, process in launched.items()}
-        sockets = {name: settled_sockets(launched[name], ports[name])[1] for name in keys}
-        numbers = {name: {port for _, port, _ in found} for name, found in sockets.items()}
-        assert numbers["a"] and numbers["b"] and not numbers["a"] & numbers["b"], (sockets["a"], sockets["b"])
-        for own, other in (("a", "b"), ("b", "a")):
-            serving_ports = []
-            for port in sorted(numbers[own]):
-                address = f"http://127.0.0.1:{port}"
-                assert answers(address, keys[other]) != 200, (own, port)  # never the other's clients
-                if answers(address, keys[own]) == 200:
-                    serving_ports.append(port)
-                    assert answers(address, keys[other]) == 401
-            assert ports[own] in serving_ports  # guard: the probe reached the application
+    keys = {name: pair[name][2] for name in pair}
+    launched = {name: pair[name][0] for name in pair}
+    urls = {name: pair[name][1] for name in pair}
+    ports = {name: int(url.rpartition(":")[2]) for name, url in urls.items()}
+    sockets = {name: settled_sockets(launched[name], ports[name])[1] for name in keys}
+    numbers = {name: {port for _, port, _ in found} for name, found in sockets.items()}
+    assert numbers["a"] and numbers["b"] and not numbers["a"] & numbers["b"], (sockets["a"], sockets["b"])
+    for own, other in (("a", "b"), ("b", "a")):
+        serving_ports = []
+        for port in sorted(numbers[own]):
+            address = f"http://127.0.0.1:{port}"
+            assert answers(address, keys[other]) != 200, (own, port)  # never the other's clients
+            if answers(address, keys[own]) == 200:
+                serving_ports.append(port)
+                assert answers(address, keys[other]) == 401
+        assert ports[own] in serving_ports  # guard: the probe reached the application
 
-        ingress = [p for p in process_tree(launched["a"].pid) if "ServeReplica:raymuter:Ingress" in p.name()]
-        assert ingress, "no ingress replica in a's tree"
-        ingress[0].kill()
-        seen, deadline = [], time.time() + 60
-        while time.time() < deadline:
-            with_other = answers(urls["a"], keys["b"])
-            assert with_other in (401, 503), with_other
-            got = httpx.get(urls["a"] + "/v1/models", headers={"Authorization": f"Bearer {keys['a']}"}, timeout=15)
-            seen.append(got.status_code)
-            assert got.status_code in (200, 503), got.text
-            if got.status_code == 503:
-                assert got.headers["retry-after"] == "1" and got.json()["error"]["type"] == "server_overloaded"
-            if seen[-3:] == [200, 200, 200] and 503 in seen:
-                break
-            assert answers(urls["b"], keys["b"]) == 200  # the other instance is untouched
-            time.sleep(0.1)
-        assert 503 in seen and seen[-1] == 200, seen  # answered while down, and serves again
+    ingress = [p for p in process_tree(launched["a"].pid) if "ServeReplica:raymuter:Ingress" in p.name()]
+    assert ingress, "no ingress replica in a's tree"
+    ingress[0].kill()
+    seen, deadline = [], time.time() + 60
+    while time.time() < deadline:
+        with_other = answers(urls["a"], keys["b"])
+        assert with_other in (401, 503), with_other
+        got = httpx.get(urls["a"] + "/v1/models", headers={"Authorization": f"Bearer {keys['a']}"}, timeout=15)
+        seen.append(got.status_code)
+        assert got.status_code in (200, 503), got.text
+        if got.status_code == 503:
+            assert got.headers["retry-after"] == "1" and got.json()["error"]["type"] == "server_overloaded"
+        if seen[-3:] == [200, 200, 200] and 503 in seen:
+            break
+        assert answers(urls["b"], keys["b"]) == 200  # the other instance is untouched
+        time.sleep(0.1)
+    assert 503 in seen and seen[-1] == 200, seen  # answered while down, and serves again
+
+
+def test_sigint_stops_it_though_ignored_and_leaves_nothing_in_tmp(pair):
+    process, url, _, temporary = pair["a"]
+    assert_stops(process, signal.SIGINT, url)
+    assert list(temporary.iterdir()) == []  # its run folder (Ray's session, HAProxy's files) went with it
+
+
+def test_sigterm_stops_it_and_the_uploads_go_with_it(pair):
+    process, url, key, temporary = pair["b"]
+    upload = httpx.post(url + "/v1/files", files={"file": ("s.jsonl", b"{}\n")}, data={"purpose": "batch"},
+                        headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert upload.status_code == 200 and list(temporary.glob("raymuter-*/batches/files/*.data")), upload.text
+    assert_stops(process, signal.SIGTERM, url)
+    assert list(temporary.iterdir()) == []
 
 
 def test_the_default_layout_frees_slots_left_whole_and_answers_503_while_its_engine_restarts():
@@ -315,7 +362,7 @@ def test_start_up_progress_names_what_it_waits_for(monkeypatch, capsys):
     from ray.serve._private.common import DeploymentStatus, ReplicaState
     from ray.serve.schema import ApplicationStatus, ProxyStatus
 
-    from deployments import cli
+    from deployments.cli import startup as cli
 
     monkeypatch.setattr(cli, "PROGRESS_SECONDS", 0.0)
     monkeypatch.setattr(time, "sleep", lambda seconds: None)
@@ -358,15 +405,6 @@ def test_start_up_progress_names_what_it_waits_for(monkeypatch, capsys):
                           "the HTTP proxy (starting)")
 
 
-def test_sigterm_stops_it():
-    port = free_port()
-    with serving("--port", port) as (process, url):
-        out = httpx.post(url + "/v1/completions", json=dict(model="raymuter-default", prompt="abc", max_tokens=3),
-                         timeout=30)
-        assert out.json()["choices"][0]["text"] == "cba"  # the fake engine: the prompt reversed
-        assert_stops(process, signal.SIGTERM, url)
-
-
 def test_a_missing_model_is_generate_s_error_before_ray_starts(tmp_path):
     missing = tmp_path / "no-such-model"
     started = time.perf_counter()
@@ -400,25 +438,6 @@ def test_a_batch_folder_that_cannot_be_made_is_one_line_before_ray_starts(tmp_pa
     done = raymuter("serve", "--engine", "fake", "--port", free_port(), "--batch-folder", tmp_path / "a-file" / "b")
     assert time.perf_counter() - started < 10 and done.returncode == 2
     assert done.stderr == f"raymuter: error: --batch-folder: cannot keep files in {tmp_path}/a-file/b (Not a directory)\n"
-
-
-def test_the_uploads_go_with_the_server_at_stop():
-    """The Files and Batches API's default folder is in the server's run folder (0700): an upload
-    lands there, nothing of it beside, and a stop leaves nothing in the temporary folder."""
-    temporary = Path(f"/tmp/u{os.getpid() % 100000}")  # short enough for the run folder's sockets
-    temporary.mkdir()
-    try:
-        with serving("--port", free_port(), env={"TMPDIR": str(temporary)}) as (process, url):
-            upload = httpx.post(url + "/v1/files", files={"file": ("r.jsonl", b"{}\n")}, data={"purpose": "batch"},
-                                timeout=30)
-            assert upload.status_code == 200, upload.text
-            kept = list(temporary.glob(f"raymuter-*/batches/files/{upload.json()['id']}.data"))
-            assert len(kept) == 1 and not list(temporary.glob("raymuter-batches-*")), list(temporary.iterdir())
-            assert stat.S_IMODE(kept[0].parents[2].stat().st_mode) == 0o700
-            assert_stops(process, signal.SIGTERM, url)
-        assert list(temporary.iterdir()) == []
-    finally:
-        subprocess.run(["rm", "-rf", str(temporary)])
 
 
 def test_a_port_in_use_is_one_line_naming_it():
@@ -474,7 +493,7 @@ def test_the_url_is_printed_only_once_every_connection_for_a_while_is_routed():
     import http.server
     import threading
 
-    from deployments.cli import wait_routed
+    from deployments.cli.startup import wait_routed
 
     answers = iter([200, 404, 200, 200, 404] + [200] * 1000)
     served = []

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from deployments.http.openai import ApiError, ChatCompletionRequest
-from deployments.http.responses import (ResponseEvents, ResponseRequest, chat_body, input_items, messages_of,
-                                        responses_error)
+from deployments.http.responses import ResponseRequest
+from deployments.http.responses_conversion import chat_body, input_items, messages_of, responses_error
+from deployments.http.responses_events import ResponseEvents
 from deployments.http.validation import parse
 
 TOOL = {"type": "function", "name": "weather", "description": "the weather",

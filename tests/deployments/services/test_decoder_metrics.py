@@ -29,7 +29,7 @@ def test_the_cache_ledger_is_read_when_scraped(test_models, load_model, buffers)
     """raymuter:host_device_bytes_total{cause}, decode_steps_total and decode_rows_total read the
     batcher's cache ledger: a decode step's logits are its rows x vocab x 4 bytes."""
     import generation
-    from generation.front.batching import ContinuousBatcher
+    from generation.engine.batching import ContinuousBatcher
 
     model = load_model(test_models["llama-genai"])
     batcher = ContinuousBatcher(generation.compile(generation.context(model, buffers=buffers), batch_size=4),

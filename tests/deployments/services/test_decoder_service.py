@@ -160,7 +160,7 @@ def test_a_generator_with_a_draft_model(test_models, load_model):
     import argparse
 
     import generation
-    from deployments.cli import add_arguments, app_config
+    from deployments.cli.serve import add_arguments, app_config
     from generation.text.tokenizer import model_tokenizer
 
     parser = argparse.ArgumentParser()
@@ -189,7 +189,7 @@ def test_no_spin_reaches_the_decoders_session(test_models, load_model):
 
     import generation
     from deployments.app import AppConfig
-    from deployments.cli import add_arguments, app_config
+    from deployments.cli.serve import add_arguments, app_config
     from generation.text.tokenizer import model_tokenizer
 
     folder = test_models["llama-genai"]

@@ -18,7 +18,7 @@ import pytest
 
 import generation
 from generation.engine.scheduler import Scheduler
-from generation.params.settings import SettingError
+from generation.params.checks import SettingError
 from generation.runtime.device import Device, Ledger
 
 # folder (+fused: the rewrite), oracle model, cache mode

@@ -1,5 +1,5 @@
 """One request can never hurt another: a failure while admitting or stepping one row ends that
-request alone (generation/front/batching.py over generation/core/state.py and assisted.py).
+request alone (generation/engine/batching.py over generation/core/state.py and assisted.py).
 
 Invariants: the request whose own processors, settings or admission raise ends with
 finish_reason "error" (status 400 when a ValueError was raised while admitting it, 500
@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import generation
-from generation.front.batching import ContinuousBatcher
-from generation.core import state as engine_state
+from generation.engine.batching import ContinuousBatcher
+from generation.core import insert as engine_state  # where an admission builds its rows
+from generation.core.state import row_tokens
 
 MARK = 999  # a prompt that starts with this token is the one that fails
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
@@ -127,14 +128,14 @@ def test_an_admission_that_raises_outside_the_selection_is_retried_one_by_one(mo
     """A batched admission that raises (here: building the rows' settings) is retried request by
     request: the request that fails alone ends, the others are admitted (their cache rows and
     slots as if the failed attempt never happened)."""
-    real = engine_state._row_settings
+    real = engine_state.row_settings_of
 
     def row_settings(ctx, prompts, settings, limit, encoder_ids):
         if any(p and p[0] == MARK for p in prompts):
             raise ValueError("prompt: the marked one")
         return real(ctx, prompts, settings, limit, encoder_ids)
 
-    monkeypatch.setattr(engine_state, "_row_settings", row_settings)
+    monkeypatch.setattr(engine_state, "row_settings_of", row_settings)
     gate = threading.Event()
     processors = [failing("none", gate=gate)]
     marked, others = run_batch(model, processors, [MARK, 5, 6], gate)
@@ -142,7 +143,7 @@ def test_an_admission_that_raises_outside_the_selection_is_retried_one_by_one(mo
     check_others(model, processors, others)
 
 
-@pytest.mark.parametrize("where", ["_first_tokens", "_occupy"])
+@pytest.mark.parametrize("where", ["first_tokens_of", "_occupy"])
 def test_a_failed_admission_leaves_the_state_as_it_was(model, monkeypatch, where):
     """admit is all or nothing: after one that raises (choosing the first tokens, after the
     in_place cache took the prompts; or seating the second row, after the first was seated),
@@ -173,7 +174,7 @@ def test_a_failed_admission_leaves_the_state_as_it_was(model, monkeypatch, where
         state, _ = generation.admit(ctx, state, [2, 3], [[10, 11, 12, 13], [14]], [2, 3])
         for _ in range(6):
             state, _ = generation.step(ctx, state)
-        return [engine_state.row_tokens(state, s) for s in range(4)]
+        return [row_tokens(state, s) for s in range(4)]
 
     assert run(interrupt=True) == run(interrupt=False)
 
@@ -274,7 +275,7 @@ def test_every_request_gets_an_answer_even_when_the_loop_dies(test_models, load_
 
 
 def test_settings_errors_at_submit_name_their_setting(test_models, load_model):
-    from generation.params.settings import SettingError
+    from generation.params.checks import SettingError
 
     model = load_model(test_models["llama-genai"])
     batcher = ContinuousBatcher(generation.context(model, max_new_tokens=4), slots=2, capacity=32)

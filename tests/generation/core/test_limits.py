@@ -20,12 +20,13 @@ from hypothesis import HealthCheck, given, settings as hyp_settings, strategies 
 from transformers.generation import logits_process as lp
 
 import generation
-from generation.front.batching import ContinuousBatcher
+from generation.engine.batching import ContinuousBatcher
 from generation.params import limits
-from generation.logits import processors as P
+from generation.logits import row_settings as R
 from generation.logits import selection as S
 from generation.assisted.prompt_lookup import lookup
-from generation.params.settings import SettingError, Settings, make_settings
+from generation.params.settings import Settings, make_settings
+from generation.params.checks import SettingError
 
 BIG = 2**64
 VOCAB, CONTEXT = 1000, 256  # the tiny test models
@@ -264,9 +265,9 @@ def test_a_request_of_any_json_is_refused_by_name_or_submitted(batcher, prompt, 
 # --- the costly processors at their caps, against transformers ---------------------------------
 
 def ours(scores, history, settings, prompt_length, limit=10**6):
-    rows = P.RowSettings(1, scores.shape[-1])
+    rows = R.RowSettings(1, scores.shape[-1])
     rows.set_row(0, settings, prompt_length, limit, encoder_ids=history[:prompt_length])
-    return P.apply(scores[None], rows, history[None], np.array([len(history)]))[0]
+    return R.apply(scores[None], rows, history[None], np.array([len(history)]))[0]
 
 
 def theirs(processor, scores, history):

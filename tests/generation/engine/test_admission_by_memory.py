@@ -15,7 +15,7 @@ import pytest
 
 import generation
 from generation.engine.scheduler import Scheduler
-from generation.params.settings import SettingError
+from generation.params.checks import SettingError
 
 MODES = [("llama-genai", "in_place")]  # the append mode keeps every slot's rows: it admits by slots
 SLOTS, CAPACITY = 8, 128

@@ -22,8 +22,8 @@ import pytest
 
 import generation
 from generation.engine.scheduler import Scheduler
-from generation.front.batching import ContinuousBatcher
-from generation.params.settings import SettingError
+from generation.engine.batching import ContinuousBatcher
+from generation.params.checks import SettingError
 
 MODES = [("llama-genai", "in_place"), ("llama-optimum", "append"), ("gpt2-grow", "grow")]
 CAPACITY = 128
@@ -252,7 +252,7 @@ def test_stop_strings_a_constraint_and_prompt_lookup_run_in_chunks(models, promp
 
 def test_the_servers_loop_chunks_by_default_and_the_engine_does_not(models):
     """generate's Scheduler runs every prompt whole; the server's loop has a budget."""
-    from generation.front.batching import DEFAULT_PREFILL_CHUNK_TOKENS
+    from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS
 
     ctx = generation.context(models["llama-genai"])
     assert Scheduler(ctx, 2, CAPACITY).prefill_chunk_tokens == 0
@@ -342,5 +342,5 @@ def test_a_batcher_streams_prompts_run_in_chunks_as_alone(models, prompts_of):
         batcher.close()
     for request, result, want in zip(requests[:3], results, expected):
         assert (result.finish_reason, result.tokens) == (want.reason, want.tokens)
-        assert list(request._tokens) == want.tokens
+        assert list(request.emitted) == want.tokens
     assert results[3].finish_reason == "cancelled" and results[3].tokens == []

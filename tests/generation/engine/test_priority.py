@@ -15,8 +15,8 @@ import pytest
 
 import generation
 from generation.engine.scheduler import Scheduler
-from generation.front.batching import ContinuousBatcher
-from generation.params.settings import SettingError
+from generation.engine.batching import ContinuousBatcher
+from generation.params.checks import SettingError
 
 MODES = [("llama-genai", "in_place"), ("llama-optimum", "append"), ("gpt2-grow", "grow")]
 CAPACITY = 96
@@ -190,7 +190,7 @@ def test_the_server_s_submits_reach_a_running_step():
     import multiprocessing
     import threading
 
-    from generation.front.engine_process import _interrupts
+    from generation.engine.process import _interrupts
 
     class Recorded:
         def __init__(self):

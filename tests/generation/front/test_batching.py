@@ -1,4 +1,4 @@
-"""The decoder's continuous batching loop (generation/front/batching.py) over the real engine.
+"""The decoder's continuous batching loop (generation/engine/batching.py) over the real engine.
 
 Invariants: every request completes exactly once with the tokens `generate` gives it alone
 (greedy or seeded sampling, whatever else runs); a request submitted mid-generation starts
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import generation
-from generation.front.batching import ContinuousBatcher, QueueFull
+from generation.engine.batching import ContinuousBatcher, QueueFull
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ def test_rows_that_take_no_log_probabilities_compute_none_beside_rows_that_do(te
     """A server's context computes log-probabilities, but a request without `logprobs` reads none:
     its row's steps skip them (they cost a vocabulary pass a row), its tokens are unchanged, and the
     rows that ask get each their own, equal to theirs alone."""
-    import generation.core.state as state_module
+    import generation.core.rows as state_module  # where a step reads log-probabilities
     import generation.logits.selection as selection
 
     rows_seen, rows_computed, plain = [0], [0], selection.logprobs

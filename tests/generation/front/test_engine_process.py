@@ -1,4 +1,4 @@
-"""The decoder's batching loop in a child process (generation/front/engine_process.py):
+"""The decoder's batching loop in a child process (generation/engine/process.py):
 what it streams equals the loop in process, its requests are checked here, cancels and ends
 reach it, and its death answers every request."""
 
@@ -56,6 +56,9 @@ def test_streams_equal_the_loop_in_process(generators):
     expected = asyncio.run(streamed(local, REQUESTS))
     got = asyncio.run(streamed(child, REQUESTS))
     assert child.batcher.process.pid != os.getpid() and child.batcher.process.is_alive()
+    from generation.engine.batcher import Batcher
+
+    assert isinstance(child.batcher, Batcher) and isinstance(local.batcher, Batcher)  # the loops' contract
     assert [flat(c) for c in got] == [flat(c) for c in expected]
     assert flat(got[3])["prompt_logprobs"] and flat(got[4])["prompt_logprobs"]  # forwarded, not left behind
     # this process reads the graph and keeps no session: the weights live in the child only
@@ -102,7 +105,7 @@ def test_the_prefix_caches_counters_come_from_the_child(generators):
 def test_batch_rows_do_not_count_against_max_waiting(generators, monkeypatch):
     """As the loop in process: a batch's lines (priority 1) in flight beyond max_waiting are
     taken, and beside them interactive requests are taken up to max_waiting waiting, then refused."""
-    from generation.front.batching import QueueFull
+    from generation.engine.batching import QueueFull
 
     _, child = generators
     monkeypatch.setattr(child.batcher, "max_waiting", 2)
@@ -126,8 +129,8 @@ def test_the_childs_death_ends_its_requests_with_503_and_a_new_child_serves(test
     the next child starts is refused with 503 (EngineRestarting, a QueueFull: Overloaded), the
     batcher stays alive (the health check passes), and once the new child is up the same request
     gives the same tokens as before."""
-    from generation.front.batching import QueueFull
-    from generation.front.engine_process import EngineRestarting
+    from generation.engine.batching import QueueFull
+    from generation.engine.process import EngineRestarting
 
     generator = TextGenerator.from_model(test_models["llama-genai"], slots=2, threads=1, engine_process=True)
     request = dict(prompt="The list", settings={"max_new_tokens": 12})
@@ -163,7 +166,7 @@ def test_the_childs_death_ends_its_requests_with_503_and_a_new_child_serves(test
 def test_a_child_dying_again_and_again_stops_the_batcher(test_models, monkeypatch):
     """RESTARTS deaths within RESTART_WINDOW: no new child; the batcher is no longer alive (the
     health check fails and Serve replaces the replica), and submits say why."""
-    from generation.front import engine_process
+    from generation.engine import process as engine_process
 
     monkeypatch.setattr(engine_process, "RESTARTS", 2)
     generator = TextGenerator.from_model(test_models["llama-genai"], slots=2, threads=1, engine_process=True)
@@ -198,7 +201,7 @@ def test_the_cli_and_app_config_carry_it(test_models, s2s):
     import argparse
 
     from deployments.app import AppConfig
-    from deployments.cli import add_arguments, app_config
+    from deployments.cli.serve import add_arguments, app_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -315,7 +318,7 @@ def test_the_cli_places_the_engine_process_and_names_its_flags(test_models, s2s)
     import argparse
 
     from deployments.app import AppConfig
-    from deployments.cli import add_arguments, app_config, place_cores
+    from deployments.cli.serve import add_arguments, app_config, place_cores
     from generation.runtime import cores
 
     parser = argparse.ArgumentParser()

@@ -12,7 +12,7 @@ import pytest
 import generation
 from generation.front import Delta, Echo, EngineFront, EngineOptions, EngineRequest, Finish, Refused, TextDeltas
 from generation.front.errors import refused, request_field
-from generation.params.settings import SettingError
+from generation.params.checks import SettingError
 
 
 class Chars:

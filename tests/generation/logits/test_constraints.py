@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import generation
-from generation.params.settings import SettingError, _structured
+from generation.params.checks import SettingError, _structured
 from generation.logits import constraints
 
 MODES = [("llama-optimum", "llama", "append"), ("llama-genai", "llama", "in_place"), ("gpt2-grow", "gpt2", "grow")]

@@ -20,8 +20,10 @@ import pytest
 
 import generation
 from generation.engine.scheduler import Scheduler
-from generation.logits.processors import RowSettings, apply, frequency_presence_penalty
-from generation.params.settings import SettingError, make_settings
+from generation.logits.processors import frequency_presence_penalty
+from generation.logits.row_settings import RowSettings, apply
+from generation.params.settings import make_settings
+from generation.params.checks import SettingError
 from test_assisted import logged, spy  # noqa: F401  (spy: a fixture)
 from test_beam import transformers_beams
 from test_processors_generate import repetitive_prompts, transformers_run

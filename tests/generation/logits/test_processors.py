@@ -27,6 +27,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.utils import GenerationMixin
 
 from generation.logits import processors as P
+from generation.logits import row_settings as R
 from generation.logits import selection as S
 from generation.params.settings import make_settings
 
@@ -312,12 +313,12 @@ def test_suppress_tokens_at_begin(batch, data):
 
 def applied(scores, history, length, row_settings, prompts=None, limits=None):
     n, v = scores.shape
-    rows = P.RowSettings(n, v)
+    rows = R.RowSettings(n, v)
     for i, s in enumerate(row_settings):
         rows.set_row(i, s, int(length[i]) if prompts is None else len(prompts[i]),
                      100 if limits is None else int(limits[i]),
                      encoder_ids=None if prompts is None else prompts[i])
-    return pure(P.apply, scores, rows, history, length)
+    return pure(R.apply, scores, rows, history, length)
 
 
 sequences = st.lists(st.integers(0, 3), min_size=1, max_size=3)
@@ -442,7 +443,7 @@ def test_inplace_writes_the_same_scores_into_the_array(batch, data):
     n, v = scores.shape
     eos = table(data.draw(token_lists(v, n, 1, 2, tokens=v)))
     prompts = [np.array(x, np.int64) for x in data.draw(token_lists(v, n, 1, 3, tokens=3))]
-    rows = P.RowSettings(n, v)
+    rows = R.RowSettings(n, v)
     for i in range(n):
         rows.set_row(i, make_settings({}, {"sequence_bias": [[[1], -1.5], [[0, 2], 2.0], [[1, 1], 0.5]],
                                            "bad_words_ids": [[2], [1, 0]]} if i % 2 else {}), 1, 100)

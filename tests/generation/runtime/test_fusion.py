@@ -254,10 +254,11 @@ def test_quantized_variants_run_fused_as_exported(quantized, variant, op):
 
 def test_the_server_passes_fuse_through(test_models):
     from deployments import cli
+    from deployments.cli import serve as serving
     from deployments.app import AppConfig
 
-    assert cli.app_config(cli.parser().parse_args(["serve", "--no-fuse"]))["fuse"] is False
-    assert cli.app_config(cli.parser().parse_args(["serve"]))["fuse"] is True
+    assert serving.app_config(cli.parser().parse_args(["serve", "--no-fuse"]))["fuse"] is False
+    assert serving.app_config(cli.parser().parse_args(["serve"]))["fuse"] is True
     assert AppConfig().fuse is True
     from deployments.services.generator import TextGenerator
 

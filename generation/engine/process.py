@@ -58,11 +58,12 @@ class EngineRestarting(QueueFull):
 
 class EngineProcess:
     """ContinuousBatcher's interface over a child process that runs one. `ctx`: the model's
-    context in this process (settings and checks only); `load`: ContinuousBatcher.from_model's
-    arguments for the child's model (source, threads, settings, ...)."""
+    context in this process (settings and checks only); `load`: the arguments of `loader` (the
+    front's batcher_from_model: a function the child imports by name) for the child's model
+    (source, threads, settings, ...)."""
 
     def __init__(self, ctx, load: dict, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
-                 prefix_cache_bytes: int = 0, start_timeout: float = 600.0):
+                 prefix_cache_bytes: int = 0, start_timeout: float = 600.0, loader=None):
         from generation.engine.scheduler import Scheduler
 
         self.ctx, self.slots = ctx, slots
@@ -85,6 +86,9 @@ class EngineProcess:
         self.restarts = 0
         self.start_timeout = start_timeout
         self.load = dict(load, slots=slots, capacity=self.capacity, prefix_cache_bytes=prefix_cache_bytes)
+        if loader is None:
+            raise ValueError("loader: the function that loads the child's batcher (generation.front.loading)")
+        self.loader = loader
         self._conn, self.process = self._start_child()
         self._thread = threading.Thread(target=self._read, name="raymuter-engine-reader", daemon=True)
         self._thread.start()
@@ -96,8 +100,8 @@ class EngineProcess:
         # each submit's priority, read at once by a thread of the child (its loop reads the pipe
         # between steps only): a step of batch rows ends early for an interactive request
         self._urgent = spawn.SimpleQueue()
-        process = spawn.Process(target=_child_main, args=(child, self.load, self._urgent), name="raymuter-engine",
-                                daemon=True)
+        process = spawn.Process(target=_child_main, args=(child, self.load, self._urgent, self.loader),
+                                name="raymuter-engine", daemon=True)
         process.start()
         child.close()  # the child's end lives in the child only: its exit is this end's EOF
         if not conn.poll(self.start_timeout):
@@ -198,12 +202,12 @@ class EngineProcess:
                     if request is None:
                         continue
                     if kind == _TOKEN:
-                        request._emit(*payload)
+                        request.emit(*payload)
                     elif kind == _PROMPT:
                         request.prompt_logprobs = payload
                     else:  # the child's Completion, its seconds measured there
                         self._forget(rid)
-                        request._settle(payload)
+                        request.settle(payload)
         except (EOFError, OSError):
             pass
         except BaseException:
@@ -229,7 +233,7 @@ class EngineProcess:
         if ended:
             log.error("%s: its %d requests end (503)", reason, len(ended))
         for request in ended:
-            request._finish(request._tokens, "error", reason, status=503)
+            request.finish(request.emitted, "error", reason, status=503)
 
     def _forget(self, rid: int) -> None:
         """A request that has ended (or never reached the child), out of the counts."""
@@ -421,8 +425,8 @@ def _interrupts(urgent, scheduler) -> None:
         scheduler.interrupt_for(priority)
 
 
-def _child_main(conn, load: dict, urgent=None) -> None:
-    """Load the model and run its loop until the parent closes it or goes."""
+def _child_main(conn, load: dict, urgent=None, loader=None) -> None:
+    """Load the model (`loader`, with `load`) and run its loop until the parent closes it or goes."""
     _ForwardingBatcher.conn = conn
     batching.Request = _Forwarded  # what ContinuousBatcher.submit makes, in this process
     load = dict(load)
@@ -437,7 +441,7 @@ def _child_main(conn, load: dict, urgent=None) -> None:
                 raise ValueError(f"engine_cores: cannot run on cores {span(cores)} ({e.strerror})") from None
             if load.get("threads") is None:
                 load["threads"] = len(cores)
-        batcher = _ForwardingBatcher.from_model(**load, max_waiting=1 << 30)
+        batcher = loader(_ForwardingBatcher, **load, max_waiting=1 << 30)
     except BaseException as e:  # noqa: BLE001 - the parent says why it could not start
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return

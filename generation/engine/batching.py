@@ -7,7 +7,7 @@ they come, and the slots of finished or cancelled requests are freed, so a new r
 waits for a whole batch to finish. Each request keeps its own settings, seed and stops; its
 tokens are those `generation.generate` gives it alone.
 
-    batcher = ContinuousBatcher(ctx, slots=8)
+    batcher = ContinuousBatcher(ctx, slots=8)        # a compiled context (generation.front.loading loads one)
     request = batcher.submit([1, 2, 3], seed=0, settings={"temperature": 0.7, "do_sample": True})
     for token in request.stream(): ...        # or request.result(); request.events() with log-probs
     batcher.close()
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 
 from generation.assisted import verify as assisted
 from generation.params import limits
-from generation.engine.budget import default_kv_cache_bytes
-from generation.engine.scheduler import Scheduler
-from generation.params.settings import SettingError
+from .budget import default_kv_cache_bytes
+from .scheduler import Scheduler
+from generation.params.checks import SettingError
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Request:
     settings: object  # generation.Settings
     max_new: int
     submitted: float = field(default_factory=time.perf_counter)
-    _tokens: list = field(default_factory=list)
+    emitted: list = field(default_factory=list)  # the token ids made so far
     _events: queue.Queue = field(default_factory=queue.Queue)
     _done: threading.Event = field(default_factory=threading.Event)
     _cancelled: bool = False
@@ -184,6 +184,11 @@ class Request:
             raise TimeoutError(f"request {self.id} not finished after {timeout} s")
         return self._completion
 
+    @property
+    def cancelled(self) -> bool:
+        """Whether its reader cancelled it (the loop frees its slot at the next step)."""
+        return self._cancelled
+
     def cancel(self) -> None:
         """Stop the request; its slot is freed at the next step (a client that went away)."""
         self._cancelled = True
@@ -202,21 +207,21 @@ class Request:
                 except RuntimeError:  # the listener's event loop has closed: nobody is waiting
                     self._notify = None
 
-    def _emit(self, token: int, logprob: float | None = None, top: list | None = None) -> None:
+    def emit(self, token: int, logprob: float | None = None, top: list | None = None) -> None:
         if self._first is None:
             self._first = time.perf_counter()
-        self._tokens.append(token)
+        self.emitted.append(token)
         self._put(Token(token, logprob, top, time.perf_counter()))
 
-    def _finish(self, tokens: list[int], reason: str, error: str | None = None, started: float | None = None,
+    def finish(self, tokens: list[int], reason: str, error: str | None = None, started: float | None = None,
                 status: int | None = None, field: str | None = None) -> None:
         first = None if self._first is None else self._first - self.submitted
-        self._settle(Completion(list(tokens), reason, error,
+        self.settle(Completion(list(tokens), reason, error,
                                 queued_seconds=(started or time.perf_counter()) - self.submitted,
                                 first_token_seconds=first, status=status, field=field,
                                 cached_tokens=getattr(self.job, "cached_tokens", 0)))
 
-    def _settle(self, completion: Completion) -> None:
+    def settle(self, completion: Completion) -> None:
         with self._finishing:  # once: the first ending wins (the loop's last sweep may come after)
             if self._done.is_set():
                 return
@@ -225,14 +230,14 @@ class Request:
             self._done.set()
         self._put(_DONE)
 
-    def _fail(self, error: BaseException, admitting: bool, started: float | None = None) -> None:
+    def fail(self, error: BaseException, admitting: bool, started: float | None = None) -> None:
         """End with finish_reason "error": status 400 for a ValueError raised while admitting the
         request (its own settings, prompt or images), else 500 (logged with its traceback)."""
         fault = admitting and isinstance(error, ValueError)
         if not fault:
             log.error("request %d failed", self.id, exc_info=error)
         message = (str(error) or type(error).__name__) if fault else f"{type(error).__name__}: {error}"
-        self._finish(self._tokens, "error", message, started, status=400 if fault else 500,
+        self.finish(self.emitted, "error", message, started, status=400 if fault else 500,
                      field=getattr(error, "setting", None) if fault else None)
 
 
@@ -301,29 +306,6 @@ class ContinuousBatcher:
         ledger = self.scheduler.state.cache.ledger if self.scheduler.state else None
         return ledger.stats() if ledger is not None else None
 
-    @classmethod
-    def from_model(cls, source, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
-                   prefix_cache_bytes: int = 0, kv_cache_bytes: int | None = None, max_logprobs: int = 20,
-                   threads: int | None = None, provider: str | None = None, variant: str | None = None,
-                   cache_mode: str | None = None, draft=None, fuse: bool = True, spin: bool = True,
-                   grammar_budget=None, prefill_chunk_tokens: int | None = None,
-                   **settings) -> "ContinuousBatcher":
-        """Load `source` (and `draft`), warm its context up for `slots` rows and start the loop
-        (generation.front.EngineOptions says what each argument is)."""
-        import generation
-
-        spin_wait = spin and draft is None  # the draft's runs come between the model's (generation.load)
-        model = generation.load(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait,
-                                fuse=fuse)
-        if draft is not None:
-            draft = generation.load(draft, provider=provider, threads=threads, spin_wait=False, fuse=fuse)
-        ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
-                                 top_logprobs=max(0, max_logprobs), draft=draft, grammar_budget=grammar_budget,
-                                 **settings)
-        ctx = generation.compile(ctx, batch_size=slots)
-        return cls(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_bytes,
-                   kv_cache_bytes=kv_cache_bytes, prefill_chunk_tokens=prefill_chunk_tokens)
-
     @property
     def steps(self) -> int:
         """Model runs of decode steps so far (for tests and metrics)."""
@@ -386,7 +368,7 @@ class ContinuousBatcher:
         finally:
             self._stop.set()
             for request in [job.key for job in self.scheduler.jobs()] + self._drain():
-                request._finish(request._tokens, reason, error, status=500 if reason == "error" else None)
+                request.finish(request.emitted, reason, error, status=500 if reason == "error" else None)
 
     def _run(self) -> None:
         scheduler = self.scheduler
@@ -409,9 +391,9 @@ class ContinuousBatcher:
         for update in updates:  # each position in order, as plain steps give them
             for job, token, logprob, top in update.tokens():
                 request = job.key
-                if not request._cancelled:
+                if not request.cancelled:
                     request.prompt_logprobs = job.prompt_logprobs
-                    request._emit(token, logprob, top)
+                    request.emit(token, logprob, top)
 
     def _admitted(self, updates) -> None:
         """The first tokens of the rows a step admitted, streamed before its model run."""
@@ -440,14 +422,14 @@ class ContinuousBatcher:
         request = job.key
         request.prompt_logprobs = job.prompt_logprobs
         if job.reason == "error":
-            request._fail(job.error, admitting=job.admitting, started=job.started)
+            request.fail(job.error, admitting=job.admitting, started=job.started)
         elif job.reason == "cancelled":
-            request._finish(request._tokens, "cancelled", started=job.started)
+            request.finish(request.emitted, "cancelled", started=job.started)
         else:
-            if job.hypotheses is not None and not request._cancelled:  # a beam search's tokens come at its end
+            if job.hypotheses is not None and not request.cancelled:  # a beam search's tokens come at its end
                 for token, logprob in zip(job.tokens, job.logprobs or [None] * len(job.tokens)):
-                    request._emit(token, logprob)
-            request._finish(job.tokens, job.reason, job.note, started=job.started)  # note: a constraint's dead end
+                    request.emit(token, logprob)
+            request.finish(job.tokens, job.reason, job.note, started=job.started)  # note: a constraint's dead end
 
     def _count(self) -> None:
         scheduler = self.scheduler
@@ -461,7 +443,7 @@ class ContinuousBatcher:
     def _close_queued(self) -> None:
         while True:
             try:
-                self._waiting.get_nowait()._finish([], "cancelled", "the batcher closed")
+                self._waiting.get_nowait().finish([], "cancelled", "the batcher closed")
             except queue.Empty:
                 return
 

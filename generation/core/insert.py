@@ -1,0 +1,269 @@
+"""Rows into the decode state: `prefill` fresh rows, `insert` them into free slots, `admit` both
+at once (from the prefix store where it holds their prompts' start), `admit_beams` a beam search.
+A failed admission leaves the state as it was (`undone_on_error`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..cache.base import insert_prompts
+from ..cache.cross import FirstStepStore, run_first_steps
+from ..cache.prefill import PromptCache, run_from, run_prompts
+from ..cache.prefix import PrefixStore
+from ..params.settings import Settings
+from ..params.checks import SettingError
+from ..runtime.encoders import EncoderOutputs
+from ..search.beam import BeamGroup, advance_groups, beam_min_keep, new_group
+from .context import Context
+from .rows import encoder_ids_of, ends, prompt_inputs, row_settings_of, select_rows, stop_matchers_of
+from .state import DecodeState, Prefix, StepTokens, free_group, free_slot, with_logprobs
+
+
+def first_tokens_of(ctx: Context, prompts, seeds, settings, max_new, last_logits, encoder_ids) -> Prefix:
+    """Each fresh row's first token from its prompt's last logits, and where it stops."""
+    settings = settings or [ctx.settings] * len(prompts)
+    if any(s.num_beams > 1 for s in settings):
+        raise ValueError("num_beams > 1 runs through generation.beam_search (or generate), not the "
+                         "decode-state verbs")
+    lengths = np.array([len(p) for p in prompts], np.int64)
+    if max_new is None:
+        max_new = [s.new_tokens_for(len(p)) for s, p in zip(settings, prompts)]
+    limit = np.minimum(lengths + np.array(max_new, np.int64), ctx.max_position)
+    seeds = np.array(seeds, np.uint64)
+    rows = row_settings_of(ctx, prompts, settings, limit, encoder_ids)
+    history = np.zeros((len(prompts), max(1, int(lengths.max()))), np.int64)
+    for j, prompt in enumerate(prompts):
+        history[j, :len(prompt)] = prompt
+    tokens, lp, failed = select_rows(ctx, last_logits, rows, rows.processes(), history, lengths, lengths, seeds,
+                                     np.zeros(len(prompts), np.uint64))
+    stops = stop_matchers_of(ctx, prompts, settings, failed)
+    is_eos, finished = ends(tokens, rows.eos, lengths + 1, limit, stops, failed)
+    first = StepTokens(np.where(is_eos, -1, tokens), finished, bool(finished.any()), failed=failed)
+    first.token[list(failed)] = -1
+    first = with_logprobs(first, np.arange(len(prompts)), len(prompts), lp)
+    return Prefix(list(prompts), None, first, list(settings), seeds, limit, stops, list(encoder_ids))
+
+
+def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settings] | None = None,
+            max_new: list[int] | None = None, encoder=None) -> Prefix:
+    """Run non-empty `prompts` and choose each row's first token.
+
+    seeds: one per prompt. settings: one per prompt (default: the context's). max_new: the new
+    tokens each row may get (default: each row's settings by the max_new_tokens rule); a row
+    never outgrows the model's context. encoder: an encoder-decoder model's EncoderOutputs, one
+    row per prompt (the prompts are then the decoder's: decoder_start_token_id, ...), or a
+    vision-language model's vision.PromptImages (each prompt's image features and positions).
+    """
+    encoder_ids = encoder_ids_of(ctx, prompts, encoder)
+    cache = prompt_cache_of(ctx, prompts, encoder)
+    prefix = first_tokens_of(ctx, prompts, seeds, settings, max_new, cache.last_logits, encoder_ids)
+    prefix.cache = cache
+    return prefix
+
+
+def prompt_cache_of(ctx: Context, prompts: list[list[int]], encoder=None) -> PromptCache:
+    """The prompts' caches and last logits, run apart from any state (an encoder-decoder's
+    first decoder steps, or the decoder over the prompts)."""
+    model = ctx.model
+    if model.is_seq2seq:
+        last, rows = run_first_steps(model, prompts, encoder)
+        return PromptCache(rows, np.array([len(p) for p in prompts]), last)
+    return run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
+                       ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, prompts, encoder))
+
+
+def _check_slots(state: DecodeState, prompts: list[list[int]], slots: list[int]) -> None:
+    if len(slots) != len(prompts):
+        raise ValueError(f"slots has {len(slots)} entries for {len(prompts)} prompts")
+    for j, slot in enumerate(slots):
+        if not 0 <= slot < state.slots or state.used[slot] or slot in slots[:j]:
+            raise ValueError(f"slots[{j}] = {slot} is not a free slot of this state")
+        if len(prompts[j]) + 1 > state.capacity:
+            raise SettingError("prompt", f"prompt {j} has {len(prompts[j])} tokens; this state's rows hold "
+                                         f"{state.capacity}")
+
+
+def _occupy(state: DecodeState, slot: int, prefix: Prefix, j: int) -> None:
+    """Slot `slot` takes row j of `prefix` (its cache is already in place)."""
+    prompt, length = prefix.prompts[j], len(prefix.prompts[j])
+    state.tokens[slot, :length] = prompt
+    state.tokens[slot, length] = state.next_input[slot] = prefix.first.token[j]
+    state.lengths[slot], state.prompt_length[slot] = length, length
+    state.limit[slot] = min(prefix.limit[j], state.capacity)
+    state.live[slot] = state.used[slot] = True
+    state.seeds[slot], state.draws[slot] = prefix.seeds[j], 1
+    state.settings.set_row(slot, prefix.settings[j], length, int(state.limit[slot]), encoder_ids=prefix.encoder_ids[j])
+    state.stops[slot] = prefix.stops[j]
+    if state.logprob is not None:
+        state.logprob[slot] = np.nan
+        state.logprob[slot, length] = prefix.first.logprob[j]
+        if state.top is not None:
+            state.top_ids[slot, length], state.top[slot, length] = prefix.first.top_ids[j], prefix.first.top[j]
+
+
+def insert(ctx: Context, prefix: Prefix, state: DecodeState, slots) -> DecodeState:
+    """Put the rows of `prefix` into free `slots` (one per prefix row; the slots of rows that
+    finished at prefill stay free)."""
+    slots = [int(s) for s in slots]
+    _check_slots(state, prefix.prompts, slots)
+    with undone_on_error(ctx, state, slots):
+        for j, slot in enumerate(slots):
+            if not prefix.first.finished[j]:
+                state.cache.insert(slot, prefix.cache.rows[j], len(prefix.prompts[j]))
+                _occupy(state, slot, prefix, j)
+    state.refresh()
+    return state
+
+
+@contextmanager
+def undone_on_error(ctx: Context, state: DecodeState, slots: list[int]):
+    """Admission is all or nothing: when it raises, the `slots` (free before it) are freed again,
+    whether the cache took their rows or not, and the rows already running are as they were."""
+    try:
+        yield
+    except BaseException:
+        for slot in slots:
+            group = state.groups.get(slot)
+            if group is not None:
+                free_group(ctx, state, group)
+            elif state.used[slot]:
+                free_slot(ctx, state, slot)
+            else:
+                state.cache.release(slot)
+        state.refresh()
+        raise
+
+
+def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], seeds,
+          settings: list[Settings] | None = None, max_new: list[int] | None = None, encoder=None
+          ) -> tuple[DecodeState, StepTokens]:
+    """Prefill `prompts` into free `slots` of a running batch: `insert(prefill(...))`, the
+    prompts run by the cache's own `prefill` (an in_place cache takes them straight into its
+    buffer, with no copy). Returns the state and the rows' first tokens (as `prefill` gives
+    them)."""
+    slots = [int(s) for s in slots]
+    _check_slots(state, prompts, slots)
+    encoder_ids = encoder_ids_of(ctx, prompts, encoder)
+    with undone_on_error(ctx, state, slots):
+        last = fill_prompts(ctx, state, slots, prompts, encoder)
+        prefix = first_tokens_of(ctx, prompts, seeds, settings, max_new, last, encoder_ids)
+        for j, slot in enumerate(slots):
+            if prefix.first.finished[j]:
+                state.cache.release(slot)  # it ended at its first token (or failed): the slot stays free
+            else:
+                _occupy(state, slot, prefix, j)
+    state.refresh()
+    return state, prefix.first
+
+
+def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: list[list[int]], encoder=None
+                 ) -> np.ndarray:
+    """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
+    token is chosen (the caller's search does that). Sets `state.cached` of the slots."""
+    if isinstance(state.prefix, FirstStepStore) and isinstance(encoder, EncoderOutputs):
+        found = _cached_first_steps(ctx, state.prefix, prompts, encoder)
+    elif isinstance(state.prefix, PrefixStore) and (encoder is None
+                                                    or isinstance(encoder, ctx.model.hooks.prompt_types)):
+        found = _cached_prompts(ctx, state.prefix, prompts, encoder)
+    else:
+        state.cached[slots] = 0
+        return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
+                                   lambda rows: prompt_cache_of(ctx, rows, encoder))
+    state.cached[slots] = found.cached
+    return insert_prompts(state.cache, slots, prompts, found)
+
+
+def _cached_first_steps(ctx: Context, store: FirstStepStore, prompts: list[list[int]],
+                        encoder: EncoderOutputs) -> PromptCache:
+    """`prompt_cache_of` of encoder-decoder rows through `store`: a row whose hidden states and
+    decoder prompt were seen takes that first step's cache and logits; the others run together."""
+    keys = [store.key(hidden, prompt) for hidden, prompt in zip(encoder.hidden, prompts)]
+    found = [store.lookup(key, len(prompt)) for key, prompt in zip(keys, prompts)]
+    cold = [j for j, f in enumerate(found) if f is None]
+    rows: list = [None] * len(prompts)
+    last = np.zeros((len(prompts), ctx.model.vocab_size), np.float32)
+    if cold:
+        fresh = prompt_cache_of(ctx, [prompts[j] for j in cold], encoder.take(cold))
+        for i, j in enumerate(cold):
+            rows[j], last[j] = fresh.rows[i], fresh.last_logits[i]
+            store.store(keys[j], rows[j], last[j])
+    for j, f in enumerate(found):
+        if f is not None:
+            rows[j], last[j] = f
+    return PromptCache(rows, np.array([len(p) for p in prompts]), last,
+                       cached=np.array([0 if f is None else len(p) for f, p in zip(found, prompts)], np.int64))
+
+
+def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]], images=None) -> PromptCache:
+    """`prompt_cache_of` of decoder-only prompts through `store`: a prompt with a cached prefix runs
+    only the rest of it from the prefix's rows (as a later piece of the prompt runs), the others
+    run together as always; every prompt's full blocks are then kept. A vision-language prompt
+    is named by its images too (`images`: its family's prompt inputs, one of `hooks.prompt_types`,
+    by their `prefix_key`), and its rows keep its M-RoPE delta."""
+    model = ctx.model
+    keyed = prompts if images is None else [images.take([j]).prefix_key(p) for j, p in enumerate(prompts)]
+    found = [store.lookup(k) for k in keyed]
+    cold = [j for j, (length, _) in enumerate(found) if not length]
+    rows: list = [None] * len(prompts)
+    last = np.zeros((len(prompts), model.vocab_size), np.float32)
+    if cold:
+        fresh = prompt_cache_of(ctx, [prompts[j] for j in cold], None if images is None else images.take(cold))
+        for i, j in enumerate(cold):
+            rows[j], last[j] = fresh.rows[i], fresh.last_logits[i]
+    for j, (length, cached) in enumerate(found):
+        if length:
+            past = {name: np.ascontiguousarray(array[None]) for name, array in cached.items()}
+            row_images = None if images is None else images.take([j])
+            row_last, presents = run_from(model.session, model.graph, prompts[j], length, past, ctx.prompt_steps,
+                                          ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(
+                                              model, [prompts[j]], row_images))
+            rows[j] = {name: array[0, :, :len(prompts[j])] for name, array in presents.items()}
+            if row_images is not None and row_images.positions[0] is not None:
+                rows[j]["position_delta"] = row_images.deltas([len(prompts[j])])[0]
+            last[j] = row_last[0]
+    for j, key in enumerate(keyed):
+        store.store(key, rows[j])
+    return PromptCache(rows, np.array([len(p) for p in prompts]), last,
+                       cached=np.array([length for length, _ in found], np.int64))
+
+
+def admit_beams(ctx: Context, state: DecodeState, slots, prompt: list[int], seed: int, settings: Settings,
+                max_new: int, encoder=None) -> tuple[DecodeState, BeamGroup | None]:
+    """Start a beam search of `settings.num_beams` beams over free `slots` (one per beam): the
+    prompt runs once, its cache is copied into the other slots, and the search takes its first
+    step on the prompt's last logits. Returns the state and the group when it stopped at that
+    first step (its slots are free again; `group.hypotheses()` are its results), else None:
+    the group then steps with every `step` until a step reports it in `StepTokens.beams`.
+    encoder: the request's EncoderOutputs or PromptImages (one row)."""
+    slots = [int(s) for s in slots]
+    if len(slots) != settings.num_beams:
+        raise ValueError(f"slots: a search of {settings.num_beams} beams needs as many slots, not {len(slots)}")
+    _check_slots(state, [prompt] * len(slots), slots)
+    length = len(prompt)
+    limit = min(length + max_new, ctx.max_position, state.capacity)
+    encoder_ids = encoder_ids_of(ctx, [prompt], encoder)[0]
+    with undone_on_error(ctx, state, slots):
+        last = fill_prompts(ctx, state, slots[:1], [prompt], encoder)
+        if len(slots) > 1:
+            state.cache.copy_rows(slots[1:], slots[:1] * (len(slots) - 1), length)
+        for slot in slots:
+            state.tokens[slot, :length] = prompt
+            state.lengths[slot], state.prompt_length[slot], state.limit[slot] = length, length, limit
+            state.used[slot] = True
+            state.settings.set_row(slot, settings, length, limit, encoder_ids=encoder_ids)
+            state.settings.min_keep[slot] = beam_min_keep(settings)
+            if state.logprob is not None:
+                state.logprob[slot] = np.nan
+        group = new_group(slots, settings, length, limit, seed)
+        state.groups[slots[0]] = group
+        stopped, failed = advance_groups(ctx, state, [group], [np.repeat(last[:1], len(slots), axis=0)])
+        if failed:
+            raise failed[group]
+        if stopped:
+            free_group(ctx, state, group)
+    state.refresh()
+    return state, group if stopped else None
+
