@@ -84,3 +84,21 @@ def test_the_site_s_links_are_checked_by_the_build(tmp_path):
                           text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode != 0
     assert "missing.md" in done.stderr and "nowhere" in done.stderr
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_the_readme_s_engine_example_runs_on_the_default_model():
+    """The quick start's Python engine example, as written, with the default model's folder for
+    its placeholder (the `openai` client's example needs a server: the app tests send those
+    routes the same requests)."""
+    from generation.default_model import default_model_path
+
+    (example,) = [block for block in python_blocks((ROOT / "README.md").read_text()) if "import generation" in block]
+    assert '"folder-or-hub-id"' in example
+    scope: dict = {}
+    exec(example.replace('"folder-or-hub-id"', repr(str(default_model_path()))), scope)  # noqa: S102 - our own text
+    rows = scope["rows"]
+    assert len(rows) == 3 and rows[2] == [] and all(0 < len(r) <= 32 for r in rows[:2])
