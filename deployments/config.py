@@ -141,4 +141,3 @@ def model_kind(cfg: AppConfig) -> str:
     from generation.front import model_kind
 
     return model_kind(cfg.model)
-

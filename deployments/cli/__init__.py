@@ -1,3 +1,19 @@
+"""The `raymuter` command: `raymuter generate` (the engine's, generation/cli.py), `raymuter serve`
+(a local Ray, the application on it, the URL printed, Ctrl-C to stop) and `raymuter batch`. It
+lives here, in the serving layer, because it composes both; the engine never imports deployments.
+
+The model and the port are checked before Ray starts; SIGINT and SIGTERM stop it however it was
+launched; with a loopback --host, nothing of it listens beyond loopback (deployments/loopback.py,
+deployments/haproxy.py). On a cluster, use cluster/serve.yaml with `serve run` / `serve deploy`.
+
+    __init__.py     `parser` and `main` (the console script; `python -m deployments.cli`)
+    serve.py        `raymuter serve`: its arguments, the application's config, the run
+    batch.py        `raymuter batch`: its arguments and the run on Ray Data
+    arguments.py    the engine's arguments both share, and the layout they give
+    environment.py  Ray's and Serve's environment for a local instance, signals
+    startup.py      start-up: the application deployed, progress and failures in one line
+"""
+
 from __future__ import annotations
 
 import argparse
@@ -6,9 +22,6 @@ import sys
 
 from .batch import add_batch_arguments, batch_command
 from .serve import add_arguments, serve_command
-
-
-
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,5 +65,3 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"raymuter: error: {e}", file=sys.stderr)
         return 2
-
-

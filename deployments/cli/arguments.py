@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 
 
-
-
 def add_engine_arguments(parser, whole_prompts: bool = False) -> None:
     """The model and how its decoder runs: what `raymuter serve` and `raymuter batch` share
     (`whole_prompts`: --prefill-chunk-tokens defaults to 0, batch_engine_config's)."""
@@ -144,4 +142,3 @@ def autoscaling_of(items: list[str]) -> dict:
         part, settings = parse_autoscale(item)
         out[part] = settings.model_dump()
     return out
-

@@ -10,9 +10,6 @@ from .arguments import add_engine_arguments, engine_config, layout
 from .environment import local_ray_environment, signals_deferred, stop_on_signals
 
 
-
-
-
 def add_batch_arguments(parser) -> None:
     """`raymuter batch`'s arguments (deployments/batch/run.py runs it)."""
     parser.add_argument("input", help="OpenAI batch JSONL (custom_id, method, url, body per line), or a table "
@@ -110,4 +107,3 @@ def _table_options(args) -> dict | None:
                               ("seed", args.seed)) if v is not None}
     return {"prompt_column": args.prompt_column, "messages_column": args.messages_column,
             "id_column": args.id_column, "body": body}
-

@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 
 
-
-
 # Each replica runs its user code on the replica's own event loop (Serve runs it on a thread and a
 # loop of its own by default; RAY_SERVE_THROUGHPUT_OPTIMIZED does this too), and the ingress's
 # handles route on that loop as well (deployments.app.ROUTER_ON_LOOP, the Ingress's own
@@ -146,4 +144,3 @@ def local_ray_environment(loopback_only: bool) -> bool:
 
 # Seconds `raymuter serve` gives Ray, the proxy and the application to start (--start-timeout).
 START_TIMEOUT = 600.0
-

@@ -10,10 +10,7 @@ from pathlib import Path
 
 from .arguments import add_engine_arguments, autoscaling_of, engine_config, layout, port_number
 from .environment import START_TIMEOUT, local_environment, stop_on_signals
-from .startup import StartFailed, first_line, check_port, start
-
-
-
+from .startup import StartFailed, check_port, first_line, start
 
 
 def add_arguments(parser) -> None:
@@ -215,4 +212,3 @@ def routes_scale_to_zero(config: dict) -> bool:
     a replica starts; otherwise it answers 503 with Retry-After at once (deployments/haproxy.py)."""
     part = "decoder" if config.get("colocate") else "ingress"
     return (config.get("autoscaling") or {}).get(part, {}).get("min_replicas", 1) == 0
-

@@ -14,9 +14,6 @@ from pathlib import Path
 from .environment import START_TIMEOUT, signals_deferred
 
 
-
-
-
 def check_port(host: str, port: int) -> None:
     """Raise ValueError naming host:port when a server cannot listen there (SO_REUSEADDR, as
     HAProxy and uvicorn bind: a connection closing on the port does not count)."""
@@ -187,4 +184,3 @@ def _free(host: str, port: int) -> bool:
     except ValueError:
         return False
     return True
-

@@ -426,5 +426,3 @@ class EmbeddingRequest(_Strict):
         if isinstance(self.input, str):
             return [self.input]
         return [self.input] if self.input and isinstance(self.input[0], int) else list(self.input)
-
-

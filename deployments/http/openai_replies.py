@@ -154,4 +154,3 @@ class EmbeddingList(BaseModel):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
-

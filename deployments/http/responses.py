@@ -130,5 +130,3 @@ class DeletedResponse(BaseModel):
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
-
-

@@ -206,4 +206,3 @@ def responses_error(error: ApiError, instructions: str | None = None, conversati
         predicate = error.message[len(error.param):]  # a validation error: "field: what is wrong"
     message = error.message if predicate is None else field + predicate
     return ApiError(error.status, message, param=field, kind=error.kind, code=error.code, predicate=predicate)
-

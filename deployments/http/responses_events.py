@@ -176,4 +176,3 @@ class ResponseEvents:
 
     def end(self, response: dict) -> str:
         return self.event(ENDS[response["status"]], response=response)
-

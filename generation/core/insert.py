@@ -266,4 +266,3 @@ def admit_beams(ctx: Context, state: DecodeState, slots, prompt: list[int], seed
             free_group(ctx, state, group)
     state.refresh()
     return state, group if stopped else None
-

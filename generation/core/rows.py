@@ -161,4 +161,3 @@ def stop_matchers_of(ctx: Context, prompts, settings: list[Settings], failed: di
             except Exception as e:  # noqa: BLE001 - this row's prompt or strings
                 failed[j] = e
     return stops
-

@@ -276,4 +276,3 @@ def row_tokens(state: DecodeState, slot: int) -> list[int]:
     if new and new[-1] in state.eos[slot]:
         new.pop()
     return new
-

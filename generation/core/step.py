@@ -110,4 +110,3 @@ def _settle(state: DecodeState, rows: np.ndarray, tokens: np.ndarray, position: 
         out.any_finished = True
     state.refresh()
     return out
-

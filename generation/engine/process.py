@@ -63,7 +63,7 @@ class EngineProcess:
     (source, threads, settings, ...)."""
 
     def __init__(self, ctx, load: dict, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
-                 prefix_cache_bytes: int = 0, start_timeout: float = 600.0, loader=None):
+                 prefix_cache_bytes: int = 0, start_timeout: float = 600.0, *, loader):
         from generation.engine.scheduler import Scheduler
 
         self.ctx, self.slots = ctx, slots
@@ -86,8 +86,6 @@ class EngineProcess:
         self.restarts = 0
         self.start_timeout = start_timeout
         self.load = dict(load, slots=slots, capacity=self.capacity, prefix_cache_bytes=prefix_cache_bytes)
-        if loader is None:
-            raise ValueError("loader: the function that loads the child's batcher (generation.front.loading)")
         self.loader = loader
         self._conn, self.process = self._start_child()
         self._thread = threading.Thread(target=self._read, name="raymuter-engine-reader", daemon=True)
@@ -425,7 +423,7 @@ def _interrupts(urgent, scheduler) -> None:
         scheduler.interrupt_for(priority)
 
 
-def _child_main(conn, load: dict, urgent=None, loader=None) -> None:
+def _child_main(conn, load: dict, urgent, loader) -> None:
     """Load the model (`loader`, with `load`) and run its loop until the parent closes it or goes."""
     _ForwardingBatcher.conn = conn
     batching.Request = _Forwarded  # what ContinuousBatcher.submit makes, in this process

@@ -305,24 +305,6 @@ class Scheduler(Admission, KVBudget, ChunkedPrefill, Preemption):
         return Update(list(self.holder.values()), part)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
     # -- endings --------------------------------------------------------------------------
     def _end_slot(self, slot: int, reason: str | None, error: BaseException | None = None) -> None:
         """End the job in `slot` (a plain row, or a beam search's first slot) and free its slots;

@@ -22,12 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from generation.engine.batching import ContinuousBatcher, QueueFull
 from generation.params.checks import SettingError
 
-from generation.engine.batching import ContinuousBatcher, QueueFull
-
-from .loading import batcher_from_model
 from .errors import Overloaded, Refused, refused, request_field
+from .loading import batcher_from_model
 from .output import TextDeltas, TokenText, TokenTexts, tool_calls
 from .options import EngineOptions
 from .prompts import InputProcessor, Row

@@ -318,5 +318,3 @@ def suppress(scores: np.ndarray, mask: np.ndarray, when: np.ndarray | None = Non
         np.putmask(block, mask[rows], NEG_INF)
         out[rows] = block
     return out
-
-

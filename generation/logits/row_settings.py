@@ -270,4 +270,3 @@ def apply(scores: np.ndarray, rows: RowSettings, history: np.ndarray, length: np
     if any(rows.constraints):  # as a LogitsProcessor given to generate(): after the others, before the warpers
         constrain(out, rows.constraints, history, length)
     return out
-

@@ -360,4 +360,3 @@ def check_settings(s, vocab: int | None = None, context: int | None = None):
                    min_p=None if s.min_p is None else float(s.min_p), typical_p=float(s.typical_p),
                    length_penalty=float(s.length_penalty),
                    epsilon_cutoff=float(s.epsilon_cutoff), eta_cutoff=float(s.eta_cutoff))
-

@@ -38,7 +38,6 @@ _IGNORED = {  # generation_config.json fields with no effect on the tokens
 }
 
 
-
 @dataclass(frozen=True)
 class Settings:
     """How the tokens of one row are chosen and when the row stops."""
@@ -126,8 +125,6 @@ class Settings:
 
 
 _FIELDS = {f.name for f in fields(Settings)} - {"timestamp_rules", "untempered_logprobs", "no_logprobs"}  # what config and requests may set
-
-
 
 
 def model_settings(config: dict, generation_config: dict, context: int | None = None,

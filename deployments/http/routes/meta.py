@@ -3,7 +3,6 @@ the decoder's, the encoder's or vision's), /openapi.json and /docs (Swagger UI).
 
 from __future__ import annotations
 
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse
