@@ -55,7 +55,7 @@ def percentile(values, q):
 # -- the engine called directly and over HTTP, alternating -----------------------------------
 async def direct_run(generator, requests: list[dict], concurrency: int):
     """TTFTs, tokens and seconds of the requests through the TextGenerator in this process."""
-    from deployments.schema import GenerateRequest
+    from deployments.schema import Delta, Finish, GenerateRequest
 
     ttft, tokens = [], 0
     gate = asyncio.Semaphore(concurrency)
@@ -67,11 +67,11 @@ async def direct_run(generator, requests: list[dict], concurrency: int):
             first = None
             request = GenerateRequest(prompt=r["prompt"], seed=r["seed"],
                                       settings={"max_new_tokens": r["max_tokens"], "eos_token_id": []})
-            async for chunk in generator.stream(request):
-                if first is None and chunk.token_ids:
+            async for event in generator.stream(request):
+                if first is None and isinstance(event, Delta) and event.token_ids:
                     first = time.perf_counter() - start
-                if chunk.finish_reason:
-                    tokens += chunk.completion_tokens
+                if isinstance(event, Finish):
+                    tokens += event.completion_tokens
             ttft.append(first)
 
     start = time.perf_counter()

@@ -24,6 +24,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from generation.cli import version
+from generation.front import Finish, Generation, rejected
 
 from .autoscaling import RUNNING, SLOTS, WAITING
 from .batch.requests import BatchRequest
@@ -38,7 +39,7 @@ from .http.media import Media
 from .http.routes import ROUTERS as HTTP_ROUTERS
 from .http.to_decoder import typed, with_id
 from .local_handle import LocalHandle
-from .schema import (EmbedRequest, EmbedResponse, GenerateChunk, GenerateRequest, GenerateResponse, Refusal,
+from .schema import (EmbedRequest, EmbedResponse, GenerateRequest, Refusal,
                      Transcription, TranscriptionRequest)
 from .services.batches import BatchService
 from .services.loading import decoder_service, encoding_service
@@ -178,23 +179,22 @@ class Decoder:
         self.replica = replica_id()  # a stored response's next turn asks for it (GenerateRequest.affinity)
         self.generator.metrics.started(time.perf_counter() - started)
 
-    async def generate(self, request: GenerateRequest, encoded=None, *images) -> GenerateResponse:
+    async def generate(self, request: GenerateRequest, encoded=None, *images) -> Generation:
         try:
             response = await self.generator.generate(request, encoded, images)
-            response.replica = self.replica
+            response.finish.replica = self.replica
             return response
         except (RequestError, Overloaded) as e:  # the client's problem: an answer, not a replica error log
-            return GenerateResponse(text="", token_ids=[], finish_reason="rejected", prompt_tokens=0,
-                                    completion_tokens=0, **refusal_fields(e))
+            return Generation.refused(rejected(**refusal_fields(e)))
 
     async def stream(self, request: GenerateRequest, encoded=None, *images):
         try:
-            async for chunk in self.generator.stream(request, encoded, images):
-                if chunk.finish_reason is not None:
-                    chunk.replica = self.replica
-                yield chunk
+            async for event in self.generator.stream(request, encoded, images):
+                if isinstance(event, Finish):
+                    event.replica = self.replica
+                yield event
         except (RequestError, Overloaded) as e:
-            yield GenerateChunk(finish_reason="rejected", **refusal_fields(e))
+            yield rejected(**refusal_fields(e))
 
     async def embed(self, request: EmbedRequest) -> EmbedResponse:
         embed = getattr(self.generator, "embed", None)
@@ -291,12 +291,13 @@ class Ingress:
                                   responses, BatchCalls(batches, cfg.file_size_limit))
         self.lines = None  # the Batches deployment's lines, through these routes (answer_line)
 
-    async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:
+    async def generate(self, request: GenerateRequest | dict) -> Generation:
         """One generation (handle.generate.remote(GenerateRequest(...)))."""
         return await self.state.calls.generate(with_id(typed(request)))
 
     async def generate_stream(self, request: GenerateRequest | dict):
-        """GenerateChunks (handle.options(stream=True).generate_stream.remote(...))."""
+        """The front's events: an Echo (echo only), Deltas, then one Finish
+        (handle.options(stream=True).generate_stream.remote(...))."""
         async for chunk in self.state.calls.chunks(with_id(typed(request))):
             yield chunk
 

@@ -32,5 +32,5 @@ def refusal_fields(error: Exception) -> dict:
     """A decoder answer's refusal fields (deployments/schema.py's Refusal): 503 for a full queue,
     else 400 naming the field."""
     if isinstance(error, Overloaded):
-        return {"error": str(error), "status": 503}
+        return {"error": str(error), "status": 503, "field": None, "predicate": None}
     return {"error": str(error), "status": 400, "field": error.field, "predicate": getattr(error, "predicate", None)}

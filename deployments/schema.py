@@ -1,124 +1,38 @@
-"""The typed requests and responses of the Python handle API (pydantic, no arrays).
+"""The typed requests and responses of the Python handle API (no arrays): a generation's and a
+transcription's are the engine front's own dataclasses, the rest pydantic models.
 
     handle = serve.get_app_handle("raymuter")
     response = await handle.generate.remote(GenerateRequest(prompt="Once", settings={"max_new_tokens": 8}))
-    async for chunk in handle.options(stream=True).generate_stream.remote(GenerateRequest(prompt="Once")):
-        print(chunk.text, end="")
+    async for event in handle.options(stream=True).generate_stream.remote(GenerateRequest(prompt="Once")):
+        print(event.text, end="")  # Deltas, then the Finish (echo: an Echo first, its prompt_text)
 
 The same shapes travel between the ingress and the decoder deployment, so the HTTP routes and
-the handles run one code path.
+the handles run one code path; a generation's request is the engine front's own EngineRequest.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pydantic import BaseModel, ConfigDict, Field
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from generation.front import Delta, Echo, EngineRequest, Finish, Generation, SpeechRequest
 
-
-class Message(BaseModel):
-    """A chat message; `content` is text, or OpenAI's list of parts ({"type": "text", ...})."""
-
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+__all__ = ["Delta", "Echo", "EmbedRequest", "EmbedResponse", "EngineRequest", "Finish", "GenerateRequest",
+           "GenerateResponse", "Generation", "ModelCard", "Refusal", "Segment", "SpeechRequest", "Tokenized",
+           "Transcription", "TranscriptionRequest"]
 
 
-class GenerateRequest(BaseModel):
-    """One generation: a prompt (text or token ids) or chat messages (rendered with the model's
-    chat template), generation settings (any generation_config.json field, validated by the
-    engine), a seed (None: the server picks one), and log-probabilities on request (None: none;
-    0: each token's own; k: also the k most likely tokens of each step). `stop_token_ids` end
-    the generation as eos tokens do. `echo`: the response carries the prompt's text, and with
-    `prompt_logprobs` (k alternatives) each prompt token's log-probability (None for the first).
-    A refusal's `field` names a field of this request ("settings.top_k", "messages.0.content")."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str | list[int] | None = None
-    messages: list[Message] | None = None
-    settings: dict[str, Any] = Field(default_factory=dict)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
-    add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
-    chat_template_kwargs: dict[str, Any] | None = None  # messages: more of the chat template's variables
-    # messages: OpenAI's tools, given to the template; tool_choice "auto" reads calls out of the output,
-    # "required" or {"type": "function", "function": {"name": ...}} holds it to calls ("none": no tools)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool = True
-    echo: bool = False
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
-    request_id: str | None = None
-    # the decoder replica this request would rather run on (a stored response's: its prefix cache
-    # holds the conversation); the prefix router sends it there unless that replica is far busier
-    affinity: str | None = Field(default=None, max_length=128)
-    # the scheduler's order (vLLM's `priority`): lower first; 0 interactive, batch rows above it
-    # wait for interactive ones and give their slots up to them (preempted and resumed exactly)
-    priority: int = Field(default=0, ge=0, le=1_000_000)
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
-        return self
+# The handle API's request is the engine front's own (a frozen dataclass that checks its fields
+# when made, refusing a bad one by name): it crosses the Ray hop as it is.
+GenerateRequest = EngineRequest
 
 
-class TokenLogprob(BaseModel):
-    """A token, its text, its log-probability, and the step's best alternatives."""
-
-    id: int
-    text: str
-    logprob: float | None
-    top: list[tuple[int, str, float]] | None = None
-
-
-class GenerateChunk(BaseModel):
-    """A piece of a streamed generation: the new text and token ids since the last chunk. The
-    last chunk has `finish_reason` ("stop", "length", "cancelled", "error", or "rejected": the
-request was refused before it ran) and the counts."""
-
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    status: int | None = None  # "rejected": 400 (bad input, `field` names it) or 503 (busy); "error": 400 or 500
-    field: str | None = None
-    predicate: str | None = None  # what `error` says of `field` after its name (a route names the field its own way)
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None  # in the last chunk: prompt tokens that came from the prefix cache
-    prompt_text: str | None = None  # echo: in the first chunk
-    prompt_logprobs: list[TokenLogprob] | None = None  # echo with prompt_logprobs: in the first chunk (the
-    # first token's logprob is None: nothing comes before it)
-    tool_calls: list[dict] | None = None  # tools: the calls read out of the output, in the last chunk
-    reasoning: str = ""  # a thinking model's chat: its reasoning since the last chunk (`text` is the answer's)
-    replica: str | None = None  # in the last chunk: the decoder replica that ran it (GenerateRequest.affinity)
-
-
-class GenerateResponse(BaseModel):
-    """A whole generation."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens that came from the decoder replica's prefix cache
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-    status: int | None = None
-    field: str | None = None
-    predicate: str | None = None  # what `error` says of `field` after its name (a route names the field its own way)
-    prompt_text: str | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
-    tool_calls: list[dict] | None = None  # OpenAI's: [{"id", "type": "function", "function": {"name", "arguments"}}]
-    reasoning: str | None = None  # a thinking model's chat: its reasoning apart from the answer (`text`)
-    replica: str | None = None  # the decoder replica that ran it (GenerateRequest.affinity)
+# A generation's answer is the front's own too: handle.generate gives a Generation (text,
+# token_ids, logprobs, reasoning, echo, finish; the Finish's fields read on it: finish_reason,
+# prompt_tokens, completion_tokens, cached_tokens, tool_calls, error, replica), and
+# handle.generate_stream the front's events: an Echo (echo only), Deltas (text, token_ids, logprobs,
+# reasoning), then one Finish (the text not sent yet, why it ended, the counts, tool calls;
+# "rejected" with `error`, `status` and `field`: refused before it ran).
+GenerateResponse = Generation
 
 
 class EmbedRequest(BaseModel):
@@ -162,34 +76,9 @@ class Tokenized(BaseModel):
     token_strs: list[str] | None = None
 
 
-class TranscriptionRequest(BaseModel):
-    """Whisper over an uploaded clip: the language (None: detected), the task, timestamps
-    (segments with start and end seconds), a sampling temperature (0: greedy; a list: the
-    temperatures of the fallback, as transformers' generate(temperature=(...))), a previous-text
-    `prompt` (transformers' prompt_ids), Whisper's long-form options (None: the model's
-    generation_config.json), generation settings and a seed."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    language: str | None = Field(default=None, max_length=64)
-    task: Literal["transcribe", "translate"] = "transcribe"
-    timestamps: bool = False
-    temperature: float | list[float] = Field(default=0.0)
-    prompt: str | None = Field(default=None, max_length=4096)
-    compression_ratio_threshold: float | None = Field(default=None, ge=0, le=1e6)
-    logprob_threshold: float | None = Field(default=None, ge=-1e6, le=0)
-    no_speech_threshold: float | None = Field(default=None, ge=0, le=1)
-    condition_on_prev_tokens: bool | None = None
-    settings: dict[str, Any] = Field(default_factory=dict)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperatures(cls, value):
-        values = value if isinstance(value, list) else [value]
-        if not 1 <= len(values) <= 16 or not all(0 <= t <= 2 for t in values):
-            raise ValueError("temperature: a number from 0 to 2, or a list of 1 to 16 of them")
-        return value
+# The handle API's transcription request is the engine front's own SpeechRequest (refused by
+# field when made), as a generation's is its EngineRequest.
+TranscriptionRequest = SpeechRequest
 
 
 class Segment(BaseModel):

@@ -27,16 +27,11 @@ KNOWN_LONG_FUNCTIONS = {
     "generation/runtime/fusion/weights.py:read_weights": 162,
     "generation/runtime/graph.py:read_graph": 89,
 }
-# (class, class) -> shared annotated fields today: the Ray hop's shapes beside the front's own
+# (class, class) -> shared annotated fields today: the serving config beside the engine's options
 KNOWN_TWINS = {
     ("deployments/config.py:AppConfig", "generation/front/options.py:EngineOptions"): 18,
-    ("deployments/schema.py:GenerateChunk", "deployments/schema.py:GenerateResponse"): 16,
-    ("deployments/schema.py:GenerateChunk", "generation/front/front.py:Finish"): 11,
-    ("deployments/schema.py:GenerateRequest", "generation/front/request.py:EngineRequest"): 16,
-    ("deployments/schema.py:GenerateResponse", "generation/front/front.py:Finish"): 11,
-    ("deployments/schema.py:TranscriptionRequest", "generation/front/speech.py:SpeechRequest"): 11,
 }
-FRONT_EXPORTS, KNOWN_FRONT_EXPORTS = 25, 45
+FRONT_EXPORTS, KNOWN_FRONT_EXPORTS = 25, 43
 WIRE_SHAPES = ("deployments/http/openai.py", "deployments/http/openai_replies.py")  # OpenAI's, field for field
 
 

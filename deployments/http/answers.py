@@ -24,22 +24,22 @@ def subtitles(segments, kind: str) -> str:
     return "WEBVTT\n\n" + "".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{t}\n\n" for a, b, t in cues)
 
 
-def completion_logprobs(tokens: list[dict], chat: bool, offset: int = 0) -> dict | None:
-    """OpenAI's logprobs object from the decoder's TokenLogprob dicts: chat's `content` list, or
-    the legacy completions shape (tokens, token_logprobs, top_logprobs, text_offset), whose
-    offsets count from `offset` (the characters of the choice's text before these tokens). A
-    prompt token echoed has logprob None where it is the first (nothing before it)."""
+def completion_logprobs(tokens: list, chat: bool, offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object from the front's TokenTexts (id, text, logprob, top): chat's
+    `content` list, or the legacy completions shape (tokens, token_logprobs, top_logprobs,
+    text_offset), whose offsets count from `offset` (the characters of the choice's text before
+    these tokens). A prompt token echoed has logprob None where it is the first (nothing before it)."""
     if chat:
-        return {"content": [{"token": t["text"], "logprob": t["logprob"], "bytes": list(t["text"].encode()),
+        return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()),
                              "top_logprobs": [{"token": text, "logprob": lp, "bytes": list(text.encode())}
-                                              for _, text, lp in (t.get("top") or [])]} for t in tokens]}
+                                              for _, text, lp in (t.top or [])]} for t in tokens]}
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)
-        at += len(t["text"])
-    return {"tokens": [t["text"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
-            "top_logprobs": [None if t["logprob"] is None and not t.get("top") else
-                             {text: lp for _, text, lp in (t.get("top") or [])} for t in tokens],
+        at += len(t.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [None if t.logprob is None and not t.top else
+                             {text: lp for _, text, lp in (t.top or [])} for t in tokens],
             "text_offset": offsets}
 
 

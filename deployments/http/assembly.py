@@ -14,6 +14,8 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from generation.front import Delta, Echo, Finish
+
 from .answers import completion_choice, completion_logprobs, completion_response, stream_chunk, usage
 from .decoder_calls import DecoderCalls
 from .openai import ApiError
@@ -24,10 +26,10 @@ async def whole_answer(calls: DecoderCalls, http: Request, jobs, rid, model, fin
     results = await gathered(http, [asyncio.ensure_future(calls.choice(r, body, p)) for p, r in jobs])
     choices, prompt_tokens, cached_tokens = [], 0, 0
     for k, ((p, _), result) in enumerate(zip(jobs, results)):
-        text, tokens = result.text, [t.model_dump() for t in result.logprobs or []]
+        text, tokens = result.text, list(result.logprobs or [])
         if result.prompt_text is not None:  # echo: the prompt, then the completion
             text = result.prompt_text + text
-            tokens = [t.model_dump() for t in result.prompt_logprobs or []] + tokens
+            tokens = list(result.prompt_logprobs or []) + tokens
         logprobs = None if result.logprobs is None else completion_logprobs(tokens, chat)
         choices.append(completion_choice(k, text, result.finish_reason, logprobs, chat, result.tool_calls,
                                          result.reasoning))
@@ -92,13 +94,17 @@ def _event(data: dict) -> str:
 
 
 def _text_of(item, chat: bool, offset: int):
-    """A chunk's token dicts, its text and its logprobs object (`offset`: its choice's characters so far)."""
-    if item.logprobs is None and item.prompt_logprobs is None and not item.prompt_text:
-        return (), item.text, None  # the common chunk: its text only
-    tokens = [t.model_dump() for t in item.prompt_logprobs or []] + [t.model_dump() for t in item.logprobs or []]
-    text = (item.prompt_text or "") + item.text
-    wants = item.logprobs is not None or item.prompt_logprobs is not None
-    return tokens, text, completion_logprobs(tokens, chat, offset) if wants else None
+    """An event's tokens (TokenTexts), its text and its logprobs object (`offset`: its choice's
+    characters so far): an Echo's prompt, a Delta's new text, a Finish's last text."""
+    if isinstance(item, Echo):
+        tokens, text = item.prompt_logprobs, item.prompt_text
+    elif isinstance(item, Delta):
+        tokens, text = item.logprobs, item.text
+    else:
+        tokens, text = None, item.text
+    if tokens is None:
+        return (), text, None  # the common chunk: its text only
+    return tokens, text, completion_logprobs(tokens, chat, offset)
 
 
 async def _events(firsts, streams, rid, model, created, fingerprint, chat, body, include_usage):
@@ -115,23 +121,25 @@ async def _events(firsts, streams, rid, model, created, fingerprint, chat, body,
                 return
             tokens, text, logprobs = _text_of(item, chat, offsets[i])
             if not chat and tokens:
-                offsets[i] += sum(len(t["text"]) for t in tokens)
-            if item.finish_reason is not None:
+                offsets[i] += sum(len(t.text) for t in tokens)
+            finish = item if isinstance(item, Finish) else None
+            reason, reasoning = finish and finish.finish_reason, "" if isinstance(item, Echo) else item.reasoning
+            if finish is not None:
                 ended += 1
-            if text or item.reasoning or item.finish_reason or logprobs or (chat and i not in started):
-                piece = _event(stream_chunk(rid, model, created, i, text, item.finish_reason, chat, fingerprint,
-                                            logprobs, first=i not in started, tool_calls=item.tool_calls,
-                                            reasoning=item.reasoning))
+            if text or reasoning or reason or logprobs or (chat and i not in started):
+                piece = _event(stream_chunk(rid, model, created, i, text, reason, chat, fingerprint,
+                                            logprobs, first=i not in started, tool_calls=finish and finish.tool_calls,
+                                            reasoning=reasoning))
                 started.add(i)
                 if ended == len(streams):
                     tail = piece
                 else:
                     yield piece
-            if item.finish_reason is not None:
+            if finish is not None:
                 if i % body.n == 0:
-                    prompt_tokens += item.prompt_tokens or 0
-                    cached_tokens += item.cached_tokens or 0
-                completion_tokens += item.completion_tokens or 0
+                    prompt_tokens += finish.prompt_tokens
+                    cached_tokens += finish.cached_tokens
+                completion_tokens += finish.completion_tokens
         if include_usage:
             tail += _event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                             "created": created, "model": model, "system_fingerprint": fingerprint,

@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 
 from ..errors import Overloaded, RequestError
-from ..schema import EmbedRequest, EmbedResponse, GenerateRequest, GenerateResponse, Refusal
+from generation.front import Finish, Generation
+
+from ..schema import EmbedRequest, EmbedResponse, GenerateRequest, Refusal
 from .edge import RETRY_AFTER_SECONDS, request_id, server_error
 from .media import Media
 from .openai import ApiError
@@ -30,16 +32,18 @@ def busy(reason) -> ApiError:
 
 
 def refused(result, request_id_: str) -> ApiError | None:
-    """The ApiError of a decoder answer that refused or failed the request, else None."""
-    if isinstance(result, Refusal) or result.finish_reason == "rejected":
-        return busy(result.error) if result.status == 503 else ApiError(result.status or 400, result.error,
-                                                                        param=result.field, predicate=result.predicate)
-    if result.finish_reason == "error":
-        if result.status == 503:  # its engine went away (a new one is starting): the client may retry
-            return busy(result.error)
-        if result.status and result.status < 500:  # the batch refused it while admitting it: its own fault
-            return ApiError(result.status, result.error, param=result.field, predicate=result.predicate)
-        return server_error(request_id_, "the generation failed in the batch", result.error)
+    """The ApiError of a decoder answer that refused or failed the request (a Refusal, or a
+    Generation or stream event whose Finish says so), else None."""
+    finish = result.finish if isinstance(result, Generation) else result
+    if isinstance(finish, Refusal) or (isinstance(finish, Finish) and finish.finish_reason == "rejected"):
+        return busy(finish.error) if finish.status == 503 else ApiError(finish.status or 400, finish.error,
+                                                                        param=finish.field, predicate=finish.predicate)
+    if isinstance(finish, Finish) and finish.finish_reason == "error":
+        if finish.status == 503:  # its engine went away (a new one is starting): the client may retry
+            return busy(finish.error)
+        if finish.status and finish.status < 500:  # the batch refused it while admitting it: its own fault
+            return ApiError(finish.status, finish.error, param=finish.field, predicate=finish.predicate)
+        return server_error(request_id_, "the generation failed in the batch", finish.error)
     return None
 
 
@@ -118,7 +122,7 @@ class DecoderCalls:
             finally:
                 stream.cancel()
 
-    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+    async def generate(self, request: GenerateRequest) -> Generation:
         """The whole generation; a replica lost before it answered: moved to another (RETRIES times)."""
         images = await self.media.vision_replies(request, self.vision)
         for attempt in range(RETRIES + 1):

@@ -13,7 +13,8 @@ import time
 from contextlib import contextmanager
 
 from fastapi import Depends, Request
-from pydantic import ValidationError
+
+from generation.front import Refused
 
 from ..metrics import IngressMetrics
 from ..schema import Transcription, TranscriptionRequest
@@ -22,7 +23,7 @@ from .decoder_calls import DecoderCalls
 from .edge import read_json, replica_id, request_id
 from .openai import ApiError
 from .response_runs import ResponseRuns
-from .validation import parse, validation_error
+from .validation import parse
 
 
 class IngressState:
@@ -96,9 +97,9 @@ class IngressState:
         transcribes (handle.transcribe.remote, and the audio routes)."""
         if not isinstance(request, TranscriptionRequest):
             try:
-                request = TranscriptionRequest.model_validate(request or {})
-            except ValidationError as e:
-                raise validation_error(e.errors(include_url=False)) from None
+                request = TranscriptionRequest.checked(request or {})
+            except Refused as e:
+                raise ApiError(400, str(e), param=e.field, predicate=e.predicate) from None
         if self.calls.encoder is None:
             card = await self.model_card()
             raise ApiError(400, f"model: '{card['id']}' does not take audio", param="model")

@@ -128,9 +128,9 @@ class Media:
             return []
         replies = []
         for i, message in enumerate(request.messages):
-            if not isinstance(message.content, list):
+            if not isinstance(message.get("content"), list):
                 continue
-            for j, part in enumerate(message.content):
+            for j, part in enumerate(message["content"]):
                 kind = part.get("type")
                 if kind not in ("image_url", "video_url", "video"):
                     continue

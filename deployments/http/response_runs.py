@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..schema import GenerateChunk
+from generation.front import Delta, Finish
+
 from ..services.response_store import RUNNING
 from .answers import completion_logprobs
 from .assembly import gathered
@@ -85,32 +86,37 @@ class ResponseRun:
     def object(self, status: str, **fields) -> dict:
         return response_object(self.id, self.request, self.model, self.created, status, **fields)
 
-    def pieces(self, chunk: GenerateChunk) -> list[str]:
-        """A chunk's events (and its text kept for the conversation)."""
-        out = self.events.reasoning(chunk.reasoning)
-        logprobs = None if chunk.logprobs is None else completion_logprobs(
-            [t.model_dump() for t in chunk.logprobs], chat=True)["content"]
-        if chunk.text or logprobs:
-            self.answer.append(chunk.text)
-            out += self.events.text(chunk.text, logprobs)
+    def pieces(self, event) -> list[str]:
+        """An event's items' events (and its text kept for the conversation): a Delta's, or the
+        Finish's last text (a Responses request never echoes)."""
+        if not isinstance(event, (Delta, Finish)):
+            return []
+        out = self.events.reasoning(event.reasoning)
+        tokens = event.logprobs if isinstance(event, Delta) else None
+        logprobs = None if tokens is None else completion_logprobs(tokens, chat=True)["content"]
+        if event.text or logprobs:
+            self.answer.append(event.text)
+            out += self.events.text(event.text, logprobs)
         return self.told(out)
 
-    def finish(self, last: GenerateChunk | None, error: ApiError | None = None, cancelled: bool = False) -> list[str]:
-        """The last items' events; `final` is the whole response."""
+    def finish(self, last, error: ApiError | None = None, cancelled: bool = False) -> list[str]:
+        """The last items' events; `final` is the whole response. `last`: the stream's last event
+        (its Finish, unless the stream was cut)."""
+        finish = last if isinstance(last, Finish) else None
         if error is not None:
             status, failure, incomplete = "failed", {"code": "server_error" if error.status >= 500 else
                                                      "invalid_prompt", "message": error.message}, None
         elif cancelled or last is None:
             status, failure, incomplete = "cancelled", None, None
         else:
-            status, failure, incomplete = ending(last.finish_reason, last.error)
-        calls = last.tool_calls if last is not None else None
+            status, failure, incomplete = ending(finish and finish.finish_reason, finish and finish.error)
+        calls = finish.tool_calls if finish is not None else None
         out = self.events.finish(calls, status)
-        counts = usage(last.prompt_tokens or 0, last.completion_tokens or 0, last.cached_tokens or 0) \
-            if last is not None and last.finish_reason is not None else None
+        counts = None if finish is None else usage(finish.prompt_tokens, finish.completion_tokens,
+                                                   finish.cached_tokens)
         self.final = self.object(status, output=self.events.output, usage_=counts, error=failure,
                                  incomplete=incomplete)
-        self.replica = last.replica if last is not None else None
+        self.replica = finish.replica if finish is not None else None
         self.calls = calls
         return self.told(out)
 
@@ -218,7 +224,7 @@ class ResponseRuns:
         except ApiError as e:
             raise responses_error(e, run.request.instructions, run.history) from None
 
-    async def _streamed(self, run: ResponseRun, first: GenerateChunk, chunks):
+    async def _streamed(self, run: ResponseRun, first, chunks):
         """The typed events: created, in_progress, the items', then completed (or incomplete,
         failed); the response kept before the last event goes out."""
         for piece in run.events.start():

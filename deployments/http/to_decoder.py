@@ -16,12 +16,15 @@ setting, and `for_request` names the request's field instead (stop, not stop_str
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ValidationError
+from dataclasses import replace
+
+from pydantic import BaseModel
+
+from generation.front import Refused
 
 from ..schema import GenerateRequest
 from .edge import request_id
 from .openai import ApiError, ChatCompletionRequest, CompletionRequest, constraint_fields
-from .validation import validation_error
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
@@ -192,11 +195,11 @@ def typed(request: GenerateRequest | dict) -> GenerateRequest:
     if isinstance(request, GenerateRequest):
         return request
     try:
-        return GenerateRequest.model_validate(request)
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
+        return GenerateRequest.checked(request)
+    except Refused as e:
+        raise ApiError(400, str(e), param=e.field, predicate=e.predicate) from None
 
 
 def with_id(request: GenerateRequest) -> GenerateRequest:
     """The request with a request id (Serve's, or a random one) where it came without."""
-    return request if request.request_id else request.model_copy(update={"request_id": request_id()})
+    return request if request.request_id else replace(request, request_id=request_id())

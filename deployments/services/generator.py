@@ -1,13 +1,14 @@
-"""The decoder replica's work, free of Ray: the engine front's events as the handle API's chunks.
+"""The decoder replica's work, free of Ray: the engine front's events, timed and paced.
 
 `TextGenerator` holds a model's `generation.front.EngineFront` (input processing, the batching
 loop, output processing) and adds what serving adds: the decoder's metrics, a stream's pacing,
-the typed shapes of deployments/schema.py, and a refusal as a RequestError naming the
-GenerateRequest's field. The Ray deployment (`deployments.app.Decoder`) is a thin shell around
-it, and tests drive it directly, with the real engine or with `deployments.fake`.
+and a refusal as a RequestError naming the request's field; the events go out as the front made
+them (Echo, Delta, Finish; a whole one: Generation). The Ray deployment (`deployments.app.Decoder`)
+is a thin shell around it, and tests drive it directly, with the real engine or with
+`deployments.fake`.
 
     generator = TextGenerator.from_model("folder", slots=8)
-    async for chunk in generator.stream(GenerateRequest(prompt="Once", settings={"max_new_tokens": 8})):
+    async for event in generator.stream(GenerateRequest(prompt="Once", settings={"max_new_tokens": 8})):
         ...
 """
 
@@ -18,26 +19,22 @@ from pathlib import Path
 
 from generation.front import (
     Delta,
-    Echo,
     EngineFront,
     EngineOptions,
-    EngineRequest,
+    Finish,
+    Generation,
     Overloaded as FrontOverloaded,
     Refused,
-    SpeechRequest,
     transcribe,
 )
 
 from ..errors import Overloaded, RequestError
 from ..metrics import DecoderMetrics
 from ..schema import (
-    GenerateChunk,
     GenerateRequest,
-    GenerateResponse,
     ModelCard,
     Segment,
     Tokenized,
-    TokenLogprob,
     Transcription,
     TranscriptionRequest,
 )
@@ -66,13 +63,6 @@ def request_error(error: Refused | FrontOverloaded):
     if isinstance(error, FrontOverloaded):
         return Overloaded(str(error))
     return RequestError(str(error), error.field, error.predicate)
-
-
-def engine_request(request: GenerateRequest) -> EngineRequest:
-    values = request.model_dump()
-    if request.messages is not None:
-        values["messages"] = [m.model_dump(exclude_none=True) for m in request.messages]
-    return EngineRequest.of(values)
 
 
 class TextGenerator:
@@ -133,7 +123,7 @@ class TextGenerator:
         """Check and queue a request: (batcher request, prompt ids); RequestError naming the
         request's field, Overloaded for a full queue."""
         try:
-            return self.front.submit(engine_request(request), encoder, images)
+            return self.front.submit(request, encoder, images)
         except (Refused, FrontOverloaded) as e:
             raise self._refusal(e) from None
 
@@ -153,15 +143,14 @@ class TextGenerator:
         return max(self.stream_interval, min(self.batcher.running / CHUNKS_PER_SECOND, MAX_INTERVAL))
 
     async def stream(self, request: GenerateRequest, encoder=None, images=()):
-        """GenerateChunks as the tokens come; the last one carries finish_reason and counts. A
-        consumer that stops early (a client that went away) cancels the request."""
+        """The front's events as the tokens come (Echo first where echo asked, Deltas, one
+        Finish), timed into the decoder's metrics. A consumer that stops early (a client that
+        went away) cancels the request."""
         arrived, first, last = time.perf_counter(), None, None
-        events = self.front.stream(engine_request(request), encoder, images, self._interval)
+        events = self.front.stream(request, encoder, images, self._interval)
         try:
             async for event in events:
-                if isinstance(event, Echo):
-                    yield GenerateChunk(prompt_text=event.prompt_text, prompt_logprobs=_logprobs(event.prompt_logprobs))
-                elif isinstance(event, Delta):
+                if isinstance(event, Delta):
                     for token in event.tokens:
                         if last is None:
                             first = token.at
@@ -169,41 +158,19 @@ class TextGenerator:
                         else:
                             self.metrics.next_token(token.at - last)
                         last = token.at
-                    yield GenerateChunk(text=event.text, token_ids=[t.id for t in event.tokens],
-                                        logprobs=_logprobs(event.logprobs), reasoning=event.reasoning)
-                else:
+                elif isinstance(event, Finish):
                     self.metrics.finished(event.completion, event.prompt_tokens, time.perf_counter() - arrived,
                                           None if first is None else last - first)
-                    yield GenerateChunk(text=event.text, finish_reason=event.finish_reason, error=event.error,
-                                        status=event.status, tool_calls=event.tool_calls, field=event.field,
-                                        predicate=event.predicate, reasoning=event.reasoning,
-                                        prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                                        cached_tokens=event.cached_tokens)
+                yield event
         except (Refused, FrontOverloaded) as e:
             raise self._refusal(e) from None
         finally:
             await events.aclose()
 
-    async def generate(self, request: GenerateRequest, encoder=None, images=()) -> GenerateResponse:
+    async def generate(self, request: GenerateRequest, encoder=None, images=()) -> Generation:
         """The whole generation at once."""
-        text, ids, logprobs, last, echoed, reasoning = [], [], [], None, None, []
-        async for chunk in self.stream(request, encoder, images):
-            if chunk.prompt_text is not None:
-                echoed = chunk
-            text.append(chunk.text)
-            reasoning.append(chunk.reasoning)
-            ids += chunk.token_ids
-            logprobs += chunk.logprobs or []
-            last = chunk
-        return GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
-                                prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-                                cached_tokens=last.cached_tokens or 0,
-                                logprobs=logprobs if request.logprobs is not None else None, error=last.error,
-                                status=last.status, field=last.field, predicate=last.predicate,
-                                prompt_text=None if echoed is None else echoed.prompt_text,
-                                prompt_logprobs=None if echoed is None else echoed.prompt_logprobs,
-                                tool_calls=last.tool_calls,
-                                reasoning="".join(reasoning) if self.front.reasoning is not None else None)
+        events = [event async for event in self.stream(request, encoder, images)]
+        return Generation.of(events, request.logprobs is not None, self.front.reasoning is not None)
 
     # -- tokens ------------------------------------------------------------------------------
     def tokenize(self, text: str | None, messages: list[dict] | None, add_special_tokens: bool | None,
@@ -233,7 +200,7 @@ class TextGenerator:
             raise RequestError(f"model: '{self.name}' does not take audio (a {self.family} model)", "model")
         started = time.perf_counter()
         try:
-            result = await transcribe(self.front, samples, SpeechRequest.of(request.model_dump()), encode, aencode)
+            result = await transcribe(self.front, samples, request, encode, aencode)
         except (Refused, FrontOverloaded) as e:
             raise request_error(e) from None
         for seconds in result.queued:
@@ -246,8 +213,3 @@ class TextGenerator:
         return Transcription(text=result.text, tokens=result.tokens, segments=segments, duration=result.duration,
                              language=result.language)
 
-
-def _logprobs(tokens) -> list[TokenLogprob] | None:
-    if tokens is None:
-        return None
-    return [TokenLogprob(id=t.id, text=t.text, logprob=t.logprob, top=t.top) for t in tokens]

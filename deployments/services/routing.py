@@ -44,11 +44,11 @@ def prompt_text(request) -> str | None:
     tools = getattr(request, "tools", None)
     parts = [json.dumps(tools, sort_keys=True, default=str)] if tools else []
     for message in messages:
-        content = message.content
+        content = message.get("content")
         if isinstance(content, list):
             content = "".join(p.get("text") or json.dumps(p, sort_keys=True, default=str) for p in content
                               if isinstance(p, dict))
-        parts.append(f"\x1e{message.role}\x1f{content or ''}")
+        parts.append(f"\x1e{message.get('role')}\x1f{content or ''}")
     return "".join(parts)
 
 

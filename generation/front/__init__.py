@@ -3,7 +3,9 @@
 As vLLM's engine splits input processing, the engine core and output processing, and
 mlx-lm's server imports a handful of engine names: a request goes in (`EngineRequest`: messages
 or a prompt, media features, tools, settings), events come out (`Echo`, `Delta`: text with stop
-strings applied once, tokens and log-probabilities; `Finish`: tool calls, why it ended, counts).
+strings applied once, tokens and log-probabilities; `Finish`: tool calls, why it ended, counts;
+`Generation`: them all as one answer). A server carries these shapes across its own process hops
+as they are (deployments/: the Ray hop), adding none of its own.
 
     request.py         the front's request (EngineRequest)
     options.py         how the engine behind it runs (EngineOptions: slots, threads, ...)
@@ -43,21 +45,21 @@ from .encoders import (
     model_kind,
     takes_videos,
 )
-from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS, Completion, ContinuousBatcher, QueueFull, Request, Token
-from .errors import Overloaded, Refused, request_field, speech_field
-from .front import Delta, Echo, EngineFront, Finish, detokenized
+from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS, ContinuousBatcher, QueueFull, Request, Token
+from .errors import Overloaded, Refused, request_field
+from .front import Delta, Echo, EngineFront, Finish, Generation, detokenized, rejected
 from .options import EngineOptions
-from .output import TextDeltas, TokenText
+from .output import TextDeltas
 from .prompts import InputProcessor
 from .reasoning import CHOICES as REASONING_PARSERS
 from .request import EngineRequest
-from .speech import SpeechRequest, SpeechResult, transcribe
+from .speech import SpeechRequest, transcribe
 
 __all__ = [
-    "DEFAULT_PREFILL_CHUNK_TOKENS", "Completion", "ContinuousBatcher", "Delta", "Echo", "EngineFront", "EngineOptions", "EngineRequest", "Finish", "GrammarBudget", "InputProcessor",
-    "Overloaded", "QueueFull", "REASONING_PARSERS", "Refused", "Request", "SpeechRequest", "SpeechResult", "TextDeltas", "Token",
-    "TokenText", "ToolError", "check_tools", "decode_audio", "detokenized", "embed", "encode_audio", "encode_image",
+    "DEFAULT_PREFILL_CHUNK_TOKENS", "ContinuousBatcher", "Delta", "Echo", "EngineFront", "EngineOptions", "EngineRequest", "Finish", "Generation", "GrammarBudget", "InputProcessor",
+    "Overloaded", "QueueFull", "REASONING_PARSERS", "Refused", "Request", "SpeechRequest", "TextDeltas", "Token",
+    "ToolError", "check_tools", "decode_audio", "detokenized", "embed", "encode_audio", "encode_image",
     "encode_texts", "encode_video", "is_embedding_model", "limits", "load_embedder", "load_encoder", "model_folder",
-    "model_kind", "model_tokenizer", "prompt_logprobs_from_lists", "request_field", "speech_field", "takes_videos",
+    "model_kind", "model_tokenizer", "prompt_logprobs_from_lists", "request_field", "rejected", "takes_videos",
     "transcribe", "core_placement", "parse_cores", "pin_cores",
 ]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +54,10 @@ class Delta:
     logprobs: list[TokenText] | None
     reasoning: str = ""
 
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.id for t in self.tokens]
+
 
 @dataclass
 class Finish:
@@ -74,6 +77,57 @@ class Finish:
     cached_tokens: int
     completion: object
     reasoning: str = ""  # the reasoning not sent yet (a thinking model's chat)
+    replica: str | None = None  # the serving replica that ran it (a server sets it; EngineRequest.affinity)
+
+
+FINISH_FIELDS = frozenset(Finish.__dataclass_fields__) - {"text", "reasoning", "completion"}
+
+
+@dataclass
+class Generation:
+    """A whole generation as one answer: its Deltas' text, token ids, log-probabilities (None:
+    not asked) and reasoning (None: the model does not reason) joined, with the Finish's, its
+    Echo (echo), and its Finish, whose fields read on it directly (`finish_reason`,
+    `completion_tokens`, `tool_calls`, `error`, ...)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenText] | None
+    reasoning: str | None
+    echo: Echo | None
+    finish: Finish
+
+    @classmethod
+    def of(cls, events: list, logprobs: bool, reasoning: bool) -> "Generation":
+        """The events of one stream (Echo, Deltas, one Finish) as one answer."""
+        *deltas, finish = events
+        echo = next((e for e in deltas if isinstance(e, Echo)), None)
+        deltas = [e for e in deltas if isinstance(e, Delta)] + [finish]
+        return cls("".join(d.text for d in deltas), [i for d in deltas[:-1] for i in d.token_ids],
+                   [t for d in deltas[:-1] for t in d.logprobs or []] if logprobs else None,
+                   "".join(d.reasoning for d in deltas) if reasoning else None, echo, finish)
+
+    @classmethod
+    def refused(cls, finish: "Finish") -> "Generation":
+        return cls("", [], None, None, None, finish)
+
+    @property
+    def prompt_text(self) -> str | None:
+        return None if self.echo is None else self.echo.prompt_text
+
+    @property
+    def prompt_logprobs(self) -> list[TokenText] | None:
+        return None if self.echo is None else self.echo.prompt_logprobs
+
+    def __getattr__(self, name: str):
+        if name in FINISH_FIELDS:
+            return getattr(self.finish, name)
+        raise AttributeError(f"'Generation' object has no attribute '{name}'")
+
+
+def rejected(error: str, status: int, field: str | None = None, predicate: str | None = None) -> Finish:
+    """The Finish of a request refused before it ran ("rejected": 400 naming `field`, or 503)."""
+    return Finish("", "rejected", error, status, field, predicate, None, 0, 0, 0, None)
 
 
 class EngineFront:

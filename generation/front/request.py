@@ -1,14 +1,20 @@
 """The front's request: what a client asks of the engine, in the engine's own words.
 
-A serving layer fills one from its own request shape (deployments' GenerateRequest has the same
-field names) and hands it to `EngineFront.stream`; a refusal's field names one of these fields
-("prompt", "messages.0.content.1", "settings.top_k").
+It is also the handle API's request (deployments.schema.GenerateRequest is this class): it
+crosses the Ray hop as it is, and checks its own fields when made, so a bad one is refused by
+name wherever it was built ("seed", "messages.0.role"). A refusal's field names one of these
+fields ("prompt", "messages.0.content.1", "settings.top_k").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from .errors import Refused
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_LOGPROBS, MAX_PRIORITY, MAX_AFFINITY = 20, 1_000_000, 128
 
 
 @dataclass(frozen=True)
@@ -18,7 +24,10 @@ class EngineRequest:
     (None: the front picks one), log-probabilities on request (None: none; k: each token's and
     the k most likely of each step). `stop_token_ids` end the generation as eos tokens do;
     `tools` (OpenAI's) go to the template, and `tool_choice` other than "auto" holds the output
-    to calls by a grammar; `echo` gives the prompt back first (with `prompt_logprobs`)."""
+    to calls by a grammar; `echo` gives the prompt back first (with `prompt_logprobs`).
+    `affinity`: the serving replica it would rather run on (a stored response's, whose prefix
+    cache holds the conversation); `priority`: the scheduler's order, lower first (vLLM's), 0
+    interactive, batch rows above it."""
 
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
@@ -27,20 +36,32 @@ class EngineRequest:
     logprobs: int | None = None
     add_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
+    chat_template_kwargs: dict[str, Any] | None = None  # messages: more of the chat template's variables
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     echo: bool = False
     prompt_logprobs: int | None = None
     request_id: str | None = None
-    priority: int = 0  # lower first (engine/scheduler.py): 0 interactive; batch rows above
+    affinity: str | None = None
+    priority: int = 0
+
+    def __post_init__(self):
+        check(self)
 
     @classmethod
     def of(cls, values: dict) -> "EngineRequest":
         """From a dict of these fields (others ignored: a serving shape may carry more)."""
         return cls(**own_fields(cls, values))
+
+    @classmethod
+    def checked(cls, values: dict) -> "EngineRequest":
+        """From a caller's dict (a handle's): a field it does not have is refused by name."""
+        extra = sorted(set(values) - {f.name for f in fields(cls)})
+        if extra:
+            raise Refused("not a field of the request", extra[0])
+        return cls(**values)
 
     @property
     def calls_tools(self) -> bool:
@@ -57,3 +78,55 @@ def own_fields(kind, values: dict) -> dict:
     """The items of `values` that are fields of the dataclass `kind`."""
     names = {f.name for f in fields(kind)}
     return {k: v for k, v in values.items() if k in names}
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ints(value) -> bool:
+    return isinstance(value, list) and all(_integer(v) for v in value)
+
+
+def _between(low: int, high: int):
+    return lambda v: _integer(v) and low <= v <= high
+
+
+# field -> (is it well formed (None aside, where None is allowed), what it must be)
+RULES = {
+    "prompt": (lambda v: isinstance(v, str) or _ints(v), "a string or a list of token ids"),
+    "messages": (lambda v: isinstance(v, list), "a list of messages"),
+    "settings": (lambda v: isinstance(v, dict), "an object of generation settings"),
+    "seed": (_between(0, 2**63 - 1), "an integer from 0 to 2**63 - 1"),
+    "logprobs": (_between(0, MAX_LOGPROBS), f"an integer from 0 to {MAX_LOGPROBS}"),
+    "prompt_logprobs": (_between(0, MAX_LOGPROBS), f"an integer from 0 to {MAX_LOGPROBS}"),
+    "add_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "add_generation_prompt": (lambda v: isinstance(v, bool), "true or false"),
+    "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false"),
+    "echo": (lambda v: isinstance(v, bool), "true or false"),
+    "stop_token_ids": (_ints, "a list of token ids"),
+    "chat_template_kwargs": (lambda v: isinstance(v, dict), "an object"),
+    "tools": (lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v), "a list of tools"),
+    "tool_choice": (lambda v: isinstance(v, (str, dict)), 'a string ("auto", "none", "required") or a named function'),
+    "request_id": (lambda v: isinstance(v, str), "a string"),
+    "affinity": (lambda v: isinstance(v, str) and len(v) <= MAX_AFFINITY, f"a string of at most {MAX_AFFINITY} characters"),
+    "priority": (_between(0, MAX_PRIORITY), f"an integer from 0 to {MAX_PRIORITY}"),
+}
+NOT_NONE = {"settings", "add_special_tokens", "add_generation_prompt", "parallel_tool_calls", "echo", "priority"}
+
+
+def check(request: EngineRequest) -> None:
+    """Refuse a malformed request by its field (what a typed schema would say, without one)."""
+    for name, (well_formed, must_be) in RULES.items():
+        value = getattr(request, name)
+        if (value is None and name in NOT_NONE) or (value is not None and not well_formed(value)):
+            raise Refused(f"must be {must_be}", name)
+    if (request.prompt is None) == (request.messages is None):
+        raise Refused("give exactly one of prompt and messages", None)
+    for i, message in enumerate(request.messages or []):
+        if not isinstance(message, dict):
+            raise Refused("must be an object with a role and content", f"messages.{i}")
+        if message.get("role") not in ROLES:
+            raise Refused(f"must be one of {', '.join(ROLES)}", f"messages.{i}.role")
+        if not isinstance(message.get("content"), (str, list, type(None))):
+            raise Refused("must be a string, a list of parts or null", f"messages.{i}.content")

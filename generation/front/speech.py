@@ -10,7 +10,7 @@ engine's own task runs too).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from .errors import Refused, speech_field
 from .request import own_fields
@@ -19,26 +19,68 @@ from .request import own_fields
 @dataclass(frozen=True)
 class SpeechRequest:
     """A transcription: language (code or name; None: detected), task (transcribe or translate),
-    timestamps (segments with times), temperature (a list: the fallback's temperatures), a prompt
-    (earlier text the transcription continues), Whisper's long-form options, a seed and
-    generation settings."""
+    timestamps (segments with times), temperature (0: greedy; a list: the fallback's
+    temperatures, as transformers' generate(temperature=(...))), a prompt (earlier text the
+    transcription continues: transformers' prompt_ids), Whisper's long-form options (None: the
+    model's generation_config.json), a seed and generation settings. It is also the handle API's
+    request (deployments.schema.TranscriptionRequest is this class), refused by field when made."""
 
     language: str | None = None
-    task: str | None = None
+    task: str = "transcribe"
     timestamps: bool = False
-    temperature: float | list[float] | None = 0.0
+    temperature: float | list[float] = 0.0
     prompt: str | None = None
     compression_ratio_threshold: float | None = None
     logprob_threshold: float | None = None
     no_speech_threshold: float | None = None
     condition_on_prev_tokens: bool | None = None
     seed: int | None = None
-    settings: dict | None = None
+    settings: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, (well_formed, must_be) in SPEECH_RULES.items():
+            value = getattr(self, name)
+            if (value is None and name in ("task", "timestamps", "temperature", "settings")) or (
+                    value is not None and not well_formed(value)):
+                raise Refused(f"must be {must_be}", name)
 
     @classmethod
     def of(cls, values: dict) -> "SpeechRequest":
         """From a dict of these fields (others ignored)."""
         return cls(**own_fields(cls, values))
+
+    @classmethod
+    def checked(cls, values: dict) -> "SpeechRequest":
+        """From a caller's dict (a handle's): a field it does not have is refused by name."""
+        extra = sorted(set(values) - {f.name for f in fields(cls)})
+        if extra:
+            raise Refused("not a field of the request", extra[0])
+        return cls(**values)
+
+
+def _number(low: float, high: float):
+    return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high
+
+
+def _temperatures(value) -> bool:
+    values = value if isinstance(value, list) else [value]
+    return 1 <= len(values) <= 16 and all(_number(0, 2)(t) for t in values)
+
+
+SPEECH_RULES = {
+    "language": (lambda v: isinstance(v, str) and len(v) <= 64, "a string of at most 64 characters"),
+    "task": (lambda v: v in ("transcribe", "translate"), "transcribe or translate"),
+    "timestamps": (lambda v: isinstance(v, bool), "true or false"),
+    "temperature": (_temperatures, "a number from 0 to 2, or a list of 1 to 16 of them"),
+    "prompt": (lambda v: isinstance(v, str) and len(v) <= 4096, "a string of at most 4096 characters"),
+    "compression_ratio_threshold": (_number(0, 1e6), "a number from 0 to 1e6"),
+    "logprob_threshold": (_number(-1e6, 0), "a number from -1e6 to 0"),
+    "no_speech_threshold": (_number(0, 1), "a number from 0 to 1"),
+    "condition_on_prev_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
+             "an integer from 0 to 2**63 - 1"),
+    "settings": (lambda v: isinstance(v, dict), "an object of generation settings"),
+}
 
 
 @dataclass

@@ -22,7 +22,7 @@ import pytest
 
 import generation
 from deployments.fake import fake_tokens
-from deployments.schema import GenerateChunk, GenerateRequest, GenerateResponse
+from deployments.schema import Delta, Finish, GenerateRequest, GenerateResponse
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -214,7 +214,7 @@ def check_handles(app: str) -> None:
     assert isinstance(response, GenerateResponse) and response.text == fake_text("abc", max_new_tokens=5)
     chunks = list(handle.options(stream=True).generate_stream.remote(GenerateRequest(prompt="abcd", seed=2,
                                                                                      settings={"do_sample": True})))
-    assert all(isinstance(c, GenerateChunk) for c in chunks)
+    assert all(isinstance(c, Delta) for c in chunks[:-1]) and isinstance(chunks[-1], Finish)  # the front's events
     assert "".join(c.text for c in chunks) == fake_text("abcd", 2, do_sample=True)
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 8
     with pytest.raises(Exception, match="max_new_tokens must be an integer >= 0"):

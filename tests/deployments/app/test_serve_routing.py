@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.schema import GenerateRequest, Message
+from deployments.schema import GenerateRequest
 from deployments.services.routing import block_chain, prompt_text, ranked
 
 
 def chat(*contents, tools=None):
-    return GenerateRequest(messages=[Message(role="user" if i % 2 == 0 else "assistant", content=c)
+    return GenerateRequest(messages=[dict(role="user" if i % 2 == 0 else "assistant", content=c)
                                      for i, c in enumerate(contents)], tools=tools)
 
 

@@ -177,7 +177,9 @@ def test_engine_refusals_name_the_requests_own_field():
 
 
 def test_completion_logprobs_offsets_run_on_and_the_first_prompt_token_has_none():
-    tokens = [{"text": "ab", "logprob": None}, {"text": "c", "logprob": -1.0, "top": [(3, "c", -1.0)]}]
+    from generation.front.output import TokenText
+
+    tokens = [TokenText(1, "ab", None), TokenText(3, "c", -1.0, [(3, "c", -1.0)])]
     out = completion_logprobs(tokens, chat=False, offset=5)
     assert out["text_offset"] == [5, 7] and out["token_logprobs"] == [None, -1.0]
     assert out["top_logprobs"] == [None, {"c": -1.0}]

@@ -11,6 +11,7 @@ from deployments.services.generator import TextGenerator
 from deployments.errors import Overloaded, RequestError
 from deployments.fake import fake_generator, fake_tokens
 from deployments.schema import GenerateRequest
+from generation.front import Delta, Finish, Refused
 from generation.text.chat import ChatTemplateError, chat_template, render_chat, special_tokens
 
 
@@ -18,6 +19,11 @@ def collect(generator, **request):
     async def run():
         return [chunk async for chunk in generator.stream(GenerateRequest(**request))]
     return asyncio.run(run())
+
+
+def ids_of(events) -> list[int]:
+    """The token ids of a stream's Deltas, in order."""
+    return [i for e in events if isinstance(e, Delta) for i in e.token_ids]
 
 
 @pytest.fixture
@@ -43,7 +49,8 @@ def test_streamed_text_never_passes_a_stop_string(fake):
 def test_text_without_stops_streams_as_the_tokens_come(fake):
     chunks = collect(fake, prompt="abc", settings={"max_new_tokens": 5})
     assert "".join(c.text for c in chunks) == "cbacb"
-    assert all(len(c.text) == len(c.token_ids) for c in chunks)  # a chunk holds the tokens made since the last
+    assert all(len(c.text) == len(c.token_ids) for c in chunks[:-1])  # a Delta holds the tokens made since the last
+    assert all(isinstance(c, Delta) for c in chunks[:-1]) and isinstance(chunks[-1], Finish)
     assert len(chunks) > 2  # not all at the end
     assert chunks[-1].completion_tokens == 5 and chunks[-1].prompt_tokens == 3
 
@@ -103,8 +110,47 @@ def test_stopping_early_cancels_the_request(fake):
 def test_unknown_request_fields_are_refused():
     with pytest.raises(ValueError, match="exactly one of prompt and messages"):
         GenerateRequest(prompt="a", messages=[{"role": "user", "content": "b"}])
-    with pytest.raises(ValueError, match="Extra inputs"):
+    with pytest.raises(TypeError, match="temperature"):
         GenerateRequest(prompt="a", temperature=1)
+    with pytest.raises(Refused) as refused:  # a handle caller's dict
+        GenerateRequest.checked({"prompt": "a", "temperature": 1})
+    assert refused.value.field == "temperature"
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": "a", "seed": 2**63}, "seed"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"), ({"prompt": "a", "prompt_logprobs": True}, "prompt_logprobs"),
+    ({"prompt": "a", "priority": 1_000_001}, "priority"), ({"prompt": "a", "affinity": "x" * 129}, "affinity"),
+    ({"prompt": [1, "2"]}, "prompt"), ({"prompt": "a", "settings": None}, "settings"),
+    ({"prompt": "a", "stop_token_ids": [1.5]}, "stop_token_ids"), ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"), ({"messages": ["hi"]}, "messages.0"),
+    ({"prompt": "a", "tools": [1]}, "tools"), ({"prompt": "a", "request_id": 7}, "request_id"),
+])
+def test_a_malformed_request_is_refused_by_its_field_when_made(fields, field):
+    """The front's request checks itself (the handle API's request is the same class): a bad field
+    is refused by name wherever the request was built, before it crosses a process."""
+    with pytest.raises(Refused) as refused:
+        GenerateRequest(**fields)
+    assert refused.value.field == field and str(refused.value).startswith(f"{field}: must be")
+    assert GenerateRequest(prompt=[1, 2], seed=2**63 - 1, logprobs=20, priority=1_000_000, affinity="x" * 128)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"task": "summarize"}, "task"), ({"temperature": [0.0] * 17}, "temperature"), ({"temperature": 2.5}, "temperature"),
+    ({"language": "x" * 65}, "language"), ({"no_speech_threshold": 1.5}, "no_speech_threshold"),
+    ({"logprob_threshold": 1.0}, "logprob_threshold"), ({"seed": -1}, "seed"), ({"timestamps": None}, "timestamps"),
+])
+def test_a_malformed_transcription_request_is_refused_by_its_field_when_made(fields, field):
+    from deployments.schema import TranscriptionRequest
+
+    with pytest.raises(Refused) as refused:
+        TranscriptionRequest(**fields)
+    assert refused.value.field == field
+    with pytest.raises(Refused) as refused:
+        TranscriptionRequest.checked({"language": "en", "beam": 2})
+    assert refused.value.field == "beam"
+    assert TranscriptionRequest(temperature=[0.0, 0.4], task="translate", logprob_threshold=-1.0).task == "translate"
 
 
 # -- chat templates ----------------------------------------------------------------------------
@@ -147,7 +193,7 @@ def test_real_engine_generator_matches_generate(test_models, load_model):
         ids = model_tokenizer(model).encode("The list").ids
         expected = generation.generate(generation.context(model, max_new_tokens=10, do_sample=True, top_k=10),
                                        [ids], seeds=[4])[0]
-        assert sum((c.token_ids for c in chunks), []) == expected
+        assert ids_of(chunks) == expected
         assert "".join(c.text for c in chunks) == model_tokenizer(model).decode(expected)
         assert generator.card().id == "llama-genai" and generator.card().has_chat_template
     finally:
@@ -176,7 +222,7 @@ def test_a_generator_with_a_draft_model(test_models, load_model):
         model = load_model(test_models["llama-genai"])
         ids = model_tokenizer(model).encode("The list").ids
         expected = generation.generate(generation.context(model, max_new_tokens=12), [ids], seeds=[0])[0]
-        assert sum((c.token_ids for c in chunks), []) == expected
+        assert ids_of(chunks) == expected
         assert generator.batcher.steps <= 12 // 3 + 1
     finally:
         generator.close()
@@ -210,7 +256,7 @@ def test_no_spin_reaches_the_decoders_session(test_models, load_model):
             else:
                 options = generator.batcher.ctx.model.session.get_session_options()
                 assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-            assert sum((c.token_ids for c in collect(generator, prompt="The list")), []) == expected
+            assert ids_of(collect(generator, prompt="The list")) == expected
         finally:
             generator.close()
 
@@ -249,8 +295,8 @@ def test_concurrent_streams_send_fewer_chunks_per_token_than_one_alone():
 
         streams = asyncio.run(together())
         assert all("".join(c.text for c in s) == "".join(c.text for c in alone) for s in streams)
-        per_chunk = sum(sum(len(c.token_ids) for c in s) for s in streams) / sum(len(s) for s in streams)
-        assert per_chunk > 1.5 * sum(len(c.token_ids) for c in alone) / len(alone), per_chunk
+        per_chunk = sum(len(ids_of(s)) for s in streams) / sum(len(s) for s in streams)
+        assert per_chunk > 1.5 * len(ids_of(alone)) / len(alone), per_chunk
     finally:
         generator.close()
 

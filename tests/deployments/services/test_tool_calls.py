@@ -22,7 +22,7 @@ import pytest
 import generation
 from deployments.http.openai import ApiError
 from deployments.schema import GenerateRequest
-from deployments.services.generator import TextGenerator, engine_request
+from deployments.services.generator import TextGenerator
 from generation.front import Refused
 from generation.text import tool_calls as T
 from test_tools import TOOLS, WEATHER
@@ -60,7 +60,7 @@ def check_calls(calls, only=None, tools=TOOLS):
 
 def prompt_ids(generator, request: GenerateRequest) -> list[int]:
     """The prompt ids the engine front makes of a request (its input processing)."""
-    return generator.front.inputs.prompt_ids(engine_request(request))
+    return generator.front.inputs.prompt_ids(request)
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,14 @@ import asyncio
 import os
 import signal
 import time
+from dataclasses import asdict
 
 import pytest
 
 from deployments.errors import RequestError
 from deployments.schema import GenerateRequest
 from deployments.services.generator import TextGenerator
+from generation.front import Delta, Echo
 
 REQUESTS = [
     dict(prompt="The list", seed=1, settings={"max_new_tokens": 12}),
@@ -33,10 +35,11 @@ async def streamed(generator, requests):
 def flat(chunks):
     """What a stream carried, whatever its chunking: tokens, text, log-probabilities, its end."""
     end = chunks[-1]
-    return dict(tokens=sum((c.token_ids for c in chunks), []), text="".join(c.text for c in chunks),
-                logprobs=[lp.model_dump() for c in chunks for lp in (c.logprobs or [])],
-                prompt=[c.prompt_text for c in chunks if c.prompt_text is not None],
-                prompt_logprobs=[[lp.model_dump() for lp in c.prompt_logprobs] for c in chunks if c.prompt_logprobs],
+    echoes, deltas = [c for c in chunks if isinstance(c, Echo)], [c for c in chunks if isinstance(c, Delta)]
+    return dict(tokens=[i for c in deltas for i in c.token_ids], text="".join(c.text for c in deltas + [end]),
+                logprobs=[asdict(lp) for c in deltas for lp in (c.logprobs or [])],
+                prompt=[c.prompt_text for c in echoes],
+                prompt_logprobs=[[asdict(lp) for lp in c.prompt_logprobs] for c in echoes if c.prompt_logprobs],
                 end=(end.finish_reason, end.prompt_tokens, end.completion_tokens, end.error))
 
 
