@@ -138,6 +138,6 @@ def model_kind(cfg: AppConfig) -> str:
     family says (generation.families.kind); the fake engine and the default model: text."""
     if cfg.engine != "onnx" or cfg.model is None:
         return "text"
-    from generation.front import model_kind
+    from generation.front import ModelFolder
 
-    return model_kind(cfg.model)
+    return ModelFolder.kind(cfg.model)

@@ -180,11 +180,11 @@ def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int
                    step_seconds_per_row: float = 0.0):
     """A TextGenerator over the fake engine (with a chat template: 'role: content' lines, then
     the template variable `prefix` where a request gives it in chat_template_kwargs)."""
-    from generation.front import EngineFront, InputProcessor
+    from generation.front import EngineFront
 
     from .services.generator import TextGenerator
 
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}{{ prefix | default('') }}")
     batcher = FakeBatcher(slots, max_waiting, step_seconds, step_seconds_per_row=step_seconds_per_row)
-    return TextGenerator(name, EngineFront(batcher, InputProcessor(CharTokenizer(), template, None, 4096, max_logprobs=5)))
+    return TextGenerator(name, EngineFront.over(batcher, CharTokenizer(), template, 4096, max_logprobs=5))

@@ -110,10 +110,10 @@ def _generative_text(model: str | None, variant: str | None) -> bool:
     encoder-decoder, vision or embedding model)."""
     if model is None:
         return True
-    from generation.front import is_embedding_model, model_folder, model_kind
+    from generation.front import ModelFolder
 
-    folder = model_folder(model, variant)
-    return model_kind(str(folder)) == "text" and not is_embedding_model(folder)
+    folder = ModelFolder.local(model, variant)
+    return ModelFolder.kind(str(folder)) == "text" and not ModelFolder.embeds(folder)
 
 
 def grammar_budget_of(items: list[str]) -> dict:

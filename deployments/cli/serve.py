@@ -69,7 +69,7 @@ def add_arguments(parser) -> None:
 
 def app_config(args) -> dict:
     """The application's arguments (deployments.app.AppConfig) from the command line's."""
-    from generation.front import parse_cores
+    from generation.front import cores
 
     autoscaling = autoscaling_of(args.autoscale)
     return dict(**engine_config(args), autoscaling=autoscaling,
@@ -78,7 +78,7 @@ def app_config(args) -> dict:
                 response_folder=args.response_folder and os.path.abspath(args.response_folder),
                 batch_folder=args.batch_folder and os.path.abspath(args.batch_folder),
                 file_size_limit=args.file_size_limit, batch_concurrency=args.batch_concurrency,
-                engine_cores=None if args.engine_cores is None else list(parse_cores(args.engine_cores,
+                engine_cores=None if args.engine_cores is None else list(cores.parse(args.engine_cores,
                                                                                      "--engine-cores")),
                 reserve_cores=args.reserve_cores,
                 **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
@@ -94,10 +94,10 @@ def place_cores(config: dict):
             raise ValueError("--engine-cores and --reserve-cores place the batching loop's child process "
                              "(--engine-process); this layout runs the loop in the replica")
         return None
-    from generation.front import core_placement
+    from generation.front import cores
 
     try:
-        place = core_placement(config.get("reserve_cores"), config.get("engine_cores"))
+        place = cores.placement(config.get("reserve_cores"), config.get("engine_cores"))
     except ValueError as e:
         raise ValueError(str(e).replace("engine_cores", "--engine-cores").replace("reserve_cores", "--reserve-cores"))
     config["engine_cores"] = None if place.shared else list(place.engine)
@@ -115,18 +115,18 @@ def layout_words(config: dict) -> str:
 
 
 def check_models(args) -> None:
-    """--model and --draft as `raymuter generate` checks a model (generation.front.model_folder,
+    """--model and --draft as `raymuter generate` checks a model (generation.front.ModelFolder.local,
     the same message): a folder must exist and hold config.json and the decoder file (a folder
     that is no model fails here, not in a replica after Ray started); a hub id is fetched, into
     the cache the replicas then read. No model is loaded here."""
     if args.engine != "onnx":
         return
-    from generation.front import model_folder
+    from generation.front import ModelFolder
 
     if args.model is not None:
-        model_folder(args.model, args.variant)
+        ModelFolder.local(args.model, args.variant)
     if args.draft is not None:
-        model_folder(args.draft)
+        ModelFolder.local(args.draft)
 
 
 def check_batch_folder(folder: str | None) -> None:
@@ -174,9 +174,9 @@ def _serve(args, config: dict, folder: Path) -> int:
     if place is not None:
         print(f"[raymuter] cores: {place.words(config['threads'])}", file=sys.stderr)
         if not place.shared:  # Ray's processes, HAProxy and the replicas start from here: they inherit it
-            from generation.front import pin_cores
+            from generation.front import cores
 
-            pin_cores(place.service)
+            cores.pin(place.service)
     stop_on_signals()
     ray = None
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from generation.front import Refused, decode_audio, encode_audio, encode_texts
+from generation.front import EncoderFront, Refused
 
 from .encoding import EncodingService
 from .generator import request_error
@@ -26,7 +26,7 @@ class EncoderService(EncodingService):
         """An uploaded file's samples (mono, 16 kHz)."""
         started = time.perf_counter()
         try:
-            samples = decode_audio(data, filename)
+            samples = EncoderFront.decode_audio(data, filename)
         except Refused as e:
             raise request_error(e) from None
         self.metrics.latency.observe(time.perf_counter() - started)
@@ -36,7 +36,7 @@ class EncoderService(EncodingService):
         """Whisper's encoder over log-mel windows (one row each; windows seen before come from
         the cache)."""
         started = time.perf_counter()
-        out, computed = encode_audio(self.model, windows, self._cache_by(lambda window: self.cache.key(*window)))
+        out, computed = self.encoder.encode_audio(windows, self._cache_by(lambda window: self.cache.key(*window)))
         self._count(len(out), computed, started)
         return out
 
@@ -45,7 +45,7 @@ class EncoderService(EncodingService):
         positions is a RequestError naming the prompt."""
         started = time.perf_counter()
         try:
-            out, computed = encode_texts(self.model, sources, self._cache_by(lambda source: self.cache.key("text", source)))
+            out, computed = self.encoder.encode_texts(sources, self._cache_by(lambda source: self.cache.key("text", source)))
         except Refused as e:
             raise request_error(e) from None
         self._count(len(sources), computed, started)

@@ -10,7 +10,7 @@ from .feature_cache import FeatureCache
 
 
 class EncodingService:
-    """A replica's model of family kind KIND (generation.front.load_encoder refuses another
+    """A replica's model of family kind KIND (generation.front.EncoderFront.from_model refuses another
     kind, saying what it lacks), its metrics named ROLE, and a FeatureCache of `cache_bytes`."""
 
     KIND: str  # "encoder-decoder" or "vision"
@@ -18,9 +18,9 @@ class EncodingService:
 
     def __init__(self, source: str | Path, name: str | None = None, threads: int | None = None,
                  provider: str | None = None, variant: str | None = None, cache_bytes: int = 256 * 2**20):
-        from generation.front import load_encoder
+        from generation.front import EncoderFront
 
-        self.model = load_encoder(source, self.KIND, variant=variant, provider=provider, threads=threads)
+        self.encoder = EncoderFront.from_model(source, self.KIND, variant=variant, provider=provider, threads=threads)
         self.name = name or Path(source).name
         self.metrics = EncoderMetrics(self.name, self.ROLE)
         self.cache = FeatureCache(cache_bytes)

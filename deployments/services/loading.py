@@ -16,7 +16,7 @@ def decoder_service(cfg, default_name: str):
                                  step_seconds_per_row=cfg.step_seconds_per_row)
         service.stream_interval = cfg.stream_interval_ms / 1000
         return service
-    from generation.front import is_embedding_model
+    from generation.front import ModelFolder
 
     from .embeddings import EmbeddingService
     from .generator import TextGenerator
@@ -26,7 +26,7 @@ def decoder_service(cfg, default_name: str):
         from generation.default_model import default_model_path
 
         model = str(default_model_path())
-    if is_embedding_model(model, cfg.variant):
+    if ModelFolder.embeds(model, cfg.variant):
         return EmbeddingService.from_model(model, name=cfg.name, threads=cfg.threads, provider=cfg.provider,
                                            variant=cfg.variant)
     return TextGenerator.from_model(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from generation.front import Refused, encode_image, encode_video, takes_videos
+from generation.front import Refused
 
 from ..errors import RequestError
 from .encoding import EncodingService
@@ -31,7 +31,7 @@ class VisionService(EncodingService):
         (Qwen2-VL or Idefics3); the same bytes again come from the cache."""
         started = time.perf_counter()
         self.metrics.items.inc()
-        return self._cached(self.cache.key("image", bytes(data)), started, lambda: encode_image(self.model, data, name))
+        return self._cached(self.cache.key("image", bytes(data)), started, lambda: self.encoder.encode_image(data, name))
 
     def encode_video(self, data: bytes | list[bytes], name: str = "video"):
         """A video's features: a video file (decoded with PyAV: every frame) or its frames' image
@@ -40,12 +40,12 @@ class VisionService(EncodingService):
         before the encoder runs."""
         started = time.perf_counter()
         self.metrics.items.inc()
-        if not takes_videos(self.model):
-            raise RequestError(f"{name}: this model ('{self.name}', {self.model.family}) takes images, not videos",
+        if not self.encoder.takes_videos:
+            raise RequestError(f"{name}: this model ('{self.name}', {self.encoder.family}) takes images, not videos",
                                name)
         frames = isinstance(data, (list, tuple))
         key = self.cache.key("video-frames", *map(bytes, data)) if frames else self.cache.key("video", bytes(data))
-        return self._cached(key, started, lambda: encode_video(self.model, data, name))
+        return self._cached(key, started, lambda: self.encoder.encode_video(data, name))
 
     def _cached(self, key, started: float, encoded):
         """The features under `key`: from the cache (a hit), else `encoded()` stored there (a

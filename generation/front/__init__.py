@@ -16,50 +16,40 @@ as they are (deployments/: the Ray hop), adding none of its own.
     reasoning.py       a thinking model's reasoning told apart from its answer (<think>...</think>)
     front.py           EngineFront: the door itself
     speech.py          Whisper's transcription through the front (the seek loop over windows)
-    encoders.py        the encoders a server runs beside the decoder (audio, texts, images, videos)
+    encoders.py        the encoders a server runs beside the decoder (EncoderFront: audio, texts, images, videos)
+    models.py          what a model folder is, asked before anything loads (ModelFolder: kind, embedding, folder)
+    embeddings.py      an embedding model behind the door (EmbeddingFront: inputs checked, vectors out)
     errors.py          Refused (a request's field as data), Overloaded, and the table from an
                        engine setting to the request's field
 
-    front = EngineFront.from_model("folder", slots=8)
+    front = EngineFront.from_model("folder", EngineOptions(slots=8))
     async for event in front.stream(EngineRequest(messages=[{"role": "user", "content": "Hi"}])):
         ...
 """
 
-from generation.core.embed import embed, load_embedder
+from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS, QueueFull, Request
 from generation.logits.constraints import GrammarBudget
 from generation.logits.prompt_logprobs import from_lists as prompt_logprobs_from_lists
 from generation.params import limits
-from generation.runtime.cores import parse as parse_cores, pin as pin_cores, placement as core_placement
-from generation.text.tokenizer import model_tokenizer
+from generation.runtime import cores
 from generation.text.tool_calls import ToolError, check_tools
 
-from .encoders import (
-    decode_audio,
-    encode_audio,
-    encode_image,
-    encode_texts,
-    encode_video,
-    is_embedding_model,
-    load_encoder,
-    model_folder,
-    model_kind,
-    takes_videos,
-)
-from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS, ContinuousBatcher, QueueFull, Request, Token
-from .errors import Overloaded, Refused, request_field
-from .front import Delta, Echo, EngineFront, Finish, Generation, detokenized, rejected
+from .embeddings import EmbeddingFront
+from .encoders import EncoderFront
+from .errors import Overloaded, Refused
+from .models import ModelFolder
+from .front import Delta, Echo, EngineFront, Finish, Generation, rejected
 from .options import EngineOptions
-from .output import TextDeltas
-from .prompts import InputProcessor
 from .reasoning import CHOICES as REASONING_PARSERS
 from .request import EngineRequest
 from .speech import SpeechRequest, transcribe
 
+# The front's own names, and beside them what a server needs of the engine's edges: the limits its
+# request shapes state, a constraint's budget, a tool's schema check, where its processes compute
+# (`cores`), and the batching loop's contract a test's fake batcher keeps (Request, QueueFull).
 __all__ = [
-    "DEFAULT_PREFILL_CHUNK_TOKENS", "ContinuousBatcher", "Delta", "Echo", "EngineFront", "EngineOptions", "EngineRequest", "Finish", "Generation", "GrammarBudget", "InputProcessor",
-    "Overloaded", "QueueFull", "REASONING_PARSERS", "Refused", "Request", "SpeechRequest", "TextDeltas", "Token",
-    "ToolError", "check_tools", "decode_audio", "detokenized", "embed", "encode_audio", "encode_image",
-    "encode_texts", "encode_video", "is_embedding_model", "limits", "load_embedder", "load_encoder", "model_folder",
-    "model_kind", "model_tokenizer", "prompt_logprobs_from_lists", "request_field", "rejected", "takes_videos",
-    "transcribe", "core_placement", "parse_cores", "pin_cores",
+    "Delta", "Echo", "EmbeddingFront", "EncoderFront", "EngineFront", "EngineOptions", "EngineRequest", "Finish", "Generation",
+    "Overloaded", "REASONING_PARSERS", "Refused", "ModelFolder", "SpeechRequest", "rejected", "transcribe",
+    "DEFAULT_PREFILL_CHUNK_TOKENS", "GrammarBudget", "QueueFull", "Request", "ToolError", "check_tools", "cores",
+    "limits", "prompt_logprobs_from_lists",
 ]

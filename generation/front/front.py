@@ -8,7 +8,7 @@ process: engine/process.py), output processing (front/output.py), Whisper's wind
 (front/speech.py). A server adds transport, metrics and its own shapes; it never reaches past
 this door into the engine.
 
-    front = EngineFront.from_model("folder", slots=8)
+    front = EngineFront.from_model("folder", EngineOptions(slots=8))
     async for event in front.stream(EngineRequest(prompt="Once", settings={"max_new_tokens": 8})):
         ...
 """
@@ -144,6 +144,13 @@ class EngineFront:
         self.tokens = TokenTexts(inputs.tokenizer)
         self.defaults = dict(defaults or {})
         self.reasoning = reasoning  # how a chat's reasoning is told from its answer (None: all answer)
+
+    @classmethod
+    def over(cls, batcher, tokenizer, template: str | None = None, context_length: int = 4096,
+             max_logprobs: int = 0) -> "EngineFront":
+        """A front over a batcher of the caller's (a test's fake batcher) and a tokenizer, no
+        model behind it: a text model's input processing with `template` as its chat template."""
+        return cls(batcher, InputProcessor(tokenizer, template, None, context_length, max_logprobs=max_logprobs))
 
     @classmethod
     def from_model(cls, source: str | Path, options: EngineOptions | None = None, **settings) -> "EngineFront":

@@ -200,7 +200,7 @@ def test_the_vision_service_caches_videos_and_refuses_one_past_the_context(visio
     assert again is first and service.encode_video(list(FRAMES), "v") is frames and len(service.cache) == 2
     # 5 frames of 32x24 (6 with the last again), resized to 24x20 (max_pixels 576), patch 2, merge 2
     assert first.images.video_grids.tolist() == [[3, 12, 10]] and len(first.features) == 3 * 12 * 10 // 4
-    service.model.config["max_position_embeddings"] = 71
+    service.encoder.model.config["max_position_embeddings"] = 71
     with pytest.raises(RequestError, match=r"^m.0: the video makes 72 video tokens; the model's context holds 71$") \
             as raised:
         service.encode_video(encoded_video(_frames(8, 4, 28, 28)), "m.0")  # grid (2, 12, 12)

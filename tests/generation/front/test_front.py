@@ -10,7 +10,8 @@ import asyncio
 import pytest
 
 import generation
-from generation.front import Delta, Echo, EngineFront, EngineOptions, EngineRequest, Finish, Refused, TextDeltas
+from generation.front import Delta, Echo, EngineFront, EngineOptions, EngineRequest, Finish, Refused
+from generation.front.output import TextDeltas
 from generation.front.errors import refused, request_field
 from generation.params.checks import SettingError
 

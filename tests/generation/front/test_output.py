@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from generation.front import Token
+from generation.engine.batching import Token
 from generation.front.output import LOGPROB_FLOOR, TokenTexts
 from generation.logits.prompt_logprobs import from_lists
 
