@@ -4,11 +4,12 @@ model the application is built for.
 """
 
 import os
-from typing import Annotated, Any, Literal
+from dataclasses import fields
+from typing import Annotated, Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from generation.front import REASONING_PARSERS
+from generation.front import EngineOptions
 
 from .autoscaling import Autoscaling
 
@@ -16,38 +17,27 @@ from .autoscaling import Autoscaling
 DEFAULT_MODEL_NAME = "raymuter-default"  # the model id of the default model (no `model` given)
 
 
-class AppConfig(BaseModel):
-    """The application's arguments (`serve run deployments.app:build key=value ...`, or `args:`
-    in cluster/serve.yaml). Resources and autoscaling of each deployment are Serve's own
-    options, set in the config file's `deployments:` list."""
+class ServingConfig(BaseModel):
+    """The application's own arguments; AppConfig adds the engine's (EngineOptions' fields)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @property
+    def options(self) -> EngineOptions:
+        """The engine's options these arguments give."""
+        values = {name: getattr(self, name) for name in ENGINE_OPTIONS}
+        if values["engine_cores"] is not None:
+            values["engine_cores"] = tuple(values["engine_cores"])
+        return EngineOptions(**values)
+
+    @model_validator(mode="after")
+    def _options_go_together(self):
+        self.options  # noqa: B018 - EngineOptions refuses, by name, what does not go together (cores, process)
+        return self
 
     model: str | None = None  # folder or hub id; None: the default model that ships with Raymuter
     name: str | None = None  # the model id clients send; default: the folder's name
     engine: str = Field(default="onnx", pattern="^(onnx|fake)$")  # fake: tests of the serving layer
-    # rows the decoder steps together at most; as many run as the KV budget (kv_cache_bytes) holds
-    slots: int = Field(default=32, ge=1, le=1024)
-    capacity: int | None = Field(default=None, ge=2)  # tokens per slot (default: the model's context, <= 4096)
-    max_waiting: int = Field(default=256, ge=0)  # decoder queue; beyond it, 503
-    # prompt prefixes kept per decoder replica (KV rows, bytes; 0: off): a prompt that starts as one
-    # seen before runs only its rest (generation/cache/prefix.py)
-    prefix_cache_bytes: int = Field(default=256 * 2**20, ge=0, le=2**40)
-    # the KV cache's budget per decoder replica (bytes; default a quarter of the machine's memory,
-    # 0: none): rows are seated while what they hold fits it, up to `slots` (generation/engine/budget.py)
-    kv_cache_bytes: int | None = Field(default=None, ge=0, le=2**46)
-    # the prompt tokens the decoder runs per step (None: generation.engine.batching's default; 0: every
-    # prompt whole at once): a long prompt runs in chunks between the running rows' steps
-    prefill_chunk_tokens: int | None = Field(default=None, ge=0, le=2**31)
-    max_logprobs: int = Field(default=20, ge=-1, le=20)  # -1: no log-probabilities (the lean greedy loop)
-    threads: int | None = Field(default=None, ge=1)  # onnxruntime intra-op threads per decoder replica
-    spin: bool = True  # the decoder's idle onnxruntime threads spin between runs (False: they sleep)
-    provider: str | None = None  # cuda, cpu; default: CUDA where the replica has a GPU
-    variant: str | None = None
-    fuse: bool = True  # run an Optimum / transformers.js Llama-family decoder as its fused rewrite (generation.load)
-    # a draft model (folder or hub id) with the model's tokenizer: every step verifies its
-    # proposals (num_assistant_tokens, num_assistant_tokens_schedule in settings); text models
-    draft: str | None = None
     settings: dict[str, Any] = Field(default_factory=dict)  # defaults for every request
     api_key: str | None = None  # a bearer token every route but /health requires; or RAYMUTER_API_KEY
     allow_remote_images: bool = False  # fetch http(s) image URLs of chat messages (data URLs always work)
@@ -70,23 +60,6 @@ class AppConfig(BaseModel):
     # and streamed chunk between an ingress and the decoder; the routes then scale with the decoder
     # (its autoscaling, one proxy spreading requests) and the prefix router does not apply.
     colocate: bool = False
-    # The decoder's batching loop in a child process of its replica (services/engine_process.py):
-    # the routes' event loop and the engine's host Python then hold no GIL in common
-    # (decoder-only text models; the weights are in the child's memory only).
-    engine_process: bool = False
-    # Where that child computes (generation/runtime/cores.py): on engine_cores, or on all but the first
-    # reserve_cores of the replica's cores (None: 1 from 4 cores, 0 below), its onnxruntime threads
-    # one a core unless `threads` says; the replica keeps the other cores. `raymuter serve` resolves
-    # it on its machine and moves Ray's processes onto the kept cores as well.
-    engine_cores: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
-    reserve_cores: int | None = Field(default=None, ge=0, le=4096)
-    # What one request's constraint (structured outputs, tool_choice's grammar, each tool's parameters)
-    # may cost, by field of generation.logits.constraints.GrammarBudget (seconds to compile it, and
-    # llguidance's limits: max_grammar_size, initial_lexer_fuel, ...); a field not given keeps its default
-    grammar_budget: dict[str, int | float] = Field(default_factory=dict)
-    # How a chat's reasoning is told from its answer (generation/front/reasoning.py): auto (from the
-    # chat template: the thinking markers it writes), none (all answer), or a parser by name
-    reasoning_parser: str = Field(default="auto", pattern="^(" + "|".join(REASONING_PARSERS) + ")$")
     # /v1/responses' stored responses (the Responses deployment, one replica every ingress replica
     # shares): at most these bytes (the least recently used go first), each kept this many seconds
     # after it was last written, and persisted to this folder when given (made 0700, its files 0600; a
@@ -104,15 +77,40 @@ class AppConfig(BaseModel):
     file_size_limit: int = Field(default=200 * 2**20, ge=1, le=2**40)
     batch_concurrency: int | None = Field(default=None, ge=1, le=4096)
 
-    @model_validator(mode="after")
-    def _cores_need_the_engine_process(self):
-        if not self.engine_process and (self.engine_cores is not None or self.reserve_cores is not None):
-            raise ValueError("engine_cores and reserve_cores place the batching loop's child process: they need "
-                             "engine_process")
-        if self.engine_cores is not None and self.reserve_cores is not None:
-            raise ValueError("engine_cores and reserve_cores: give one (the replica keeps the cores engine_cores "
-                             "does not name)")
-        return self
+
+# An engine option's type where the dataclass's says less than a Serve config's JSON (and the
+# Helm chart's schema) should.
+JSON_TYPES = {
+    "draft": str | None,
+    "engine_cores": list[Annotated[int, Field(ge=0)]] | None,
+    "grammar_budget": dict[str, int | float],
+}
+
+
+def _engine_field(option, hint):
+    """An engine option as a pydantic field: its served default, range or choices, and help."""
+    meta = option.metadata
+    kind = JSON_TYPES.get(option.name, hint)
+    if meta["choices"] is not None:
+        kind = Literal[meta["choices"]] if option.default is not None else Literal[meta["choices"]] | None
+    bounds = {} if meta["low"] is None else {"ge": meta["low"], "le": meta["high"]}
+    if option.name == "grammar_budget":
+        return kind, Field(default_factory=dict, description=meta["help"])
+    if option.name == "engine_cores":
+        bounds["min_length"] = 1
+    return kind, Field(default=meta["served"], description=meta["help"], **bounds)
+
+
+_HINTS = get_type_hints(EngineOptions)
+ENGINE_OPTIONS = [f.name for f in fields(EngineOptions) if f.metadata["serve"]]
+AppConfig = create_model(
+    "AppConfig", __base__=ServingConfig, __module__=__name__,
+    __doc__="""The application's arguments (`serve run deployments.app:build key=value ...`, or `args:`
+    in cluster/serve.yaml): its own (ServingConfig) and the engine's, made from EngineOptions'
+    fields (their help, ranges and a server's defaults), flat as a Serve config writes them; `options`
+    gives the EngineOptions. Resources and autoscaling of each deployment are Serve's own options,
+    set in the config file's `deployments:` list.""",
+    **{f.name: _engine_field(f, _HINTS[f.name]) for f in fields(EngineOptions) if f.metadata["serve"]})
 
 
 def served_name(model: str | None, name: str | None = None) -> str:

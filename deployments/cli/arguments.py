@@ -6,40 +6,30 @@ import argparse
 
 
 def add_engine_arguments(parser, whole_prompts: bool = False) -> None:
-    """The model and how its decoder runs: what `raymuter serve` and `raymuter batch` share
-    (`whole_prompts`: --prefill-chunk-tokens defaults to 0, batch_engine_config's)."""
-    from generation.front import DEFAULT_PREFILL_CHUNK_TOKENS, REASONING_PARSERS
+    """The model and how its decoder runs: what `raymuter serve` and `raymuter batch` share, a
+    flag per EngineOptions field that has one (its name, a server's default, its help), and the
+    model, generation settings and the constraint budget (`whole_prompts`: --prefill-chunk-tokens
+    defaults to 0, batch_engine_config's)."""
+    from dataclasses import fields
+
+    from generation.front import EngineOptions
 
     parser.add_argument("--model", help="model folder or hub id (default: the model that ships with Raymuter)")
     parser.add_argument("--name", help="the model id clients send (default: the folder's name)")
-    parser.add_argument("--slots", type=int, default=32, help="rows the decoder steps together at most; as many run as "
-                        "--kv-cache-bytes holds")
-    parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503")
-    parser.add_argument("--prefix-cache-bytes", type=int, default=256 * 2**20,
-                        help="bytes of prompt prefixes each decoder replica keeps, so a prompt that starts as one seen "
-                             "before runs only its rest; 0: off")
-    parser.add_argument("--kv-cache-bytes", type=int, default=None,
-                        help="the KV cache's budget per decoder replica: requests are seated while what their rows "
-                             "hold fits it, up to --slots (default: a quarter of the machine's memory; 0: none)")
-    chunks = ("0: every prompt whole at once, no interactive rows to keep pace for" if whole_prompts
-              else f"{DEFAULT_PREFILL_CHUNK_TOKENS}; 0: every prompt whole at once")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
-                        help="prompt tokens the decoder runs per step: a long prompt (or a burst) runs in chunks "
-                             f"between the running rows' steps, which keep their pace (default: {chunks})")
-    parser.add_argument("--max-logprobs", type=int, default=20,
-                        help="most alternatives per token a request may ask; -1: no log-probabilities")
-    parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads of the decoder (default: one a "
-                        "core, within a container's CPU quota)")
-    parser.add_argument("--no-spin", dest="spin", action="store_false",
-                        help="the decoder's idle onnxruntime threads sleep between the model's runs instead of "
-                             "spinning (frees the cores for the HTTP stack: a small CPU machine; see docs/serving.md)")
-    parser.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
-    parser.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
-    parser.add_argument("--no-fuse", dest="fuse", action="store_false",
-                        help="run an Optimum / transformers.js decoder as exported, not as its fused rewrite "
-                             "(generation.runtime.fusion; built once, cached under $RAYMUTER_CACHE)")
-    parser.add_argument("--draft", help="a draft model (folder or hub id, the model's tokenizer) whose proposals "
-                        "every step verifies: speculative decoding (--set num_assistant_tokens=N; default: none)")
+    for option in fields(EngineOptions):
+        meta = option.metadata
+        if not meta["flag"]:
+            continue
+        flag = "--" + option.name.replace("_", "-")
+        if meta["served"] is True:
+            parser.add_argument("--no-" + flag[2:], dest=option.name, action="store_false", help=meta["off"])
+            continue
+        help = meta["help"] if meta["served"] is None else f"{meta['help']} (default: {meta['served']})"
+        if whole_prompts and option.name == "prefill_chunk_tokens":
+            help = help.split(" (default:")[0] + " (default: 0: every prompt whole at once, no interactive rows " \
+                "to keep pace for)"
+        parser.add_argument(flag, type=int if meta["low"] is not None else str, default=meta["served"],
+                            choices=meta["choices"], help=help)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
                         help="a default generation setting for every request, e.g. --set max_new_tokens=64")
     parser.add_argument("--grammar-budget", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
@@ -47,15 +37,15 @@ def add_engine_arguments(parser, whole_prompts: bool = False) -> None:
                              "--grammar-budget seconds=2,max_grammar_size=8192 (FIELD: seconds, max_grammar_size, "
                              "initial_lexer_fuel, step_lexer_fuel, step_max_items, max_items_in_row, max_lexer_states; "
                              "default: 1 s, 4096 symbols, 50000 fuel, llguidance's for the rest)")
-    parser.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
-                        help="how a chat's reasoning is told from its answer: auto (from the chat template), "
-                             "none, or by name (think: <think>...</think>; mistral: [THINK]...[/THINK])")
     parser.add_argument("--engine", choices=["onnx", "fake"], default="onnx", help=argparse_hidden())
 
 
 def engine_config(args) -> dict:
     """The application's arguments (deployments.app.AppConfig) that add_engine_arguments' flags give."""
     import json
+    from dataclasses import fields
+
+    from generation.front import EngineOptions
 
     settings = {}
     for item in args.set:
@@ -66,13 +56,9 @@ def engine_config(args) -> dict:
             settings[name.strip()] = json.loads(value)
         except json.JSONDecodeError:
             settings[name.strip()] = value
-    return dict(model=args.model, name=args.name, slots=args.slots, max_waiting=args.max_waiting,
-                prefix_cache_bytes=args.prefix_cache_bytes, kv_cache_bytes=args.kv_cache_bytes,
-                prefill_chunk_tokens=args.prefill_chunk_tokens,
-                max_logprobs=args.max_logprobs, threads=args.threads,
-                spin=args.spin, provider=args.provider, variant=args.variant, fuse=args.fuse, draft=args.draft,
-                settings=settings, engine=args.engine, grammar_budget=grammar_budget_of(args.grammar_budget),
-                reasoning_parser=args.reasoning_parser)
+    options = {f.name: getattr(args, f.name) for f in fields(EngineOptions) if f.metadata["flag"]}
+    return dict(model=args.model, name=args.name, settings=settings, engine=args.engine,
+                grammar_budget=grammar_budget_of(args.grammar_budget), **options)
 
 
 def port_number(text: str) -> int:

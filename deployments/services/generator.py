@@ -15,6 +15,7 @@ is a thin shell around it, and tests drive it directly, with the real engine or 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from generation.front import (
@@ -78,11 +79,14 @@ class TextGenerator:
 
     @classmethod
     def from_model(cls, source: str | Path, name: str | None = None, stream_interval: float = 0.0,
-                   **options) -> "TextGenerator":
+                   options: EngineOptions | None = None, **values) -> "TextGenerator":
         """Load `source` (folder or hub id) into an EngineFront and serve it as `name` (default:
-        the folder's name). `options`: generation.front.EngineOptions' fields (slots, threads,
-        max_logprobs, ...), the rest generation settings every request starts from."""
-        engine, settings = EngineOptions.split(options)
+        the folder's name). `options` (or `values` named as generation.front.EngineOptions'
+        fields: slots, threads, max_logprobs, ...): how the engine runs; the rest of `values`
+        generation settings every request starts from."""
+        engine, settings = EngineOptions.split(values)
+        if options is not None:
+            engine = replace(options, **{k: v for k, v in values.items() if k not in settings})
         front = EngineFront.from_model(source, engine, **settings)
         name = name or (Path(source).name if Path(source).is_dir() else str(source))
         generator = cls(name, front, "encoder-decoder" if front.kind == "encoder-decoder" else "decoder",

@@ -29,15 +29,9 @@ def decoder_service(cfg, default_name: str):
     if ModelFolder.embeds(model, cfg.variant):
         return EmbeddingService.from_model(model, name=cfg.name, threads=cfg.threads, provider=cfg.provider,
                                            variant=cfg.variant)
-    return TextGenerator.from_model(
-        model, name=cfg.name or (default_name if cfg.model is None else None), slots=cfg.slots,
-        capacity=cfg.capacity, max_waiting=cfg.max_waiting, prefix_cache_bytes=cfg.prefix_cache_bytes,
-        kv_cache_bytes=cfg.kv_cache_bytes, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
-        max_logprobs=cfg.max_logprobs, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant,
-        fuse=cfg.fuse, stream_interval=cfg.stream_interval_ms / 1000, draft=cfg.draft,
-        grammar_budget=cfg.grammar_budget, engine_process=cfg.engine_process, spin=cfg.spin,
-        engine_cores=None if cfg.engine_cores is None else tuple(cfg.engine_cores), reserve_cores=cfg.reserve_cores,
-        reasoning_parser=cfg.reasoning_parser, **cfg.settings)
+    return TextGenerator.from_model(model, name=cfg.name or (default_name if cfg.model is None else None),
+                                    stream_interval=cfg.stream_interval_ms / 1000, options=cfg.options,
+                                    **cfg.settings)
 
 
 def encoding_service(kind: str, cfg):

@@ -27,7 +27,7 @@ as they are (deployments/: the Ray hop), adding none of its own.
         ...
 """
 
-from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS, QueueFull, Request
+from generation.engine.batching import QueueFull, Request
 from generation.logits.constraints import GrammarBudget
 from generation.logits.prompt_logprobs import from_lists as prompt_logprobs_from_lists
 from generation.params import limits
@@ -50,6 +50,6 @@ from .speech import SpeechRequest, transcribe
 __all__ = [
     "Delta", "Echo", "EmbeddingFront", "EncoderFront", "EngineFront", "EngineOptions", "EngineRequest", "Finish", "Generation",
     "Overloaded", "REASONING_PARSERS", "Refused", "ModelFolder", "SpeechRequest", "rejected", "transcribe",
-    "DEFAULT_PREFILL_CHUNK_TOKENS", "GrammarBudget", "QueueFull", "Request", "ToolError", "check_tools", "cores",
+    "GrammarBudget", "QueueFull", "Request", "ToolError", "check_tools", "cores",
     "limits", "prompt_logprobs_from_lists",
 ]

@@ -164,9 +164,6 @@ class EngineFront:
         options = options or EngineOptions()
         if options.engine_process:
             batcher = _engine_process(source, options, settings)
-        elif options.engine_cores is not None or options.reserve_cores is not None:
-            raise ValueError("engine_cores / reserve_cores: place the batching loop's child process "
-                             "(engine_process); without it the loop runs in this process")
         else:
             batcher = batcher_from_model(ContinuousBatcher, source, **options.batcher_arguments(), **settings)
         model = batcher.ctx.model

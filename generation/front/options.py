@@ -1,58 +1,104 @@
 """How the engine behind a front runs: the options of `EngineFront.from_model`, apart from the
 generation settings (generation_config.json's fields) every request starts from.
 
+Each option is written out here once, with its default, its range and a sentence of help: a
+server's configuration (deployments.config.AppConfig), its command-line flags (`raymuter serve`,
+`raymuter batch`) and the Helm chart's values schema are made from these fields
+(`dataclasses.fields(EngineOptions)`, each field's metadata), and an option out of range is
+refused by name when the options are made.
+
     options, settings = EngineOptions.split({"slots": 4, "threads": 1, "max_new_tokens": 64})
     front = EngineFront.from_model("folder", options, **settings)
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS
+
+from .reasoning import CHOICES as REASONING_PARSERS
 from .request import own_fields
+
+
+def option(default, help: str, low=None, high=None, choices=None, served=None, flag: bool = True,
+           off: str | None = None, serve: bool = True):
+    """A field of EngineOptions: its default, a sentence of help, its integer range or its
+    choices; `served`: a server's default where it differs from a library caller's (a server
+    runs many rows, and keeps prefixes); `flag`: whether the CLI makes it a flag (`off`: a true
+    default's --no- flag's help); `serve`: whether a server's configuration takes it."""
+    return field(default=default, metadata={"help": help, "low": low, "high": high, "choices": choices,
+                                            "served": default if served is None else served, "flag": flag,
+                                            "off": off, "serve": serve})
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """`slots`: rows the batch steps together; `capacity`: tokens per slot (default: the model's
-    context, at most 4096); `max_waiting`: the queue (beyond it, Overloaded); `max_logprobs`: the
-    most alternatives a request may ask per token (-1: none, the lean greedy loop); `threads`,
-    `provider`, `variant`, `fuse`: generation.load's; `spin`: onnxruntime's idle threads spin
-    between runs (False frees the cores for the server); `cache_mode`: generation.context's;
-    `draft`: a small model with the same tokenizer whose proposals every step verifies;
-    `prefix_cache_bytes`: prompt prefixes kept for reuse (0: none); `kv_cache_bytes`: the KV
-    cache's budget, rows admitted while what they hold fits it (None: a quarter of the machine's
-    memory; 0: none, each slot may hold the whole capacity); `prefill_chunk_tokens`: the prompt
-    tokens a step may run, a long prompt in chunks between the running rows' steps (None:
-    batching.DEFAULT_PREFILL_CHUNK_TOKENS; 0: every prompt whole); `engine_process`: the batching
-    loop in a child process (decoder-only text models); `engine_cores`, `reserve_cores`: where that
-    child computes (generation.runtime.cores: the cores named, or all but the first `reserve_cores`,
-    its onnxruntime threads one a core unless `threads` says; this process keeps the others; None:
-    the machine size's default); `grammar_budget`: what a request's
-    constraint may cost (generation.logits.constraints.GrammarBudget, or a dict of its fields);
-    `reasoning_parser`: how a chat's reasoning is told from its answer (front/reasoning.py: "auto"
-    from the chat template, "none", or a parser by name)."""
+    """How the engine runs: each field's `help` (its metadata) says what it is; an option out of
+    its range is a ValueError naming it."""
 
-    slots: int = 8
-    capacity: int | None = None
-    max_waiting: int = 256
-    max_logprobs: int = 20
-    threads: int | None = None
-    provider: str | None = None
-    variant: str | None = None
-    cache_mode: str | None = None
-    draft: str | Path | None = None
-    prefix_cache_bytes: int = 0
-    kv_cache_bytes: int | None = None
-    prefill_chunk_tokens: int | None = None
-    fuse: bool = True
-    spin: bool = True
-    engine_process: bool = False
-    engine_cores: tuple[int, ...] | None = None
-    reserve_cores: int | None = None
-    grammar_budget: object = None
-    reasoning_parser: str = "auto"
+    slots: int = option(8, "rows the decoder steps together at most; as many run as the KV budget "
+                           "(kv_cache_bytes) holds", 1, 1024, served=32)
+    capacity: int | None = option(None, "tokens a slot holds, prompt and new tokens (default: the model's context, "
+                                        "at most 4096)", 2, 2**31)
+    max_waiting: int = option(256, "interactive requests queued before a new one is refused (a server's 503)", 0, 2**31)
+    max_logprobs: int = option(20, "the most alternatives per token a request may ask; -1: no log-probabilities "
+                                   "(the lean greedy loop)", -1, 20)
+    threads: int | None = option(None, "onnxruntime intra-op threads of the decoder (default: one a core, within a "
+                                       "container's CPU quota)", 1, 4096)
+    provider: str | None = option(None, "cpu or cuda (default: CUDA where usable, else CPU)", choices=("cpu", "cuda"))
+    variant: str | None = option(None, "dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
+    cache_mode: str | None = option(None, "the KV cache's mode (in_place, append, grow; default: from the graph)",
+                                    flag=False, serve=False)
+    draft: str | Path | None = option(None, "a draft model (folder or hub id, the model's tokenizer) whose proposals "
+                                            "every step verifies: speculative decoding (settings num_assistant_tokens)")
+    prefix_cache_bytes: int = option(0, "bytes of prompt prefixes kept, so a prompt that starts as one seen before "
+                                        "runs only its rest; 0: off", 0, 2**40, served=256 * 2**20)
+    kv_cache_bytes: int | None = option(None, "the KV cache's budget: requests are seated while what their rows hold "
+                                              "fits it, up to slots (default: a quarter of the machine's memory; 0: "
+                                              "none)", 0, 2**46)
+    prefill_chunk_tokens: int | None = option(None, "prompt tokens the decoder runs per step: a long prompt (or a "
+                                                    "burst) runs in chunks between the running rows' steps, which "
+                                                    f"keep their pace (default: {DEFAULT_PREFILL_CHUNK_TOKENS}; 0: "
+                                                    "every prompt whole at once)", 0, 2**31)
+    fuse: bool = option(True, "run an Optimum / transformers.js Llama-family decoder as its fused rewrite "
+                              "(generation.runtime.fusion; built once, cached under $RAYMUTER_CACHE)",
+                        off="run an Optimum / transformers.js decoder as exported, not as its fused rewrite "
+                            "(generation.runtime.fusion; built once, cached under $RAYMUTER_CACHE)")
+    spin: bool = option(True, "the decoder's idle onnxruntime threads spin between the model's runs (false: they "
+                              "sleep, freeing the cores for a server's HTTP stack on a small machine)",
+                        off="the decoder's idle onnxruntime threads sleep between the model's runs instead of "
+                            "spinning (frees the cores for the HTTP stack: a small CPU machine; see docs/serving.md)")
+    engine_process: bool = option(False, "the batching loop in a child process (decoder-only text models): a "
+                                         "server's event loop and the engine's Python then share no GIL", flag=False)
+    engine_cores: tuple[int, ...] | None = option(None, "the cores the engine process computes on (the rest stay "
+                                                        "the server's); needs engine_process", flag=False)
+    reserve_cores: int | None = option(None, "the engine process computes on all but the first this many cores "
+                                             "(default: 1 from 4 cores, 0 below); needs engine_process", 0, 4096,
+                                       flag=False)
+    grammar_budget: object = option(None, "what one request's constraint may cost (generation.logits.constraints."
+                                          "GrammarBudget, or a dict of its fields: seconds, max_grammar_size, ...)",
+                                    flag=False)
+    reasoning_parser: str = option("auto", "how a chat's reasoning is told from its answer: auto (from the chat "
+                                           "template), none, or a parser by name (think: <think>...</think>; "
+                                           "mistral: [THINK]...[/THINK])", choices=REASONING_PARSERS)
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if value is None or isinstance(value, bool):
+                continue
+            if meta["choices"] is not None and value not in meta["choices"]:
+                raise ValueError(f"{f.name}: one of {', '.join(meta['choices'])}, not {value!r}")
+            if meta["low"] is not None and not (isinstance(value, int) and meta["low"] <= value <= meta["high"]):
+                raise ValueError(f"{f.name}: an integer from {meta['low']} to {meta['high']}, not {value!r}")
+        if not self.engine_process and (self.engine_cores is not None or self.reserve_cores is not None):
+            raise ValueError("engine_cores and reserve_cores place the batching loop's child process: they need "
+                             "engine_process")
+        if self.engine_cores is not None and self.reserve_cores is not None:
+            raise ValueError("engine_cores and reserve_cores: give one (the replica keeps the cores engine_cores "
+                             "does not name)")
 
     @classmethod
     def split(cls, values: dict) -> tuple["EngineOptions", dict]:
@@ -66,3 +112,5 @@ class EngineOptions:
         for name in ("engine_process", "engine_cores", "reserve_cores", "reasoning_parser"):
             del out[name]
         return out
+
+

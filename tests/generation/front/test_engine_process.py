@@ -308,7 +308,7 @@ def test_the_engine_process_computes_on_its_cores_and_this_process_on_the_others
     finally:
         generator.close()
         cores.pin(affinity)
-    with pytest.raises(ValueError, match=r"engine_cores / reserve_cores: place the batching loop's child process"):
+    with pytest.raises(ValueError, match=r"engine_cores and reserve_cores place the batching loop's child process"):
         TextGenerator.from_model(test_models["llama-genai"], slots=2, threads=1, reserve_cores=1)
 
 
