@@ -10,7 +10,8 @@ import asyncio
 import pytest
 
 import generation
-from generation.front import Delta, Echo, EngineFront, EngineOptions, EngineRequest, Finish, Refused
+from generation.front import (Delta, Echo, EngineFront, EngineOptions, EngineRequest, Finish, Generation, Refused,
+                              rejected)
 from generation.front.output import TextDeltas
 from generation.front.errors import refused, request_field
 from generation.params.checks import SettingError
@@ -84,6 +85,29 @@ def test_the_fronts_events_are_the_engines_generation(front, test_models, load_m
     text = "".join(d.text for d in deltas) + finish.text
     assert text == front.tokenizer.decode(tokens, skip_special_tokens=True)
     assert all(len(t.top) == 2 for d in deltas for t in d.logprobs)
+
+
+def test_a_generation_is_its_events_joined_and_crosses_a_process_as_it_is(front):
+    """Generation.of: the Deltas' text, ids and log-probabilities joined with the Finish's text,
+    the Echo kept, the Finish's fields read on it; it and the events pickle as they are (the Ray
+    hop carries them so)."""
+    import pickle
+
+    events = events_of(front, EngineRequest(prompt="Once upon", seed=0, logprobs=1, echo=True))
+    whole = Generation.of(events, logprobs=True, reasoning=False)
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert whole.text == "".join(d.text for d in deltas) + events[-1].text
+    assert whole.token_ids == [i for d in deltas for i in d.token_ids] and len(whole.logprobs) == len(whole.token_ids)
+    assert whole.prompt_text == "Once upon" and whole.reasoning is None
+    assert (whole.finish_reason, whole.completion_tokens) == (events[-1].finish_reason, len(whole.token_ids))
+    assert Generation.of(events, logprobs=False, reasoning=True).logprobs is None
+    with pytest.raises(AttributeError, match="no attribute 'tokens'"):
+        whole.tokens  # noqa: B018 - only the Finish's fields read through
+    again = pickle.loads(pickle.dumps(whole))
+    assert again == whole and again.finish_reason == whole.finish_reason
+    assert pickle.loads(pickle.dumps(events)) == events
+    refused = Generation.refused(rejected("busy", 503))
+    assert (refused.finish_reason, refused.status, refused.text, refused.token_ids) == ("rejected", 503, "", [])
 
 
 def test_a_stop_string_ends_the_text_once(front):
