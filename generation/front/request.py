@@ -48,20 +48,13 @@ class EngineRequest:
     priority: int = 0
 
     def __post_init__(self):
-        check(self)
-
-    @classmethod
-    def of(cls, values: dict) -> "EngineRequest":
-        """From a dict of these fields (others ignored: a serving shape may carry more)."""
-        return cls(**own_fields(cls, values))
+        check_fields(self, RULES, NOT_NONE)
+        check_messages(self)
 
     @classmethod
     def checked(cls, values: dict) -> "EngineRequest":
         """From a caller's dict (a handle's): a field it does not have is refused by name."""
-        extra = sorted(set(values) - {f.name for f in fields(cls)})
-        if extra:
-            raise Refused("not a field of the request", extra[0])
-        return cls(**values)
+        return checked(cls, values)
 
     @property
     def calls_tools(self) -> bool:
@@ -80,16 +73,34 @@ def own_fields(kind, values: dict) -> dict:
     return {k: v for k, v in values.items() if k in names}
 
 
-def _integer(value) -> bool:
+def checked(kind, values: dict):
+    """The dataclass `kind` made from a caller's dict; a key that is not one of its fields is
+    refused by name (a keyword argument's TypeError would not name it as a request's field)."""
+    extra = sorted(set(values) - {f.name for f in fields(kind)})
+    if extra:
+        raise Refused("not a field of the request", extra[0])
+    return kind(**values)
+
+
+def check_fields(request, rules: dict, not_none) -> None:
+    """Refuse a malformed field by name (what a typed schema would say, without one): `rules`
+    maps a field to (is it well formed, what it must be); a field in `not_none` may not be None."""
+    for name, (well_formed, must_be) in rules.items():
+        value = getattr(request, name)
+        if (value is None and name in not_none) or (value is not None and not well_formed(value)):
+            raise Refused(f"must be {must_be}", name)
+
+
+def integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _ints(value) -> bool:
-    return isinstance(value, list) and all(_integer(v) for v in value)
+    return isinstance(value, list) and all(integer(v) for v in value)
 
 
-def _between(low: int, high: int):
-    return lambda v: _integer(v) and low <= v <= high
+def between(low: int, high: int):
+    return lambda v: integer(v) and low <= v <= high
 
 
 # field -> (is it well formed (None aside, where None is allowed), what it must be)
@@ -97,9 +108,9 @@ RULES = {
     "prompt": (lambda v: isinstance(v, str) or _ints(v), "a string or a list of token ids"),
     "messages": (lambda v: isinstance(v, list), "a list of messages"),
     "settings": (lambda v: isinstance(v, dict), "an object of generation settings"),
-    "seed": (_between(0, 2**63 - 1), "an integer from 0 to 2**63 - 1"),
-    "logprobs": (_between(0, MAX_LOGPROBS), f"an integer from 0 to {MAX_LOGPROBS}"),
-    "prompt_logprobs": (_between(0, MAX_LOGPROBS), f"an integer from 0 to {MAX_LOGPROBS}"),
+    "seed": (between(0, 2**63 - 1), "an integer from 0 to 2**63 - 1"),
+    "logprobs": (between(0, MAX_LOGPROBS), f"an integer from 0 to {MAX_LOGPROBS}"),
+    "prompt_logprobs": (between(0, MAX_LOGPROBS), f"an integer from 0 to {MAX_LOGPROBS}"),
     "add_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
     "add_generation_prompt": (lambda v: isinstance(v, bool), "true or false"),
     "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false"),
@@ -110,17 +121,13 @@ RULES = {
     "tool_choice": (lambda v: isinstance(v, (str, dict)), 'a string ("auto", "none", "required") or a named function'),
     "request_id": (lambda v: isinstance(v, str), "a string"),
     "affinity": (lambda v: isinstance(v, str) and len(v) <= MAX_AFFINITY, f"a string of at most {MAX_AFFINITY} characters"),
-    "priority": (_between(0, MAX_PRIORITY), f"an integer from 0 to {MAX_PRIORITY}"),
+    "priority": (between(0, MAX_PRIORITY), f"an integer from 0 to {MAX_PRIORITY}"),
 }
 NOT_NONE = {"settings", "add_special_tokens", "add_generation_prompt", "parallel_tool_calls", "echo", "priority"}
 
 
-def check(request: EngineRequest) -> None:
-    """Refuse a malformed request by its field (what a typed schema would say, without one)."""
-    for name, (well_formed, must_be) in RULES.items():
-        value = getattr(request, name)
-        if (value is None and name in NOT_NONE) or (value is not None and not well_formed(value)):
-            raise Refused(f"must be {must_be}", name)
+def check_messages(request: EngineRequest) -> None:
+    """Refuse a request without exactly one input, or a malformed message, by its field."""
     if (request.prompt is None) == (request.messages is None):
         raise Refused("give exactly one of prompt and messages", None)
     for i, message in enumerate(request.messages or []):

@@ -10,10 +10,10 @@ engine's own task runs too).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from .errors import Refused, speech_field
-from .request import own_fields
+from .request import between, check_fields, checked
 
 
 @dataclass(frozen=True)
@@ -38,24 +38,12 @@ class SpeechRequest:
     settings: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        for name, (well_formed, must_be) in SPEECH_RULES.items():
-            value = getattr(self, name)
-            if (value is None and name in ("task", "timestamps", "temperature", "settings")) or (
-                    value is not None and not well_formed(value)):
-                raise Refused(f"must be {must_be}", name)
-
-    @classmethod
-    def of(cls, values: dict) -> "SpeechRequest":
-        """From a dict of these fields (others ignored)."""
-        return cls(**own_fields(cls, values))
+        check_fields(self, SPEECH_RULES, ("task", "timestamps", "temperature", "settings"))
 
     @classmethod
     def checked(cls, values: dict) -> "SpeechRequest":
         """From a caller's dict (a handle's): a field it does not have is refused by name."""
-        extra = sorted(set(values) - {f.name for f in fields(cls)})
-        if extra:
-            raise Refused("not a field of the request", extra[0])
-        return cls(**values)
+        return checked(cls, values)
 
 
 def _number(low: float, high: float):
@@ -77,8 +65,7 @@ SPEECH_RULES = {
     "logprob_threshold": (_number(-1e6, 0), "a number from -1e6 to 0"),
     "no_speech_threshold": (_number(0, 1), "a number from 0 to 1"),
     "condition_on_prev_tokens": (lambda v: isinstance(v, bool), "true or false"),
-    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
-             "an integer from 0 to 2**63 - 1"),
+    "seed": (between(0, 2**63 - 1), "an integer from 0 to 2**63 - 1"),
     "settings": (lambda v: isinstance(v, dict), "an object of generation settings"),
 }
 
