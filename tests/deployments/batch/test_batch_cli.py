@@ -59,8 +59,12 @@ def watch(process, run: Run, timeout: float = 240) -> None:
             for p in tree:
                 if p.pid not in run.commands:
                     with contextlib.suppress(psutil.Error):
-                        run.commands[p.pid] = (p.name(), p.cmdline(), p.environ())
-                        run.processes.append(p)
+                        seen = (p.name(), p.cmdline(), p.environ())
+                        # in the middle of an exec the new name shows before its command line and
+                        # environment do (the kernel fills them last): read it again next time
+                        if seen[1] and seen[2]:
+                            run.commands[p.pid] = seen
+                            run.processes.append(p)
         time.sleep(0.2)
 
 
