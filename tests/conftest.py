@@ -107,6 +107,35 @@ class Oracle:
         return self._logits[key].copy()
 
 
+# The session's Ray apps (serve_apps below): ~34 replicas and Serve's controller, which idle at
+# most of a core between them. Their modules run first and the apps stop after the last test
+# that uses them, instead of slowing every test after (the engine's, the CLI's, other Rays').
+SESSION_RAY = "serve_apps"
+_LAST_RAY_USER = pytest.StashKey[object]()
+
+
+def pytest_collection_modifyitems(items):
+    """The modules with a test that uses the session's Ray apps first, each whole and in its
+    order (a module's own fixtures are set up once), then the rest in theirs."""
+    users = {item.path for item in items if SESSION_RAY in item.fixturenames}
+    items.sort(key=lambda item: item.path not in users)  # stable: each group keeps its order
+
+
+def pytest_collection_finish(session):
+    users = [item for item in session.items if SESSION_RAY in item.fixturenames]
+    session.config.stash[_LAST_RAY_USER] = users[-1] if users else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test that uses the session's Ray apps, their fixture's own teardown (a
+    later test that asked for them again would start them anew)."""
+    result = yield
+    if item is item.config.stash.get(_LAST_RAY_USER, None):
+        item._fixtureinfo.name2fixturedefs[SESSION_RAY][-1].finish(item._request)
+    return result
+
+
 @pytest.fixture(scope="session")
 def test_models(pytestconfig) -> dict[str, Path]:
     # show the build's progress lines (stderr) even though pytest captures output
