@@ -231,8 +231,10 @@ def test_the_cli_and_app_config_carry_it(test_models, s2s):
 def test_the_replica_side_holds_nothing_per_request(generators):
     """What serves a request in the replica (TextGenerator over the engine process: its request
     table, streams, metrics) keeps nothing once it is answered: the Python heap traced over 2,000
-    whole and streamed requests (after 200 to warm up) grows by less than 64 KiB (a leak of one
-    small object per request would be more). bench/soak.py measures the whole replica's memory."""
+    whole and streamed requests (after 200 to warm up) grows by less than 64 KiB in one of two
+    such rounds (a leak of one small object per request would be more in each; what is made once,
+    as a busy machine's extra worker thread or the reader's last message, grows one round only).
+    bench/soak.py measures the whole replica's memory."""
     import gc
     import tracemalloc
 
@@ -252,15 +254,17 @@ def test_the_replica_side_holds_nothing_per_request(generators):
 
     asyncio.run(load(200))
     tracemalloc.start()
+    grown = []
     try:
-        gc.collect()
-        before = tracemalloc.get_traced_memory()[0]
-        asyncio.run(load(2000))
-        gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - before
+        for _ in range(2):
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            asyncio.run(load(2000))
+            gc.collect()
+            grown.append(tracemalloc.get_traced_memory()[0] - before)
     finally:
         tracemalloc.stop()
-    assert grown < 64 * 1024, f"{grown} bytes more after 2,000 requests"
+    assert min(grown) < 64 * 1024, f"{grown} bytes more after each 2,000 requests"
 
 
 def test_preemptions_under_the_kv_budget_are_counted_from_the_child(test_models, load_model):
