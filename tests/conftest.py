@@ -234,23 +234,59 @@ def load_model():
 
 
 class ServeApps:
-    """The test session's Ray Serve: a real-engine app at `real` (the tiny llama-genai model),
-    fake-engine apps (deployments.fake, outputs known) at `fake` and `guarded` (an API key, a
-    small queue and body limit), encoder-decoder apps at `translate` (tiny Marian) and
-    `speech` (tiny Whisper: 2 s windows), each with an Encoder deployment, and a
-    vision-language apps at `vision` (tiny Qwen2-VL) and `smolvlm` (tiny Idefics3), each with
-    a Vision deployment, and an embedding app at `embed` (the tiny Qwen2's feature-extraction
-    export, last-token pooling, normalized)."""
-
-    def __init__(self, port: int, real_model: Path):
-        self.port, self.real_model = port, real_model
-        self.url = f"http://127.0.0.1:{port}"
-        self.real, self.fake, self.guarded = self.url + "/real", self.url + "/fake", self.url + "/guarded"
+    """The test session's Ray Serve and its applications, each deployed on first use (an app
+    idles at a share of a core until the session's Ray stops, so none starts before a test needs
+    it): a real-engine app at `real` (the tiny llama-genai model), fake-engine apps
+    (deployments.fake, outputs known) at `fake` and `guarded` (an API key, a small queue and body
+    limit), encoder-decoder apps at `translate` (tiny Marian) and `speech` (tiny Whisper: 2 s
+    windows), each with an Encoder deployment, vision-language apps at `vision` (tiny Qwen2-VL)
+    and `smolvlm` (tiny Idefics3), each with a Vision deployment, and an embedding app at `embed`
+    (the tiny Qwen2's feature-extraction export, last-token pooling, normalized). Each attribute
+    of an app's name is its URL; `app(name)` deploys it for a test that calls its handle."""
 
     REAL = dict(name="tiny", slots=4, threads=1, settings={"max_new_tokens": 16})
     FAKE = dict(engine="fake", name="fake", slots=4, step_seconds=0.005)
     GUARDED = dict(engine="fake", name="fake", slots=1, max_waiting=2, step_seconds=0.02, api_key="sesame",
                    max_body_bytes=4096)
+
+    def __init__(self, port: int, real_model: Path, s2s: dict, vl: dict, embedding_models: dict):
+        self.port, self.real_model = port, real_model
+        self.s2s, self.vl, self.embedding_models = s2s, vl, embedding_models
+        self.url = f"http://127.0.0.1:{port}"
+        self._configs = {
+            "real": {**self.REAL, "model": str(real_model)},
+            "fake": self.FAKE,
+            "guarded": self.GUARDED,
+            "translate": dict(model=str(s2s["marian-optimum"]), name="marian", slots=4, threads=1,
+                              settings={"max_new_tokens": 12}),
+            "speech": dict(model=str(s2s["whisper-optimum"]), name="whisper", slots=4, threads=1),
+            "vision": dict(model=str(vl["qwen2vl-onnx"]), name="qwen", slots=4, threads=1,
+                           settings={"max_new_tokens": 10}),
+            "smolvlm": dict(model=str(vl["idefics3-onnx"]), name="smol", slots=4, threads=1,
+                            settings={"max_new_tokens": 10}),
+            "embed": dict(model=str(embedding_models["qwen2-embed"]), name="embed", threads=1),
+        }
+        self._deployed = set()
+
+    def app(self, name: str) -> str:
+        """The URL of the session's application `name`, deployed now if it is not yet."""
+        if name not in self._deployed:
+            from ray import serve
+
+            from deployments.app import build
+
+            serve.run(build(self._configs[name]), name=name, route_prefix="/" + name)
+            self._deployed.add(name)
+        return f"{self.url}/{name}"
+
+    real = property(lambda self: self.app("real"))
+    fake = property(lambda self: self.app("fake"))
+    guarded = property(lambda self: self.app("guarded"))
+    translate = property(lambda self: self.app("translate"))
+    speech = property(lambda self: self.app("speech"))
+    vision = property(lambda self: self.app("vision"))
+    smolvlm = property(lambda self: self.app("smolvlm"))
+    embed = property(lambda self: self.app("embed"))
 
 
 @pytest.fixture(scope="session")
@@ -264,7 +300,8 @@ def engine(serve_apps, load_model):
 
 @pytest.fixture(scope="session")
 def serve_apps(test_models):
-    """One Ray instance for the whole session (RAY.md: ~9 s to start): three applications."""
+    """One Ray instance for the session's Ray tests (RAY.md: ~9 s to start) and its applications,
+    each deployed when a test first asks for it (ServeApps)."""
     import os
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -280,8 +317,6 @@ def serve_apps(test_models):
     import ray
     from ray import serve
 
-    from deployments.app import build
-
     root = str(_HERE.parent)
     path = os.environ.get("PYTHONPATH")
     # 16 logical CPUs: the session's apps ask about 9, and a module's own app (test_serve_routing's
@@ -291,27 +326,8 @@ def serve_apps(test_models):
     from ports import quiet_port
 
     port = quiet_port()
-    apps = ServeApps(port, test_models["llama-genai"])
+    apps = ServeApps(port, test_models["llama-genai"], ensure_test_models(seq2seq=True),
+                     ensure_test_models(vision=True), ensure_embedding_models(test_models))
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build({**ServeApps.REAL, "model": str(apps.real_model)}), name="real", route_prefix="/real")
-    serve.run(build(ServeApps.FAKE), name="fake", route_prefix="/fake")
-    serve.run(build(ServeApps.GUARDED), name="guarded", route_prefix="/guarded")
-    s2s = ensure_test_models(seq2seq=True)
-    apps.s2s = s2s
-    serve.run(build(dict(model=str(s2s["marian-optimum"]), name="marian", slots=4, threads=1,
-                         settings={"max_new_tokens": 12})), name="translate", route_prefix="/translate")
-    serve.run(build(dict(model=str(s2s["whisper-optimum"]), name="whisper", slots=4, threads=1)), name="speech",
-              route_prefix="/speech")
-    apps.translate, apps.speech = apps.url + "/translate", apps.url + "/speech"
-    apps.vl = ensure_test_models(vision=True)
-    serve.run(build(dict(model=str(apps.vl["qwen2vl-onnx"]), name="qwen", slots=4, threads=1,
-                         settings={"max_new_tokens": 10})), name="vision", route_prefix="/vision")
-    serve.run(build(dict(model=str(apps.vl["idefics3-onnx"]), name="smol", slots=4, threads=1,
-                         settings={"max_new_tokens": 10})), name="smolvlm", route_prefix="/smolvlm")
-    apps.vision, apps.smolvlm = apps.url + "/vision", apps.url + "/smolvlm"
-    apps.embedding_models = ensure_embedding_models(test_models)
-    serve.run(build(dict(model=str(apps.embedding_models["qwen2-embed"]), name="embed", threads=1)), name="embed",
-              route_prefix="/embed")
-    apps.embed = apps.url + "/embed"
     yield apps
     ray.shutdown()

@@ -65,6 +65,7 @@ def test_http_goes_through_haproxy_and_streams_through_it(serve_apps):
     if os.environ.get("RAYMUTER_TEST_PROXY", "haproxy") == "ray":
         pytest.skip("RAYMUTER_TEST_PROXY=ray runs the session through Serve's Python proxy")
     assert os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" and stats
+    serve_apps.app("real")
     page = httpx.get(f"http://127.0.0.1:{stats}/stats", timeout=10)
     assert page.status_code == 200 and "HAProxy" in page.text and "real" in page.text  # the app's backend
     with httpx.stream("POST", serve_apps.fake + "/v1/completions", timeout=30,
@@ -202,6 +203,7 @@ def test_beam_searches_of_different_widths_share_the_batch_with_sampling(serve_a
 
 # -- handles -----------------------------------------------------------------------------------
 def test_python_handles_typed_and_streaming(serve_apps):
+    serve_apps.app("fake")
     check_handles("fake")
 
 

@@ -67,6 +67,7 @@ def test_token_ids_and_the_openai_client(serve_apps, reference):
 def test_the_handle_api(serve_apps, reference):
     from ray import serve
 
+    serve_apps.app("embed")
     handle = serve.get_app_handle("embed")
     out = handle.embed.remote(EmbedRequest(inputs=TEXTS[:2], dimensions=8)).result(timeout_s=60)
     np.testing.assert_allclose(out.embeddings, reference(TEXTS[:2], 8), atol=1e-5)

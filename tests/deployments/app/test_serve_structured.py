@@ -139,6 +139,7 @@ def test_the_python_handle_takes_the_constraint_and_tools(serve_apps, engine):
 
     from deployments.schema import GenerateRequest
 
+    serve_apps.app("real")
     handle = serve.get_app_handle("real")
     setting = {"regex": "[a-c]{3}"}
     out = handle.generate.remote(GenerateRequest(prompt="The", seed=0, settings={"structured_outputs": setting,

@@ -96,6 +96,7 @@ def test_temperature_fallback_through_the_handle(serve_apps, whisper):
     from deployments.schema import TranscriptionRequest
 
     data, clip = wav(9.0, 6)
+    serve_apps.app("speech")
     handle = serve.get_app_handle("speech")
     request = TranscriptionRequest(language="en", timestamps=True, temperature=[0.0, 0.6], logprob_threshold=-1.0,
                                    seed=3)
