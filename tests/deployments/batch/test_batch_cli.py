@@ -5,8 +5,9 @@ Invariants: nothing of it listens beyond loopback, and its Prometheus ports (Ray
 dashboard's) are chosen free, not Ray's fixed defaults that a second run on the host would share;
 nothing of it stays in the temporary folder; a CSV table runs its column as Ray Data reads CSV,
 and a table of a format it does not read is one line before Ray starts; it prints no Ray error
-line or Python warning of its own making; --help shows each default as a value. The one run
-(~15 s on 2 cores, the fake engine) serves every test that needs one.
+line or Python warning of its own making; --help shows each default as a value; a run killed
+midway and run again writes every line once. The one watched run (~15 s on 2 cores, the fake
+engine) serves every test that needs one.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def test_nothing_of_it_stays_in_the_temporary_folder(run):
 def test_it_prints_no_ray_error_line_or_warning(run):
     """Ray's `constructor arguments in the object store` error line (Ray Data's actor restarts)
     and the warnings of Ray Data's calls came on every run (a batch file's run too:
-    test_batch_run.py's killed run)."""
+    the killed run's below)."""
     assert run.returncode == 0, run.stderr
     assert error_lines(run.stderr) == [], run.stderr
 
@@ -178,3 +179,36 @@ def test_help_shows_each_default_as_a_value():
         defaults = re.findall(r"\(default: ([^;)]*)", text)
         assert defaults, command
         assert [d for d in defaults if re.search(r"\b[a-z_]+(\.[a-z_]+)+\.[A-Z][A-Z_]*\b", d)] == [], command
+
+
+def test_a_killed_run_resumes_where_it_stopped(tmp_path):
+    """The command itself, on a Ray of its own: killed midway, run again: every line once, and no
+    Ray error line (Ray Data's actor restarts: `constructor arguments in the object store`)."""
+    with short_temporary_folder("k") as temporary:  # the killed run's Ray session stays there
+        killed_and_resumed(tmp_path, temporary)
+
+
+def killed_and_resumed(tmp_path, temporary):
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"custom_id": f"c{k}", "url": "/v1/completions",
+              "body": {"model": "fake", "prompt": f"p{k}", "max_tokens": 40}} for k in range(40)]
+    source.write_text("".join(json.dumps({"method": "POST", **line}) + "\n" for line in lines) + "not json\n")
+    command = [sys.executable, "-m", "deployments.cli", "batch", str(source), str(output), "--engine", "fake",
+               "--name", "fake", "--slots", "2", "--quiet"]
+    env = {**environment(), "TMPDIR": str(temporary)}  # a Ray of its own, not the session's (nor its ports)
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not output.exists() or len(output.read_text().splitlines()) < 4):
+        time.sleep(0.1)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    kept = len(output.read_text().splitlines())
+    assert 4 <= kept < len(lines) + 1, "the run was not killed midway"
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    ids = [json.loads(t)["custom_id"] for t in output.read_text().splitlines()]
+    assert sorted(i for i in ids if i is not None) == sorted(line["custom_id"] for line in lines)  # each once
+    assert None in ids  # the line that is not JSON: an error line (it has no custom_id to skip it by)
+    assert f"already in {output}" in again.stderr
+    assert error_lines(again.stderr) == [], again.stderr

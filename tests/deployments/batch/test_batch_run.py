@@ -1,22 +1,16 @@
 """`raymuter batch` on Ray Data: each output line is what the server answers the same request
 (the tiny real model, greedy and seeded; the session's app at /real has the same arguments), a
-bad line is an error line and never fails the job, a run resumes where a killed one stopped, and
-a table's column runs as requests."""
+bad line is an error line and never fails the job, and a table's column runs as requests. (A run
+resumes where a killed one stopped: test_batch_cli.py, on a Ray of its own.)"""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from conftest import ServeApps
-from processes import environment, error_lines, short_temporary_folder
 
 LINES = [
     {"custom_id": "greedy", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "The list", "temperature": 0}},
@@ -100,36 +94,3 @@ def test_a_table_column_runs_as_completions(serve_apps, tmp_path):
     direct = httpx.post(serve_apps.real + "/v1/completions", timeout=60,
                         json={"model": "tiny", "prompt": "A dict", "max_tokens": 6, "temperature": 0}).json()
     assert lines["row-1"]["response"]["body"]["choices"] == direct["choices"]
-
-
-def test_a_killed_run_resumes_where_it_stopped(tmp_path):
-    """The command itself, on a Ray of its own: killed midway, run again: every line once, and no
-    Ray error line (Ray Data's actor restarts: `constructor arguments in the object store`)."""
-    with short_temporary_folder("k") as temporary:  # the killed run's Ray session stays there
-        killed_and_resumed(tmp_path, temporary)
-
-
-def killed_and_resumed(tmp_path, temporary):
-    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    lines = [{"custom_id": f"c{k}", "url": "/v1/completions",
-              "body": {"model": "fake", "prompt": f"p{k}", "max_tokens": 40}} for k in range(40)]
-    write_lines(source, lines)
-    command = [sys.executable, "-m", "deployments.cli", "batch", str(source), str(output), "--engine", "fake",
-               "--name", "fake", "--slots", "2", "--quiet"]
-    env = {**environment(), "TMPDIR": str(temporary)}  # a Ray of its own, not the session's (nor its ports)
-    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not output.exists() or len(output.read_text().splitlines()) < 4):
-        time.sleep(0.1)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
-    kept = len(output.read_text().splitlines())
-    assert 4 <= kept < len(lines) + 1, "the run was not killed midway"
-    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-2000:]
-    ids = [json.loads(t)["custom_id"] for t in output.read_text().splitlines()]
-    assert sorted(i for i in ids if i is not None) == sorted(line["custom_id"] for line in lines)  # each once
-    assert None in ids  # the line that is not JSON: an error line (it has no custom_id to skip it by)
-    assert f"already in {output}" in again.stderr
-    assert error_lines(again.stderr) == [], again.stderr
