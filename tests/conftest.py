@@ -330,4 +330,9 @@ def serve_apps(test_models):
                      ensure_test_models(vision=True), ensure_embedding_models(test_models))
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield apps
+    # Serve's own shutdown first: it stops the handles' routers in this process, whose metrics
+    # pushers (an autoscaled deployment's) went on after ray.shutdown alone, logging a traceback a
+    # second for the rest of the session (and Python 3.11's traceback carets call ast.parse, which
+    # is not safe beside another thread's: a test of the import graph failed on it).
+    serve.shutdown()
     ray.shutdown()
