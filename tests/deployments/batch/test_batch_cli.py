@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 from processes import ROOT, environment, error_lines, is_loopback, listening, process_tree, short_temporary_folder
+from test_batch_run import write_lines
 
 from deployments.fake import fake_tokens
 
@@ -192,7 +193,7 @@ def killed_and_resumed(tmp_path, temporary):
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lines = [{"custom_id": f"c{k}", "url": "/v1/completions",
               "body": {"model": "fake", "prompt": f"p{k}", "max_tokens": 40}} for k in range(40)]
-    source.write_text("".join(json.dumps({"method": "POST", **line}) + "\n" for line in lines) + "not json\n")
+    write_lines(source, lines)
     command = [sys.executable, "-m", "deployments.cli", "batch", str(source), str(output), "--engine", "fake",
                "--name", "fake", "--slots", "2", "--quiet"]
     env = {**environment(), "TMPDIR": str(temporary)}  # a Ray of its own, not the session's (nor its ports)
