@@ -7,7 +7,7 @@ to max_new_tokens (default 8), shifted by its seed when it samples: so a test kn
 each request must get, whatever else runs. The token "." (46) is the eos token; a prompt with token 1 ("\x01") fails in
 the loop, as an engine bug would.
 
-    generator = fake_generator(slots=4, step_seconds=0.01)
+    generator = fake_generator(EngineOptions(slots=4), step_seconds=0.01)
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ import time
 
 from generation import SettingError
 
-from generation.front import QueueFull, Request
+from generation.front import EngineOptions, QueueFull, Request
 
 EOS = ord(".")
 FAIL = 1  # a prompt holding this token fails inside the loop, as an engine bug would (a 500)
 VOCAB = 0x250  # code points up to here
+FAKE_OPTIONS = EngineOptions(slots=4, max_waiting=64)  # a small queue: tests fill it
+CAPACITY = 4096  # a slot's tokens, where the options give none
+TOP_LOGPROBS = 5  # the alternatives per token the fake gives at most, whatever the options say
 
 
 def fake_count(settings: dict) -> int:
@@ -84,13 +87,15 @@ class _Settings:
 
 
 class FakeBatcher:
-    """ContinuousBatcher's interface over `fake_tokens`: `slots` requests step together, one
-    token each per step; later ones wait for a free slot. A step sleeps `step_seconds` plus
+    """ContinuousBatcher's interface over `fake_tokens`: the options' slots requests step together,
+    one token each per step; later ones wait for a free slot (at most the options' max_waiting
+    interactive ones). A step sleeps `step_seconds` plus
     `step_seconds_per_row` for each row in it (a real engine's step cost, measured: bench/fleet.py)."""
 
-    def __init__(self, slots: int = 4, max_waiting: int = 64, step_seconds: float = 0.005, capacity: int = 4096,
+    def __init__(self, options: EngineOptions = FAKE_OPTIONS, step_seconds: float = 0.005,
                  step_seconds_per_row: float = 0.0):
-        self.slots, self.max_waiting, self.step_seconds, self.capacity = slots, max_waiting, step_seconds, capacity
+        self.slots, self.max_waiting, self.step_seconds = options.slots, options.max_waiting, step_seconds
+        self.capacity = options.capacity or CAPACITY
         self.step_seconds_per_row = step_seconds_per_row
         self.running = self.waiting = self.occupied = 0
         self.steps = 0
@@ -176,7 +181,7 @@ class FakeBatcher:
             request.finish(request.emitted, "cancelled", "the batcher closed")
 
 
-def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int = 64, name: str = "fake",
+def fake_generator(options: EngineOptions = FAKE_OPTIONS, step_seconds: float = 0.005, name: str = "fake",
                    step_seconds_per_row: float = 0.0):
     """A TextGenerator over the fake engine (with a chat template: 'role: content' lines, then
     the template variable `prefix` where a request gives it in chat_template_kwargs)."""
@@ -186,5 +191,5 @@ def fake_generator(slots: int = 4, step_seconds: float = 0.005, max_waiting: int
 
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}{{ prefix | default('') }}")
-    batcher = FakeBatcher(slots, max_waiting, step_seconds, step_seconds_per_row=step_seconds_per_row)
-    return TextGenerator(name, EngineFront.over(batcher, CharTokenizer(), template, 4096, max_logprobs=5))
+    batcher = FakeBatcher(options, step_seconds, step_seconds_per_row)
+    return TextGenerator(name, EngineFront.over(batcher, CharTokenizer(), template, batcher.capacity, TOP_LOGPROBS))

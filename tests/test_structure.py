@@ -28,6 +28,21 @@ KNOWN_LONG_FUNCTIONS = {
     "generation/runtime/graph.py:read_graph": 89,
 }
 FRONT_EXPORTS = 25
+# An engine option's path, from EngineOptions to where it is read: the front, the engine's loop, the
+# command line and the serving layer (below the loop an option is a mechanism's own parameter:
+# the scheduler's kv_cache_bytes, generation.load's threads).
+OPTION_PATH = ("generation/front", "generation/engine", "generation/cli.py", "deployments")
+OPTION_FILES = 3
+SHAPE_OPTIONS = ("slots", "capacity")  # the decode state's shape: a parameter of every part that sizes it
+# option -> the files that write it out today: `raymuter serve`'s layout flags and `raymuter batch`'s
+# defaults (deployments/cli/), `raymuter generate`'s hand-written flags (generation/cli.py)
+KNOWN_OPTION_FILES = {
+    "engine_process": 4,
+    "grammar_budget": 4,
+    "prefill_chunk_tokens": 4,
+    "threads": 4,
+    "variant": 7,
+}
 WIRE_SHAPES = ("deployments/http/openai.py", "deployments/http/openai_replies.py")  # OpenAI's, field for field
 
 
@@ -121,6 +136,50 @@ def test_routes_call_verbs_and_take_the_key_and_the_count_from_their_dependencie
                 assert guards & {"guarded", "authorized"} or node.name == "health", f"{path.name}: {node.name}"
 
 
+def option_files(names) -> dict[str, set[str]]:
+    """Each option of `names` -> the files on OPTION_PATH that write it out: as a field, a
+    parameter, a keyword passed on, a flag ("--kv-cache-bytes") or a key (["kv_cache_bytes"]).
+    Read by attribute (`options.kv_cache_bytes`) or named in a message, it is not written out."""
+    found = {name: set() for name in names}
+    for path, text in sources():
+        if not path.startswith(OPTION_PATH):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            written = []
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                written.append(node.target.id)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                written += [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+            elif isinstance(node, ast.keyword) and node.arg:
+                written.append(node.arg)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("--"):
+                written.append(node.value[2:].replace("-", "_"))
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                written.append(node.slice.value)
+            elif isinstance(node, ast.Dict):
+                written += [k.value for k in node.keys if isinstance(k, ast.Constant)]
+            for name in written:
+                if name in found:
+                    found[name].add(path)
+    return found
+
+
+def test_each_engine_option_is_written_out_in_at_most_3_files():
+    """AppConfig, the command line's flags and the Helm values schema are made from EngineOptions'
+    fields, and the front, the loop, the engine process and the fake take the options whole: an
+    option is written out where it is defined, where the loop takes it and where it is used."""
+    import dataclasses
+
+    from generation.front import EngineOptions
+
+    names = [f.name for f in dataclasses.fields(EngineOptions) if f.name not in SHAPE_OPTIONS]
+    counts = {name: len(files) for name, files in option_files(names).items()}
+    over = {name: n for name, n in counts.items() if n > KNOWN_OPTION_FILES.get(name, OPTION_FILES)}
+    assert not over, {name: sorted(option_files([name])[name]) for name in over}
+    stale = {name: (counts[name], n) for name, n in KNOWN_OPTION_FILES.items() if counts[name] < n}
+    assert not stale, f"fewer files now: lower or drop {stale}"
+
+
 def test_the_application_module_is_short():
     assert len((ROOT / "deployments/app.py").read_text().splitlines()) <= 400
 
@@ -136,3 +195,9 @@ def test_the_twin_finder_finds_a_hand_made_twin(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert twins() == {("deployments/b.py:B", "generation/a.py:A"): 7}
     assert {name for name, text in sources() if len(text.splitlines()) > MODULE_LINES} == {"deployments/c.py"}
+    (tmp_path / "generation" / "front").mkdir()
+    (tmp_path / "generation" / "front" / "d.py").write_text(
+        "def start(options, max_waiting=1):\n    run(kv_cache_bytes=options.kv_cache_bytes, max_waiting=max_waiting)\n"
+        "    flag('--kv-cache-bytes'), message('kv_cache_bytes: too small'), options.spin\n")
+    assert option_files(["max_waiting", "kv_cache_bytes", "spin"]) == {
+        "max_waiting": {"generation/front/d.py"}, "kv_cache_bytes": {"generation/front/d.py"}, "spin": set()}

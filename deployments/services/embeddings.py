@@ -9,7 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from generation.front import EmbeddingFront, Refused
+from generation.front import EmbeddingFront, EngineOptions, Refused
 
 from ..errors import RequestError
 from ..metrics import EncoderMetrics
@@ -29,11 +29,11 @@ class EmbeddingService:
         self.metrics = EncoderMetrics(name, "embedding")
 
     @classmethod
-    def from_model(cls, source: str | Path, name: str | None = None, threads: int | None = None,
-                   provider: str | None = None, variant: str | None = None) -> "EmbeddingService":
+    def from_model(cls, source: str | Path, name: str | None = None,
+                   options: EngineOptions | None = None) -> "EmbeddingService":
         from .generator import fingerprint
 
-        front = EmbeddingFront.from_model(source, variant=variant, provider=provider, threads=threads)
+        front = EmbeddingFront.from_model(source, options)
         name = name or (Path(source).name if Path(source).is_dir() else str(source))
         return cls(name, front, fingerprint(name, front.context_length, 0, front.configuration()))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from generation.front import EngineOptions
+
 from ..metrics import EncoderMetrics
 from .feature_cache import FeatureCache
 
@@ -16,11 +18,11 @@ class EncodingService:
     KIND: str  # "encoder-decoder" or "vision"
     ROLE: str  # the metrics' name: "encoder" or "vision"
 
-    def __init__(self, source: str | Path, name: str | None = None, threads: int | None = None,
-                 provider: str | None = None, variant: str | None = None, cache_bytes: int = 256 * 2**20):
+    def __init__(self, source: str | Path, name: str | None = None, options: EngineOptions | None = None,
+                 cache_bytes: int = 256 * 2**20):
         from generation.front import EncoderFront
 
-        self.encoder = EncoderFront.from_model(source, self.KIND, variant=variant, provider=provider, threads=threads)
+        self.encoder = EncoderFront.from_model(source, self.KIND, options)
         self.name = name or Path(source).name
         self.metrics = EncoderMetrics(self.name, self.ROLE)
         self.cache = FeatureCache(cache_bytes)

@@ -11,9 +11,8 @@ def decoder_service(cfg, default_name: str):
     if cfg.engine == "fake":
         from ..fake import fake_generator
 
-        service = fake_generator(cfg.slots, cfg.step_seconds, cfg.max_waiting,
-                                 cfg.name or (default_name if cfg.model is None else "fake"),
-                                 step_seconds_per_row=cfg.step_seconds_per_row)
+        name = cfg.name or (default_name if cfg.model is None else "fake")
+        service = fake_generator(cfg.options, cfg.step_seconds, name, cfg.step_seconds_per_row)
         service.stream_interval = cfg.stream_interval_ms / 1000
         return service
     from generation.front import ModelFolder
@@ -27,8 +26,7 @@ def decoder_service(cfg, default_name: str):
 
         model = str(default_model_path())
     if ModelFolder.embeds(model, cfg.variant):
-        return EmbeddingService.from_model(model, name=cfg.name, threads=cfg.threads, provider=cfg.provider,
-                                           variant=cfg.variant)
+        return EmbeddingService.from_model(model, cfg.name, cfg.options)
     return TextGenerator.from_model(model, name=cfg.name or (default_name if cfg.model is None else None),
                                     stream_interval=cfg.stream_interval_ms / 1000, options=cfg.options,
                                     **cfg.settings)
@@ -40,4 +38,4 @@ def encoding_service(kind: str, cfg):
         from .vision import VisionService as service
     else:
         from .encoder import EncoderService as service
-    return service(cfg.model, cfg.name, threads=cfg.threads, provider=cfg.provider, variant=cfg.variant)
+    return service(cfg.model, cfg.name, cfg.options)

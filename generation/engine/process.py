@@ -58,19 +58,19 @@ class EngineRestarting(QueueFull):
 
 class EngineProcess:
     """ContinuousBatcher's interface over a child process that runs one. `ctx`: the model's
-    context in this process (settings and checks only); `load`: the arguments of `loader` (the
-    front's batcher_from_model: a function the child imports by name) for the child's model
-    (source, threads, settings, ...)."""
+    context in this process (settings and checks only); `options`: the front's EngineOptions
+    (its slots, capacity, queue bound and prefix budget are read here; the child's loop takes
+    them whole); `load`: the arguments of `loader` (the front's batcher_from_model: a function
+    the child imports by name) for the child's model (source, options, cores, settings)."""
 
-    def __init__(self, ctx, load: dict, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
-                 prefix_cache_bytes: int = 0, start_timeout: float = 600.0, *, loader):
+    def __init__(self, ctx, options, load: dict, start_timeout: float = 600.0, *, loader):
         from generation.engine.scheduler import Scheduler
 
-        self.ctx, self.slots = ctx, slots
-        self.capacity = capacity or min(ctx.model.max_context or 4096, 4096)
-        self.max_waiting = max_waiting
-        self._checks = Scheduler(ctx, slots, self.capacity, state=False)  # job() reads the context only
-        self.prefix = _PrefixStats() if prefix_cache_bytes else None
+        self.ctx, self.slots = ctx, options.slots
+        self.capacity = options.capacity or min(ctx.model.max_context or 4096, 4096)
+        self.max_waiting = options.max_waiting
+        self._checks = Scheduler(ctx, self.slots, self.capacity, state=False)  # job() reads the context only
+        self.prefix = _PrefixStats() if options.prefix_cache_bytes else None
         self.preemptions = 0  # the child's batcher's, as its steps report them
         self.transfers = None  # the child's cache ledger (Ledger.stats), as its steps report it
         self.running = self.waiting = self.occupied = self.steps = 0
@@ -85,7 +85,7 @@ class EngineProcess:
         self._deaths: deque[float] = deque(maxlen=RESTARTS)
         self.restarts = 0
         self.start_timeout = start_timeout
-        self.load = dict(load, slots=slots, capacity=self.capacity, prefix_cache_bytes=prefix_cache_bytes)
+        self.load = load
         self.loader = loader
         self._conn, self.process = self._start_child()
         self._thread = threading.Thread(target=self._read, name="raymuter-engine-reader", daemon=True)
@@ -316,6 +316,10 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
     _compiling: dict = {}  # the parent's id -> its job, while its constraint compiles
     _compiled = None  # queue.Queue of (parent's id, job) whose constraint compiled
 
+    def __init__(self, ctx, **loop) -> None:
+        super().__init__(ctx, **loop)
+        self.max_waiting = 1 << 30  # the parent's queue bounds the requests: each one it sends waits here
+
     def _take_waiting(self) -> None:
         conn = self.conn
         try:
@@ -427,19 +431,8 @@ def _child_main(conn, load: dict, urgent, loader) -> None:
     """Load the model (`loader`, with `load`) and run its loop until the parent closes it or goes."""
     _ForwardingBatcher.conn = conn
     batching.Request = _Forwarded  # what ContinuousBatcher.submit makes, in this process
-    load = dict(load)
-    cores = load.pop("cores", None)
     try:
-        if cores:  # before the model loads: onnxruntime's threads start on these cores, one a core
-            from generation.runtime.cores import pin, span
-
-            try:
-                pin(cores)
-            except OSError as e:
-                raise ValueError(f"engine_cores: cannot run on cores {span(cores)} ({e.strerror})") from None
-            if load.get("threads") is None:
-                load["threads"] = len(cores)
-        batcher = loader(_ForwardingBatcher, **load, max_waiting=1 << 30)
+        batcher = loader(_ForwardingBatcher, **load)
     except BaseException as e:  # noqa: BLE001 - the parent says why it could not start
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return

@@ -15,6 +15,8 @@ from generation.text.tokenizer import model_tokenizer
 
 from .errors import Refused
 from .front import detokenized
+from .loading import load_model
+from .options import EngineOptions
 
 
 class EmbeddingFront:
@@ -25,9 +27,10 @@ class EmbeddingFront:
         self.embedder, self.tokenizer = embedder, tokenizer
 
     @classmethod
-    def from_model(cls, source: str | Path, *, variant: str | None = None, provider: str | None = None,
-                   threads: int | None = None) -> "EmbeddingFront":
-        embedder = load_embedder(source, variant=variant, provider=provider, threads=threads)
+    def from_model(cls, source: str | Path, options: EngineOptions | None = None) -> "EmbeddingFront":
+        """The embedding model of `source`, loaded as `options` say (EngineOptions: its variant,
+        provider, threads)."""
+        embedder = load_model(source, options or EngineOptions(), loader=load_embedder)
         return cls(embedder, model_tokenizer(embedder))
 
     @property

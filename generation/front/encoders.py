@@ -10,6 +10,8 @@ callbacks over the caller's cache by content, as the engine's cached encoders ta
 from __future__ import annotations
 
 from .errors import Refused
+from .loading import load_model
+from .options import EngineOptions
 
 
 class EncoderFront:
@@ -20,13 +22,12 @@ class EncoderFront:
         self.model = model
 
     @classmethod
-    def from_model(cls, source, kind: str, variant: str | None = None, provider: str | None = None,
-                   threads: int | None = None) -> "EncoderFront":
-        """The model of `source`, which must be of `kind` ("encoder-decoder" or "vision")."""
-        import generation
+    def from_model(cls, source, kind: str, options: EngineOptions | None = None) -> "EncoderFront":
+        """The model of `source`, which must be of `kind` ("encoder-decoder" or "vision"), loaded
+        as `options` say (EngineOptions: its variant, provider, threads)."""
         from generation import families
 
-        model = generation.load(source, variant=variant, provider=provider, threads=threads)
+        model = load_model(source, options or EngineOptions())
         if families.family(model).KIND != kind:
             if kind == "vision":
                 raise ValueError(f"{source} has no vision encoder (onnx/vision_encoder.onnx): it is a {model.family} "

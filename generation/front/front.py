@@ -25,7 +25,7 @@ from generation.engine.batching import ContinuousBatcher, QueueFull
 from generation.params.checks import SettingError
 
 from .errors import Overloaded, Refused, refused, request_field
-from .loading import batcher_from_model
+from .loading import batcher_from_model, load_model, model_context
 from .output import TextDeltas, TokenText, TokenTexts, tool_calls
 from .options import EngineOptions
 from .prompts import InputProcessor, Row
@@ -165,7 +165,7 @@ class EngineFront:
         if options.engine_process:
             batcher = _engine_process(source, options, settings)
         else:
-            batcher = batcher_from_model(ContinuousBatcher, source, **options.batcher_arguments(), **settings)
+            batcher = batcher_from_model(ContinuousBatcher, source, options, **settings)
         model = batcher.ctx.model
         inputs = InputProcessor(model_tokenizer(model), chat_template(model.folder), special_tokens(model.folder),
                                 batcher.capacity, options.max_logprobs, model, batcher.ctx, families.family(model).KIND)
@@ -393,25 +393,16 @@ def _placed(options: EngineOptions) -> tuple[int, ...] | None:
 
 def _engine_process(source, options: EngineOptions, settings: dict):
     """An EngineProcess: this process checks requests against the model's context, the child runs it."""
-    import generation
     from generation import families
 
     from generation.engine.process import EngineProcess, parent_context
 
-    model = generation.load(source, variant=options.variant, provider="cpu", threads=1, spin_wait=False,
-                            fuse=options.fuse)
+    model = load_model(source, options, parent=True)
     kind = families.family(model).KIND
     if kind != "text":
         raise ValueError(f"engine_process: runs decoder-only text models (this is a {kind} model)")
-    ctx = generation.context(model, cache_mode=options.cache_mode, token_logprobs=options.max_logprobs >= 0,
-                             top_logprobs=max(0, options.max_logprobs), grammar_budget=options.grammar_budget,
-                             **settings)
+    ctx = model_context(model, options, settings)
     model.session = None  # never run here: its weights go (the child loads its own)
-    load = {**options.batcher_arguments(), "source": str(source), "draft": None if options.draft is None else
-            str(options.draft), "grammar_budget": ctx.grammar_budget, **settings}
-    for name in ("slots", "capacity", "max_waiting", "prefix_cache_bytes"):  # the parent's, not the child's load
-        del load[name]
-    load["cores"] = _placed(options)
-    return EngineProcess(parent_context(ctx, options.slots), load, slots=options.slots, capacity=options.capacity,
-                         max_waiting=options.max_waiting, prefix_cache_bytes=options.prefix_cache_bytes,
-                         loader=batcher_from_model)
+    # the child's batcher_from_model's arguments (the parent's own queue bounds its requests)
+    load = {**settings, "source": str(source), "options": options, "cores": _placed(options)}
+    return EngineProcess(parent_context(ctx, options.slots), options, load, loader=batcher_from_model)

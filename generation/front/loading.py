@@ -1,28 +1,56 @@
 """A batching loop over a model loaded from its folder: what the front (and the engine process's
 child) start. The loop itself (generation/engine/batching.py) takes a context; loading one reads
-the model's family, which sits above the engine.
+the model's family, which sits above the engine. Each takes the EngineOptions whole (options.py):
+an option is read where it is used, not passed on by name.
 """
 
 from __future__ import annotations
 
 
-def batcher_from_model(cls, source, slots: int = 8, capacity: int | None = None, max_waiting: int = 256,
-                       prefix_cache_bytes: int = 0, kv_cache_bytes: int | None = None, max_logprobs: int = 20,
-                       threads: int | None = None, provider: str | None = None, variant: str | None = None,
-                       cache_mode: str | None = None, draft=None, fuse: bool = True, spin: bool = True,
-                       grammar_budget=None, prefill_chunk_tokens: int | None = None, **settings):
-    """Load `source` (and `draft`), warm its context up for `slots` rows and start a `cls` loop
-    (a ContinuousBatcher, or the engine process's forwarding one) over it; EngineOptions
-    (options.py) says what each argument is."""
-    import generation  # the package's load, context and compile (generation/__init__.py)
+def load_model(source, options, parent: bool = False, loader=None):
+    """The model of `source` as `options` say (EngineOptions: variant, provider, threads, spin,
+    fuse). `parent`: the engine process's parent's copy, which only checks requests against its
+    context (on the CPU, one thread asleep: the child runs the model). `loader`: another kind's
+    load, which takes where the model runs only (an embedding model's load_embedder)."""
+    import generation
 
-    spin_wait = spin and draft is None  # the draft's runs come between the model's (generation.load)
-    model = generation.load(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait,
-                            fuse=fuse)
-    if draft is not None:
-        draft = generation.load(draft, provider=provider, threads=threads, spin_wait=False, fuse=fuse)
-    ctx = generation.context(model, cache_mode=cache_mode, token_logprobs=max_logprobs >= 0,
-                             top_logprobs=max(0, max_logprobs), draft=draft, grammar_budget=grammar_budget, **settings)
-    ctx = generation.compile(ctx, batch_size=slots)
-    return cls(ctx, slots=slots, capacity=capacity, max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_bytes,
-               kv_cache_bytes=kv_cache_bytes, prefill_chunk_tokens=prefill_chunk_tokens)
+    provider, threads = ("cpu", 1) if parent else (options.provider, options.threads)
+    if loader is not None:
+        return loader(source, variant=options.variant, provider=provider, threads=threads)
+    spin_wait = options.spin and options.draft is None and not parent  # a draft's runs come between the model's
+    return generation.load(source, variant=options.variant, provider=provider, threads=threads, spin_wait=spin_wait,
+                           fuse=options.fuse)
+
+
+def model_context(model, options, settings: dict, draft=None):
+    """The context of `model` as `options` say (log-probabilities, cache mode, grammar budget),
+    `settings` over its generation_config.json."""
+    import generation
+
+    return generation.context(model, cache_mode=options.cache_mode, token_logprobs=options.max_logprobs >= 0,
+                              top_logprobs=max(0, options.max_logprobs), draft=draft,
+                              grammar_budget=options.grammar_budget, **settings)
+
+
+def batcher_from_model(cls, source, options, cores: tuple[int, ...] | None = None, **settings):
+    """Load `source` (and the options' draft), warm its context up for the options' slots and
+    start a `cls` loop (a ContinuousBatcher, or the engine process's forwarding one) over it.
+    `cores`: this process's cores first (the engine process's child), onnxruntime's threads one a
+    core unless the options say how many."""
+    import generation  # the package's load, context and compile (generation/__init__.py)
+    from dataclasses import replace
+
+    if cores:  # before the model loads: onnxruntime's threads start on these cores, one a core
+        from generation.runtime.cores import pin, span
+
+        try:
+            pin(cores)
+        except OSError as e:
+            raise ValueError(f"engine_cores: cannot run on cores {span(cores)} ({e.strerror})") from None
+        options = replace(options, threads=options.threads or len(cores))
+    model = load_model(source, options)
+    draft = None
+    if options.draft is not None:
+        draft = load_model(options.draft, replace(options, variant=None, spin=False))  # as exported, its threads asleep
+    ctx = generation.compile(model_context(model, options, settings, draft), batch_size=options.slots)
+    return cls(ctx, **options.loop_arguments())

@@ -13,7 +13,7 @@ refused by name when the options are made.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS
@@ -106,11 +106,9 @@ class EngineOptions:
         options = own_fields(cls, values)
         return cls(**options), {k: v for k, v in values.items() if k not in options}
 
-    def batcher_arguments(self) -> dict:
-        """ContinuousBatcher.from_model's arguments (all but what the front itself uses)."""
-        out = asdict(self)
-        for name in ("engine_process", "engine_cores", "reserve_cores", "reasoning_parser"):
-            del out[name]
-        return out
+    def loop_arguments(self) -> dict:
+        """The batching loop's arguments (ContinuousBatcher's: its slots, queue and budgets)."""
+        return {name: getattr(self, name) for name in LOOP_OPTIONS}
 
 
+LOOP_OPTIONS = ("slots", "capacity", "max_waiting", "prefix_cache_bytes", "kv_cache_bytes", "prefill_chunk_tokens")

@@ -194,7 +194,9 @@ def test_the_vision_service_caches_videos_and_refuses_one_past_the_context(visio
     from deployments.errors import RequestError
     from deployments.services.vision import VisionService
 
-    service = VisionService(vision_paths["qwen2vl-onnx"], threads=1)
+    from generation.front import EngineOptions
+
+    service = VisionService(vision_paths["qwen2vl-onnx"], options=EngineOptions(threads=1))
     first, again = service.encode_video(CLIP, "v"), service.encode_video(CLIP, "v")
     frames = service.encode_video(FRAMES, "v")
     assert again is first and service.encode_video(list(FRAMES), "v") is frames and len(service.cache) == 2

@@ -13,11 +13,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import fleet  # noqa: E402  (bench/fleet.py)
 
 from deployments.fake import FakeBatcher  # noqa: E402
+from generation.front import EngineOptions  # noqa: E402
 
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_a_fake_step_costs_a_plus_b_per_row(rows):
-    batcher = FakeBatcher(slots=4, step_seconds=0.01, step_seconds_per_row=0.01)
+    batcher = FakeBatcher(EngineOptions(slots=4, max_waiting=64), step_seconds=0.01, step_seconds_per_row=0.01)
     try:
         t0 = time.perf_counter()
         requests = [batcher.submit([97 + i] * 3, settings={"max_new_tokens": 10}) for i in range(rows)]

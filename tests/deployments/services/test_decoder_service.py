@@ -11,7 +11,7 @@ from deployments.services.generator import TextGenerator
 from deployments.errors import Overloaded, RequestError
 from deployments.fake import fake_generator, fake_tokens
 from deployments.schema import GenerateRequest
-from generation.front import Delta, Finish, Refused
+from generation.front import Delta, EngineOptions, Finish, Refused
 from generation.text.chat import ChatTemplateError, chat_template, render_chat, special_tokens
 
 
@@ -28,7 +28,7 @@ def ids_of(events) -> list[int]:
 
 @pytest.fixture
 def fake():
-    generator = fake_generator(slots=2, step_seconds=0.001, max_waiting=3)
+    generator = fake_generator(EngineOptions(slots=2, max_waiting=3), step_seconds=0.001)
     yield generator
     generator.close()
 
@@ -85,7 +85,7 @@ def test_refusals_name_the_generate_requests_field(fake, request_, field, messag
 
 
 def test_a_full_queue_is_overloaded():
-    generator = fake_generator(slots=1, step_seconds=0.05, max_waiting=1)
+    generator = fake_generator(EngineOptions(slots=1, max_waiting=1), step_seconds=0.05)
     try:
         request = GenerateRequest(prompt="abc", settings={"max_new_tokens": 50})
         generator.submit(request)  # the queue was empty
@@ -252,7 +252,7 @@ def test_no_spin_reaches_the_decoders_session(test_models, load_model):
                                              engine_process=engine_process)
         try:
             if engine_process:  # the child loads the model from these arguments
-                assert generator.batcher.load["spin"] is False
+                assert generator.batcher.load["options"].spin is False
             else:
                 options = generator.batcher.ctx.model.session.get_session_options()
                 assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
@@ -266,7 +266,7 @@ def test_many_running_rows_stretch_the_stream_interval():
     MAX_INTERVAL; a row alone keeps stream_interval, and 0 keeps a chunk per token."""
     from deployments.services.generator import CHUNKS_PER_SECOND, MAX_INTERVAL
 
-    generator = fake_generator(slots=64, step_seconds=0.001)
+    generator = fake_generator(EngineOptions(slots=64, max_waiting=64), step_seconds=0.001)
     try:
         generator.stream_interval = 0.01
         for running, expected in [(0, 0.01), (1, 0.01), (8, max(0.01, 8 / CHUNKS_PER_SECOND)),
@@ -282,7 +282,7 @@ def test_many_running_rows_stretch_the_stream_interval():
 
 
 def test_concurrent_streams_send_fewer_chunks_per_token_than_one_alone():
-    generator = fake_generator(slots=16, step_seconds=0.002)
+    generator = fake_generator(EngineOptions(slots=16, max_waiting=64), step_seconds=0.002)
     generator.stream_interval = 0.005
     try:
         alone = collect(generator, prompt="abcd", settings={"max_new_tokens": 100})
@@ -302,7 +302,7 @@ def test_concurrent_streams_send_fewer_chunks_per_token_than_one_alone():
 
 
 def test_a_stream_interval_sends_fewer_larger_chunks():
-    generator = fake_generator(slots=2, step_seconds=0.001)
+    generator = fake_generator(EngineOptions(slots=2, max_waiting=64), step_seconds=0.001)
     try:
         per_token = collect(generator, prompt="abcd", settings={"max_new_tokens": 60})
         generator.stream_interval = 0.02

@@ -43,8 +43,9 @@ def test_the_loop_in_process_is_a_batcher(test_models, load_model):
 
 def test_the_fake_is_a_batcher_and_uses_no_private_member_of_a_request():
     from deployments.fake import FakeBatcher, fake_tokens
+    from generation.front import EngineOptions
 
-    fake = FakeBatcher(slots=2)
+    fake = FakeBatcher(EngineOptions(slots=2, max_waiting=64))
     try:
         assert isinstance(fake, Batcher) and takes_the_contract_s_submit(FakeBatcher)
         request = fake.submit([97, 98, 99], seed=3, priority=1)

@@ -6,12 +6,14 @@ field as data."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 
 import generation
 from generation.front import (Delta, Echo, EngineFront, EngineOptions, EngineRequest, Finish, Generation, Refused,
                               rejected)
+from generation.engine.batching import ContinuousBatcher
 from generation.front.output import TextDeltas
 from generation.front.errors import refused, request_field
 from generation.params.checks import SettingError
@@ -136,4 +138,5 @@ def test_options_and_settings_are_told_apart():
     options, settings = EngineOptions.split({"slots": 4, "threads": 1, "max_new_tokens": 64, "top_k": 5})
     assert (options.slots, options.threads, options.max_logprobs) == (4, 1, 20)
     assert settings == {"max_new_tokens": 64, "top_k": 5}
-    assert "engine_process" not in options.batcher_arguments()
+    loop = options.loop_arguments()  # what the batching loop takes of them: its own parameters, as given
+    assert set(loop) <= set(inspect.signature(ContinuousBatcher).parameters) and loop["slots"] == 4
