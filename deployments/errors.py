@@ -1,7 +1,10 @@
 """The errors a request gets from the serving layer, each carrying what the HTTP answer needs as
-data: a RequestError its field (HTTP 400 naming it), an Overloaded request its status (503)."""
+data: a RequestError its field (HTTP 400 naming it), an Overloaded request its status (503: the
+engine front's own type, one from the queue to the route)."""
 
 from __future__ import annotations
+
+from generation.front import Overloaded
 
 
 class RequestError(ValueError):
@@ -17,10 +20,6 @@ class RequestError(ValueError):
 
     def __reduce__(self):  # crosses Ray's process boundary intact
         return type(self), (str(self), self.field, self.predicate)
-
-
-class Overloaded(RuntimeError):
-    """The decoder's queue is full (HTTP 503 with Retry-After)."""
 
 
 class NotFound(RequestError):

@@ -40,18 +40,21 @@ def version() -> str:
             return "unknown (not installed)"
 
 
+# The engine options `raymuter generate` takes (generation.front's EngineOptions: their flags, help and
+# checks); the batching loop's are a server's.
+ENGINE_FLAGS = ("threads", "provider", "variant", "cache_mode", "fuse")
+
+
 def add_generate_command(commands) -> None:
     """The `generate` subcommand, on `commands` (an argparse parser's add_subparsers())."""
+    from generation.front import EngineOptions
+
     gen = commands.add_parser("generate", help="generate text after one or more prompts, streamed as it comes",
                               formatter_class=HelpFormatter)
     gen.add_argument("prompts", nargs="+", help="prompt text; several prompts run as one batch")
     gen.add_argument("--model", help="model folder (Hugging Face layout) or hub id (default: the model that ships "
                      "with Raymuter, a small Llama trained on the Python documentation)")
-    gen.add_argument("--variant", help="dtype variant of a transformers.js export: fp16, q4, quantized, ... "
-                     "(default: fp32)")
-    gen.add_argument("--no-fuse", dest="fuse", action="store_false",
-                     help="run an Optimum / transformers.js decoder as exported, not as its fused rewrite "
-                          "(generation.runtime.fusion; built once, cached under $RAYMUTER_CACHE)")
+    EngineOptions.add_flags(gen, ENGINE_FLAGS, served=False)  # as `raymuter serve` has them, a library's defaults
     gen.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default: generation_config.json's)")
     sampling = gen.add_mutually_exclusive_group()
     sampling.add_argument("--do-sample", dest="do_sample", action="store_true", default=None,
@@ -79,12 +82,8 @@ def add_generate_command(commands) -> None:
                      help="any generation_config.json setting, e.g. --set no_repeat_ngram_size=3 "
                      "--set 'bad_words_ids=[[5]]' (repeat for several)")
     gen.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i gets seed + i")
-    gen.add_argument("--cache-mode", choices=["in_place", "append", "grow"],
-                     help="force a cache mode the graph supports (default: the graph's own)")
     gen.add_argument("--prompt-steps", choices=["whole", "pieces"], default="whole",
                      help="run the prompt in one step, or in power-of-two pieces")
-    gen.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all CPUs)")
-    gen.add_argument("--provider", choices=["cpu", "cuda"], help="default: CUDA where usable, else CPU")
 
 
 def _overrides(args) -> dict:
@@ -142,6 +141,8 @@ def generate_command(args) -> int:
 
     import generation
     from generation.core.stop_strings import cut_at_stop
+    from generation.front import EngineOptions
+    from generation.front.loading import load_model
     from generation.text.tokenizer import Detokenizer, load_tokenizer
 
     started = time.perf_counter()
@@ -151,10 +152,10 @@ def generate_command(args) -> int:
         args.model = default_model_path(args.variant)
         print(f"[raymuter] no --model given: using the default model in {args.model} (a small Llama trained on "
               "the Python documentation; its card is README.md beside it)", file=sys.stderr)
-    model = generation.load(args.model, variant=args.variant, provider=args.provider, threads=args.threads,
-                            fuse=args.fuse)
+    options = EngineOptions.split(vars(args))[0]
+    model = load_model(args.model, options)
     tokenizer = load_tokenizer(model.tokenizer_path, model.folder)
-    ctx = generation.context(model, cache_mode=args.cache_mode, prompt_steps=args.prompt_steps, **_overrides(args))
+    ctx = generation.context(model, cache_mode=options.cache_mode, prompt_steps=args.prompt_steps, **_overrides(args))
     ctx = generation.compile(ctx, batch_size=len(args.prompts))
     print(f"[raymuter] {model.folder} ({model.decoder_path.name}, cache {ctx.cache_mode}, {model.provider}, "
           f"{model.threads} threads) loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)

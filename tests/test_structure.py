@@ -35,13 +35,12 @@ OPTION_PATH = ("generation/front", "generation/engine", "generation/cli.py", "de
 OPTION_FILES = 3
 SHAPE_OPTIONS = ("slots", "capacity")  # the decode state's shape: a parameter of every part that sizes it
 # option -> the files that write it out today: `raymuter serve`'s layout flags and `raymuter batch`'s
-# defaults (deployments/cli/), `raymuter generate`'s hand-written flags (generation/cli.py)
+# defaults (deployments/cli/), the variant that picks the layout and finds a folder's files
 KNOWN_OPTION_FILES = {
     "engine_process": 4,
     "grammar_budget": 4,
     "prefill_chunk_tokens": 4,
-    "threads": 4,
-    "variant": 7,
+    "variant": 6,
 }
 WIRE_SHAPES = ("deployments/http/openai.py", "deployments/http/openai_replies.py")  # OpenAI's, field for field
 

@@ -16,20 +16,12 @@ def add_engine_arguments(parser, whole_prompts: bool = False) -> None:
 
     parser.add_argument("--model", help="model folder or hub id (default: the model that ships with Raymuter)")
     parser.add_argument("--name", help="the model id clients send (default: the folder's name)")
-    for option in fields(EngineOptions):
-        meta = option.metadata
-        if not meta["flag"]:
-            continue
-        flag = "--" + option.name.replace("_", "-")
-        if meta["served"] is True:
-            parser.add_argument("--no-" + flag[2:], dest=option.name, action="store_false", help=meta["off"])
-            continue
-        help = meta["help"] if meta["served"] is None else f"{meta['help']} (default: {meta['served']})"
-        if whole_prompts and option.name == "prefill_chunk_tokens":
-            help = help.split(" (default:")[0] + " (default: 0: every prompt whole at once, no interactive rows " \
-                "to keep pace for)"
-        parser.add_argument(flag, type=int if meta["low"] is not None else str, default=meta["served"],
-                            choices=meta["choices"], help=help)
+    helps = None
+    if whole_prompts:  # batch_engine_config's default
+        chunks = next(f for f in fields(EngineOptions) if f.name == "prefill_chunk_tokens")
+        helps = {chunks.name: chunks.metadata["help"].split(" (default:")[0] + " (default: 0: every prompt whole at "
+                                                                              "once, no interactive rows to keep pace for)"}
+    EngineOptions.add_flags(parser, helps=helps)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
                         help="a default generation setting for every request, e.g. --set max_new_tokens=64")
     parser.add_argument("--grammar-budget", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",

@@ -24,7 +24,6 @@ from generation.front import (
     EngineOptions,
     Finish,
     Generation,
-    Overloaded as FrontOverloaded,
     Refused,
     transcribe,
 )
@@ -59,10 +58,11 @@ def fingerprint(*configuration) -> str:
     return f"fp_{digest[:12]}"
 
 
-def request_error(error: Refused | FrontOverloaded):
-    """The serving layer's error of a front's refusal (its field and reason kept as data)."""
-    if isinstance(error, FrontOverloaded):
-        return Overloaded(str(error))
+def request_error(error: Refused | Overloaded):
+    """The serving layer's error of a front's refusal (its field and reason kept as data); a full
+    queue's Overloaded as it is."""
+    if isinstance(error, Overloaded):
+        return error
     return RequestError(str(error), error.field, error.predicate)
 
 
@@ -128,12 +128,12 @@ class TextGenerator:
         request's field, Overloaded for a full queue."""
         try:
             return self.front.submit(request, encoder, images)
-        except (Refused, FrontOverloaded) as e:
+        except (Refused, Overloaded) as e:
             raise self._refusal(e) from None
 
-    def _refusal(self, error: Refused | FrontOverloaded):
+    def _refusal(self, error: Refused | Overloaded):
         """A generation's refusal as the serving layer's error; a full queue counted as rejected."""
-        if isinstance(error, FrontOverloaded):
+        if isinstance(error, Overloaded):
             self.metrics.rejected.inc()
         return request_error(error)
 
@@ -166,7 +166,7 @@ class TextGenerator:
                     self.metrics.finished(event.completion, event.prompt_tokens, time.perf_counter() - arrived,
                                           None if first is None else last - first)
                 yield event
-        except (Refused, FrontOverloaded) as e:
+        except (Refused, Overloaded) as e:
             raise self._refusal(e) from None
         finally:
             await events.aclose()
@@ -205,7 +205,7 @@ class TextGenerator:
         started = time.perf_counter()
         try:
             result = await transcribe(self.front, samples, request, encode, aencode)
-        except (Refused, FrontOverloaded) as e:
+        except (Refused, Overloaded) as e:
             raise request_error(e) from None
         for seconds in result.queued:
             self.metrics.queue.observe(seconds)

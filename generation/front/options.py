@@ -49,8 +49,8 @@ class EngineOptions:
                                        "container's CPU quota)", 1, 4096)
     provider: str | None = option(None, "cpu or cuda (default: CUDA where usable, else CPU)", choices=("cpu", "cuda"))
     variant: str | None = option(None, "dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
-    cache_mode: str | None = option(None, "the KV cache's mode (in_place, append, grow; default: from the graph)",
-                                    flag=False, serve=False)
+    cache_mode: str | None = option(None, "force a KV cache mode the graph supports (default: the graph's own)",
+                                    choices=("in_place", "append", "grow"), flag=False, serve=False)
     draft: str | Path | None = option(None, "a draft model (folder or hub id, the model's tokenizer) whose proposals "
                                             "every step verifies: speculative decoding (settings num_assistant_tokens)")
     prefix_cache_bytes: int = option(0, "bytes of prompt prefixes kept, so a prompt that starts as one seen before "
@@ -105,6 +105,26 @@ class EngineOptions:
         """(the options among `values`, the rest: generation settings)."""
         options = own_fields(cls, values)
         return cls(**options), {k: v for k, v in values.items() if k not in options}
+
+    @classmethod
+    def add_flags(cls, parser, names=None, served: bool = True, helps: dict | None = None) -> None:
+        """A flag on `parser` for each option of `names` (default: each whose `flag` says so), as its
+        field gives it: --kv-cache-bytes, its range's type or its choices, its help, its default (a
+        server's where `served`, else a library caller's; a true default makes a --no- flag).
+        `helps`: an option's help where a command says it otherwise."""
+        for option in fields(cls):
+            meta = option.metadata
+            if not (option.name in names if names is not None else meta["flag"]):
+                continue
+            default = meta["served"] if served else option.default
+            flag = "--" + option.name.replace("_", "-")
+            if default is True:
+                parser.add_argument("--no-" + flag[2:], dest=option.name, action="store_false", help=meta["off"])
+                continue
+            help = (helps or {}).get(option.name, meta["help"] if default is None else f"{meta['help']} (default: "
+                                                                                         f"{default})")
+            parser.add_argument(flag, type=int if meta["low"] is not None else str, default=default,
+                                choices=meta["choices"], help=help)
 
     def loop_arguments(self) -> dict:
         """The batching loop's arguments (ContinuousBatcher's: its slots, queue and budgets)."""
