@@ -23,7 +23,6 @@ WHY_ONE = re.compile(r"must be one", re.I)  # a class over CLASS_LINES says why 
 KNOWN_LONG_FUNCTIONS = {
     "generation/default_model/export.py:compact": 82,
     "generation/runtime/device.py:_graph": 102,
-    "generation/runtime/fusion/weights.py:read_weights": 162,
     "generation/runtime/graph.py:read_graph": 89,
 }
 FRONT_EXPORTS = 25
