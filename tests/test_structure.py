@@ -22,7 +22,6 @@ WHY_ONE = re.compile(r"must be one", re.I)  # a class over CLASS_LINES says why 
 # function -> its lines today (the fused rewrite's graph builders; the bundled model's export)
 KNOWN_LONG_FUNCTIONS = {
     "generation/default_model/export.py:compact": 82,
-    "generation/runtime/graph.py:read_graph": 89,
 }
 FRONT_EXPORTS = 25
 WIRE_SHAPES = ("deployments/http/openai.py", "deployments/http/openai_replies.py")  # OpenAI's, field for field
