@@ -19,14 +19,9 @@ PACKAGES = ("generation", "deployments")
 MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 500, 300, 80
 WHY_ONE = re.compile(r"must be one", re.I)  # a class over CLASS_LINES says why in its docstring
 
-# function -> its lines today (the fused rewrite's graph builders; the bundled model's export)
-KNOWN_LONG_FUNCTIONS = {
-    "generation/default_model/export.py:compact": 82,
-    "generation/runtime/device.py:_graph": 102,
-    "generation/runtime/fusion/emit.py:fused_graph": 255,
-    "generation/runtime/fusion/weights.py:read_weights": 162,
-    "generation/runtime/graph.py:read_graph": 89,
-}
+# function -> its lines today: none left (the fused rewrite's graph builders and the bundled model's
+# export were split into steps of one concern)
+KNOWN_LONG_FUNCTIONS = {}
 FRONT_EXPORTS = 25
 # An engine option's path, from EngineOptions to where it is read: the front, the engine's loop, the
 # command line and the serving layer (below the loop an option is a mechanism's own parameter:

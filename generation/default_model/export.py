@@ -153,59 +153,101 @@ def compact(model, reference: dict | None = None, min_size: int = 1024):
     constant-folds the Casts and Transposes at load, so the session computes on exactly the
     original float32 values. Weights under `min_size` elements (norm scales) stay where they are.
     """
+    store = _WeightStore(reference or {})
+    renames = _hoist_weights(model, store, min_size)
+    _rename_and_strip(model, renames)
+    main = model.graph
+    rest = list(main.node)
+    del main.node[:]
+    main.node.extend(store.nodes + rest)
+    main.initializer.extend(store.inits)
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    return model
+
+
+def _key(arr):
+    """An array's identity by value: its shape and a hash of its bytes."""
     import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
 
-    def key(arr):
-        return arr.shape, hashlib.sha1(np.ascontiguousarray(arr).tobytes()).hexdigest()
+    return arr.shape, hashlib.sha1(np.ascontiguousarray(arr).tobytes()).hexdigest()
 
-    stored: dict[tuple, str] = {}  # key of a float32 array -> its value name in the main graph
-    known = {}  # key -> (reference name, transposed?)
-    for name, arr in (reference or {}).items():
-        known.setdefault(key(arr), (name, False))
-        if arr.ndim == 2:
-            known.setdefault(key(arr.T), (name, True))
-    inits, nodes, renames = [], [], {}
 
-    def store(arr, name: str) -> str:
+class _WeightStore:
+    """The weights `compact` stores once in the main graph: their initializers and the Cast and
+    Transpose nodes that give them back as float32, by value."""
+
+    def __init__(self, reference: dict):
+        self.stored: dict[tuple, str] = {}  # key of a float32 array -> its value name in the main graph
+        self.known = {}  # key -> (reference name, transposed?)
+        for name, arr in reference.items():
+            self.known.setdefault(_key(arr), (name, False))
+            if arr.ndim == 2:
+                self.known.setdefault(_key(arr.T), (name, True))
+        self.inits, self.nodes = [], []
+
+    def value_for(self, arr, name: str) -> str:
+        """The main graph's value holding `arr`: one stored already (or its transpose), else `arr`
+        stored now, under its reference name where `reference` holds it, else under `name`."""
+        import numpy as np
+
+        k = _key(arr)
+        if k in self.stored:
+            return self.stored[k]
+        if k in self.known:
+            ref, transposed = self.known[k]
+            if not transposed:
+                return self._store(arr, ref)
+            return self._transpose(self.stored.get(_key(arr.T)) or self._store(np.ascontiguousarray(arr.T), ref), arr)
+        if arr.ndim == 2 and _key(arr.T) in self.stored:
+            return self._transpose(self.stored[_key(arr.T)], arr)
+        return self._store(arr, name)
+
+    def _store(self, arr, name: str) -> str:
+        import numpy as np
+        from onnx import TensorProto, helper, numpy_helper
+
         out = f"weights/{name}"
         if np.array_equal(arr.astype(np.float16).astype(np.float32), arr):
-            inits.append(numpy_helper.from_array(arr.astype(np.float16), f"{out}/fp16"))
-            nodes.append(helper.make_node("Cast", [f"{out}/fp16"], [out], to=TensorProto.FLOAT, name=f"{out}/cast"))
+            self.inits.append(numpy_helper.from_array(arr.astype(np.float16), f"{out}/fp16"))
+            cast = helper.make_node("Cast", [f"{out}/fp16"], [out], to=TensorProto.FLOAT, name=f"{out}/cast")
+            self.nodes.append(cast)
         else:
-            inits.append(numpy_helper.from_array(arr, out))
-        stored[key(arr)] = out
+            self.inits.append(numpy_helper.from_array(arr, out))
+        self.stored[_key(arr)] = out
         return out
 
-    def transpose(source: str, arr) -> str:
+    def _transpose(self, source: str, arr) -> str:
+        from onnx import helper
+
         out = f"{source}/T"
-        nodes.append(helper.make_node("Transpose", [source], [out], perm=[1, 0], name=out))
-        stored[key(arr)] = out
+        self.nodes.append(helper.make_node("Transpose", [source], [out], perm=[1, 0], name=out))
+        self.stored[_key(arr)] = out
         return out
 
-    def value_for(arr, name: str) -> str:
-        k = key(arr)
-        if k in stored:
-            return stored[k]
-        if k in known:
-            ref, transposed = known[k]
-            if not transposed:
-                return store(arr, ref)
-            return transpose(stored.get(key(arr.T)) or store(np.ascontiguousarray(arr.T), ref), arr)
-        if arr.ndim == 2 and key(arr.T) in stored:
-            return transpose(stored[key(arr.T)], arr)
-        return store(arr, name)
 
+def _hoist_weights(model, store: _WeightStore, min_size: int) -> dict[str, str]:
+    """Move every float32 initializer of at least `min_size` elements (in any graph) into `store`;
+    gives {its old name: the main graph's value holding it}."""
+    import numpy as np
+    from onnx import TensorProto, numpy_helper
+
+    renames = {}
     for g in _graphs(model.graph):
         keep = []
         for init in g.initializer:
             if init.data_type == TensorProto.FLOAT and np.prod(init.dims) >= min_size:
                 short = init.name.split("/", 1)[1] if init.name.startswith(("with_past/", "no_past/")) else init.name
-                renames[init.name] = value_for(numpy_helper.to_array(init), short)
+                renames[init.name] = store.value_for(numpy_helper.to_array(init), short)
             else:
                 keep.append(init)
         del g.initializer[:]
         g.initializer.extend(keep)
+    return renames
+
+
+def _rename_and_strip(model, renames: dict[str, str]) -> None:
+    """Every node reads the hoisted weights by their new names; the old names' value infos and
+    inputs go, and so does the exporter's metadata."""
     for g in _graphs(model.graph):
         for node in g.node:
             node.input[:] = [renames.get(x, x) for x in node.input]
@@ -217,13 +259,6 @@ def compact(model, reference: dict | None = None, min_size: int = 1024):
             items.extend(kept)
         for v in list(g.value_info) + list(g.input) + list(g.output):
             del v.metadata_props[:]
-    main = model.graph
-    rest = list(main.node)
-    del main.node[:]
-    main.node.extend(nodes + rest)
-    main.initializer.extend(inits)
-    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
-    return model
 
 
 def checkpoint_tensors(hf_dir: Path) -> dict:

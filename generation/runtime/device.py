@@ -7,9 +7,9 @@ new entries), never the cache. `DeviceArray` is memory onnxruntime allocated on 
 (an OrtValue), bound to a session by pointer as numpy arrays are on the host; `Device` runs the
 moves a cache makes (a fresh buffer, a relayout to other size classes, rows copied between
 slots, a row written from the host, mask rows set by length, a step's mask entries) as small
-ONNX graphs (ConstantOfShape, Slice + Pad, Gather + ScatterND) on the session's own provider,
-built once per dtype and run through IOBinding, as onnxruntime-genai's CUDA loop keeps its
-cache in device buffers bound once per layout. On the CPU the same code runs over CPU
+ONNX graphs (ConstantOfShape, Slice + Pad, Gather + ScatterND: device_moves.py) on the
+session's own provider, built once per dtype and run through IOBinding, as onnxruntime-genai's
+CUDA loop keeps its cache in device buffers bound once per layout. On the CPU the same code runs over CPU
 OrtValues, so the tests exercise what a CUDA session runs.
 
 ScatterND's output is bound to its input's memory: onnxruntime's kernels (CPU and CUDA) copy
@@ -22,6 +22,8 @@ import threading
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .device_moves import move_graph
 
 # Why bytes cross: a decode step's `logits` (at the read positions) and `inputs` (ids, positions,
 # read positions, the rows' lengths or new mask entries); a prompt's run (`prompt`: its ids, mask
@@ -286,8 +288,8 @@ class Device:
                 options.enable_cpu_mem_arena = False  # a dropped layout's buffers go back to the system
                 providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if self.provider == "cuda" \
                     else ["CPUExecutionProvider"]
-                found = self._sessions[key] = ort.InferenceSession(_graph(op, np.dtype(dtype), rank).SerializeToString(),
-                                                                   options, providers=providers)
+                graph = move_graph(op, np.dtype(dtype), rank).SerializeToString()
+                found = self._sessions[key] = ort.InferenceSession(graph, options, providers=providers)
             return found
 
     def _run(self, op: str, dtype, feeds: dict, out: str | None = None, inplace=None, host_out=None,
@@ -340,107 +342,3 @@ class _Bound:
 
 def _pad_to(shape, target) -> np.ndarray:
     return np.concatenate([np.zeros(len(shape), np.int64), np.asarray(target, np.int64) - np.asarray(shape)])
-
-
-def _graph(op: str, dtype: np.dtype, rank: int):
-    """The ONNX graph of a move, over tensors of `dtype` and `rank` (the moved buffer's) with
-    symbolic dims (one session serves every shape)."""
-    from onnx import TensorProto, helper
-    from onnx.helper import np_dtype_to_tensor_dtype
-
-    element = np_dtype_to_tensor_dtype(dtype)
-    i64 = TensorProto.INT64
-
-    def tensor(name, kind, rank, prefix="d"):
-        return helper.make_tensor_value_info(name, kind, [f"{prefix}{name}{i}" for i in range(rank)])
-
-    one = helper.make_tensor("one", element, [], [1] if dtype != np.bool_ else [True])
-    zero_i = helper.make_tensor("zero_i", i64, [], [0])
-    one_i = helper.make_tensor("one_i", i64, [], [1])
-    axis1 = helper.make_tensor("axis1", i64, [1], [1])
-    axis0 = helper.make_tensor("axis0", i64, [1], [0])
-    if op == "zeros":
-        nodes = [helper.make_node("ConstantOfShape", ["shape"], ["y"],
-                                  value=helper.make_tensor("zero", element, [1], [0]))]
-        inputs, outputs, inits = [tensor("shape", i64, 1)], [tensor("y", element, rank)], []
-    elif op == "relayout":
-        nodes = [helper.make_node("Shape", ["ends"], ["rank"]),
-                 helper.make_node("ConstantOfShape", ["rank"], ["starts"], value=helper.make_tensor("z", i64, [1], [0])),
-                 helper.make_node("Slice", ["x", "starts", "ends"], ["kept"]),
-                 helper.make_node("Pad", ["kept", "pads"], ["y"])]
-        inputs = [tensor("x", element, rank), tensor("ends", i64, 1), tensor("pads", i64, 1)]
-        outputs, inits = [tensor("y", element, rank)], []
-    elif op == "move_rows":
-        nodes = [helper.make_node("Gather", ["x", "src"], ["moved"], axis=0),
-                 helper.make_node("Unsqueeze", ["dst", "axis1"], ["where"]),
-                 helper.make_node("ScatterND", ["x", "where", "moved"], ["y"])]
-        inputs = [tensor("x", element, rank), tensor("dst", i64, 1), tensor("src", i64, 1)]
-        outputs, inits = [tensor("y", element, rank)], [axis1]
-    elif op == "write_row":
-        nodes = [helper.make_node("Pad", ["values", "pads"], ["padded"]),
-                 helper.make_node("Unsqueeze", ["row", "axis1"], ["where"]),
-                 helper.make_node("ScatterND", ["x", "where", "padded"], ["y"])]
-        inputs = [tensor("x", element, 4), tensor("row", i64, 1), tensor("values", element, 4), tensor("pads", i64, 1)]
-        outputs, inits = [tensor("y", element, 4)], [axis1]
-    elif op == "set_lengths":
-        nodes = [helper.make_node("Shape", ["x"], ["shape"]),
-                 helper.make_node("Gather", ["shape", "one_i"], ["width"], axis=0),
-                 helper.make_node("Range", ["zero_i", "width", "one_i"], ["columns"]),
-                 helper.make_node("Max", ["lengths", "one_i"], ["counted"]),
-                 helper.make_node("Unsqueeze", ["counted", "axis1"], ["counted2"]),
-                 helper.make_node("Unsqueeze", ["columns", "axis0"], ["columns2"]),
-                 helper.make_node("Less", ["columns2", "counted2"], ["ones"]),
-                 helper.make_node("Cast", ["ones"], ["values"], to=element),
-                 helper.make_node("Unsqueeze", ["rows", "axis1"], ["where"]),
-                 helper.make_node("ScatterND", ["x", "where", "values"], ["y"])]
-        inputs = [tensor("x", element, 2), tensor("rows", i64, 1), tensor("lengths", i64, 1)]
-        outputs, inits = [tensor("y", element, 2)], [zero_i, one_i, axis0, axis1]
-    elif op == "mark":
-        nodes = [helper.make_node("Shape", ["entries"], ["shape"]),
-                 helper.make_node("Slice", ["shape", "axis0", "axis1"], ["count"]),
-                 helper.make_node("Expand", ["one", "count"], ["values"]),
-                 helper.make_node("ScatterND", ["x", "entries", "values"], ["y"])]
-        inputs = [tensor("x", element, 2), tensor("entries", i64, 2)]
-        outputs, inits = [tensor("y", element, 2)], [one, axis0, axis1]
-    elif op == "move_columns":
-        axes = helper.make_tensor("axis2", i64, [1], [2])
-        nodes = [helper.make_node("Slice", ["x", "starts", "ends", "axis2"], ["moved"]),
-                 helper.make_node("Sub", ["ends", "starts"], ["count1"]),
-                 helper.make_node("Squeeze", ["count1"], ["count"]),
-                 helper.make_node("Range", ["zero_i", "count", "one_i"], ["steps"]),
-                 helper.make_node("Unsqueeze", ["lengths", "axes123"], ["rows4"]),
-                 helper.make_node("Unsqueeze", ["steps", "axes013"], ["steps4"]),
-                 helper.make_node("Add", ["rows4", "steps4"], ["columns"]),
-                 helper.make_node("Shape", ["moved"], ["moved_shape"]),
-                 helper.make_node("Expand", ["columns", "moved_shape"], ["where"]),
-                 helper.make_node("ScatterElements", ["x", "where", "moved"], ["y"], axis=2)]
-        inputs = [tensor("x", element, 4), tensor("lengths", i64, 1), tensor("starts", i64, 1), tensor("ends", i64, 1)]
-        outputs = [tensor("y", element, 4)]
-        inits = [axes, zero_i, one_i, helper.make_tensor("axes123", i64, [3], [1, 2, 3]),
-                 helper.make_tensor("axes013", i64, [3], [0, 1, 3])]
-    elif op == "valid_mask":
-        nodes = [helper.make_node("Squeeze", ["total"], ["total0"]),
-                 helper.make_node("Range", ["zero_i", "total0", "one_i"], ["columns"]),
-                 helper.make_node("Unsqueeze", ["columns", "axis0"], ["columns2"]),
-                 helper.make_node("Unsqueeze", ["lengths", "axis1"], ["lengths2"]),
-                 helper.make_node("Less", ["columns2", "lengths2"], ["valid"]),
-                 helper.make_node("GreaterOrEqual", ["columns2", "width"], ["new"]),
-                 helper.make_node("Or", ["valid", "new"], ["seen"]),
-                 helper.make_node("Cast", ["seen"], ["y"], to=element)]
-        inputs = [tensor("lengths", i64, 1), tensor("width", i64, 1), tensor("total", i64, 1)]
-        outputs, inits = [tensor("y", element, 2)], [zero_i, one_i, axis0, axis1]
-    elif op == "gather":
-        nodes = [helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)]
-        inputs, outputs, inits = [tensor("x", element, rank), tensor("rows", i64, 1)], [tensor("y", element, rank)], []
-    elif op == "concat":
-        nodes = [helper.make_node("Concat", ["a", "b"], ["y"], axis=0)]
-        inputs, outputs, inits = [tensor("a", element, rank), tensor("b", element, rank)], [tensor("y", element, rank)], []
-    elif op == "identity":
-        nodes = [helper.make_node("Identity", ["x"], ["y"])]
-        inputs, outputs, inits = [tensor("x", element, rank)], [tensor("y", element, rank)], []
-    else:
-        raise ValueError(f"no device move named {op!r}")
-    graph = helper.make_graph(nodes, op, inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model

@@ -140,6 +140,44 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
     # an encoder-decoder's decoder: it takes the encoder's outputs, or (an unmerged
     # decoder_with_past) only the cross-attention cache they made
     seq2seq = "encoder_hidden_states" in ins or any(".encoder." in name for name in ins)
+    _check_names(path, ins, outs, seq2seq)
+    input_dtypes = _input_dtypes(path, ins)
+    pasts = [n for n in ins if n.startswith("past_key_values.")]
+    cache, cross = _cache_entries(path, ins, outs, pasts, config, present_names or {})
+    vocab = _vocab_size(path, outs["logits"].shape, config)
+    has_pos = "position_ids" in ins
+    embeds = "inputs_embeds" in ins and "input_ids" not in ins
+    hidden = _embeds_width(path, ins["inputs_embeds"].shape, config) if embeds else 0
+    pos_axes = 3 if has_pos and len(ins["position_ids"].shape) == 3 else 1
+    nodes = read_nodes(path)
+    counting = None if seq2seq else _gqa_counting(nodes, set(ins))
+    return DecoderGraph(
+        path=path,
+        input_dtypes=input_dtypes,
+        output_names=tuple(outs),
+        cache=tuple(cache),
+        cache_dtype=input_dtypes[pasts[0]],
+        logits_dtype=ORT_TYPES[outs["logits"].type],
+        vocab_size=int(vocab),
+        has_position_ids=has_pos,
+        position_axes=pos_axes,
+        has_use_cache_branch="use_cache_branch" in ins,
+        has_group_query_attention=counting is not None,
+        native_mode=_native_mode(seq2seq, counting, has_pos),
+        cross_cache=tuple(cross),
+        has_encoder_hidden_states="encoder_hidden_states" in ins,
+        seq2seq=seq2seq,
+        has_encoder_attention_mask="encoder_attention_mask" in ins,
+        has_inputs_embeds=embeds,
+        hidden_size=int(hidden),
+        has_logits_positions="logits_positions" in ins,
+        prompts_by_length=any(n.op_type == "DynamicQuantizeLinear" for n in flatten(nodes)),
+    )
+
+
+def _check_names(path: Path, ins: dict, outs: dict, seq2seq: bool) -> None:
+    """The inputs and outputs every decoder needs: a mask (an encoder-decoder's may lack one),
+    ids or embeddings, logits."""
     if not seq2seq and "attention_mask" not in ins:
         raise GraphError(f"{path.name}: the decoder has no 'attention_mask' input (inputs: {sorted(ins)})")
     if "input_ids" not in ins and "inputs_embeds" not in ins:
@@ -147,14 +185,22 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
     if "logits" not in outs:
         raise GraphError(f"{path.name}: the decoder has no 'logits' output (outputs: {sorted(outs)})")
 
+
+def _input_dtypes(path: Path, ins: dict) -> dict[str, type]:
+    """Each input's numpy dtype (ORT_TYPES; bfloat16 and others refused)."""
     input_dtypes = {}
     for name, arg in ins.items():
         dtype = ORT_TYPES.get(arg.type)
         if dtype is None:
             raise GraphError(f"{path.name}: input '{name}' has unsupported type {arg.type}")
         input_dtypes[name] = dtype
+    return input_dtypes
 
-    pasts = [n for n in ins if n.startswith("past_key_values.")]
+
+def _cache_entries(path: Path, ins: dict, outs: dict, pasts: list[str], config: dict,
+                   present_names: dict[str, str]) -> tuple[list[CacheEntry], list[CacheEntry]]:
+    """(self-attention cache, cross-attention cache): each past input with its present output and
+    its heads and head size (from config.json where the graph's dims are symbolic)."""
     if not pasts:
         raise GraphError(f"{path.name}: the decoder has no 'past_key_values.*' inputs; "
                          "export it with a KV cache (optimum task text-generation-with-past)")
@@ -171,54 +217,36 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         if ".encoder." in past and "present." + past[len("past_key_values."):] not in outs:
             present = "present." + past[len("past_key_values."):]  # an unmerged decoder_with_past: only step 0 gives it
         else:
-            present = _present_name(past, set(outs), present_names or {})
+            present = _present_name(past, set(outs), present_names)
         entry = CacheEntry(past, present, int(heads), int(head_dim))
         (cross if ".encoder." in past else cache).append(entry)
+    return cache, cross
 
-    logits_shape = outs["logits"].shape
+
+def _vocab_size(path: Path, logits_shape, config: dict):
+    """The logits' last dim, or config.json's vocab_size where it is symbolic."""
     vocab = logits_shape[-1] if isinstance(logits_shape[-1], int) else config.get("vocab_size")
     if not vocab:
         raise GraphError(f"{path.name}: cannot tell the vocabulary size (logits {logits_shape}, no vocab_size in config)")
+    return vocab
 
-    has_pos = "position_ids" in ins
-    embeds = "inputs_embeds" in ins and "input_ids" not in ins
-    hidden = 0
-    if embeds:
-        hidden = ins["inputs_embeds"].shape[-1]
-        hidden = hidden if isinstance(hidden, int) else config.get("hidden_size")
-        if not hidden:
-            raise GraphError(f"{path.name}: cannot tell the width of 'inputs_embeds' ({ins['inputs_embeds'].shape}, "
-                             "no hidden_size in config)")
-    pos_axes = 3 if has_pos and len(ins["position_ids"].shape) == 3 else 1
-    nodes = read_nodes(path)
-    counting = None if seq2seq else _gqa_counting(nodes, set(ins))
+
+def _embeds_width(path: Path, shape, config: dict):
+    """The width of `inputs_embeds` [B, S, hidden], or config.json's hidden_size where it is symbolic."""
+    hidden = shape[-1]
+    hidden = hidden if isinstance(hidden, int) else config.get("hidden_size")
+    if not hidden:
+        raise GraphError(f"{path.name}: cannot tell the width of 'inputs_embeds' ({shape}, "
+                         "no hidden_size in config)")
+    return hidden
+
+
+def _native_mode(seq2seq: bool, counting: str | None, has_pos: bool) -> str:
+    """The cache mode the graph runs in as it is (the module's docstring says why)."""
     if seq2seq:
-        native = "seq2seq"  # positions from the cache length, plus the encoder's outputs
-    elif counting == "values":
-        native = "in_place"
-    elif has_pos:
-        native = "append"
-    else:
-        native = "grow"
-    return DecoderGraph(
-        path=path,
-        input_dtypes=input_dtypes,
-        output_names=tuple(outs),
-        cache=tuple(cache),
-        cache_dtype=input_dtypes[pasts[0]],
-        logits_dtype=ORT_TYPES[outs["logits"].type],
-        vocab_size=int(vocab),
-        has_position_ids=has_pos,
-        position_axes=pos_axes,
-        has_use_cache_branch="use_cache_branch" in ins,
-        has_group_query_attention=counting is not None,
-        native_mode=native,
-        cross_cache=tuple(cross),
-        has_encoder_hidden_states="encoder_hidden_states" in ins,
-        seq2seq=seq2seq,
-        has_encoder_attention_mask="encoder_attention_mask" in ins,
-        has_inputs_embeds=embeds,
-        hidden_size=int(hidden),
-        has_logits_positions="logits_positions" in ins,
-        prompts_by_length=any(n.op_type == "DynamicQuantizeLinear" for n in flatten(nodes)),
-    )
+        return "seq2seq"  # positions from the cache length, plus the encoder's outputs
+    if counting == "values":
+        return "in_place"
+    if has_pos:
+        return "append"
+    return "grow"

@@ -138,164 +138,212 @@ def read_weights(model_proto, config: dict, layout) -> DecoderWeights:
     """The weights of `model_proto` (loaded with its external data) laid out as the model's modules:
     `layout` (families.family(config)) names each layer's projections and norms in the order the
     model calls them."""
-    from onnx import TensorProto, numpy_helper
+    source = _Source(model_proto)
+    found = _Found(source, config, layout)
+    for node in source.graph.node:
+        if id(node) not in found.taken:
+            found.read(node)
+    embed, norms, sinks = _float32(found.embed), [_float32(n) for n in found.norms], [_float32(x) for x in found.sinks]
+    norm_biases = {k: _float32(v) for k, v in found.norm_biases.items()}
+    for x in found.linears + found.stacked:
+        if not x.quantized:
+            x.weight, x.bias = _float32(x.weight), _float32(x.bias)
+    out = _as_layers(embed, norms, found.linears, config, layout, norm_biases)
+    if layout.experts:
+        _add_experts(out, found.stacked, sinks, config, layout)
+    if layout.attention_softcap:
+        capped = _capped(source.graph.node, source.producer, source.const_through, layout.attention_softcap)
+        out.scores_softcapped = capped >= len(out.layers)
+    return out
 
-    graph = _graph_with_past(model_proto.graph)
-    protos = _constants([model_proto.graph, graph] if graph is not model_proto.graph else [graph])
-    arrays: dict[str, np.ndarray] = {}
 
-    def const(name: str) -> np.ndarray | None:
-        if name not in arrays and name in protos:
-            arrays[name] = numpy_helper.to_array(protos[name])
-        return arrays.get(name)
+class _Source:
+    """The graph a decode step runs (a merged decoder's with-past branch) and the constants its
+    weights are read from: by name, or through the nodes that only pass them on."""
 
-    nodes = ([] if graph is model_proto.graph else list(model_proto.graph.node)) + list(graph.node)
-    producer = {out: n for n in nodes for out in n.output}  # a merged decoder's outer graph may cast its weights
+    def __init__(self, model_proto):
+        self.graph = graph = _graph_with_past(model_proto.graph)
+        self.protos = _constants([model_proto.graph, graph] if graph is not model_proto.graph else [graph])
+        self.arrays: dict[str, np.ndarray] = {}
+        self.nodes = ([] if graph is model_proto.graph else list(model_proto.graph.node)) + list(graph.node)
+        # a merged decoder's outer graph may cast its weights
+        self.producer = {out: n for n in self.nodes for out in n.output}
+        self.consumers: dict[str, list] = {}
+        for n in graph.node:
+            for name in n.input:
+                self.consumers.setdefault(name, []).append(n)
 
-    def const_through(name: str) -> np.ndarray | None:
+    def const(self, name: str) -> np.ndarray | None:
+        from onnx import numpy_helper
+
+        if name not in self.arrays and name in self.protos:
+            self.arrays[name] = numpy_helper.to_array(self.protos[name])
+        return self.arrays.get(name)
+
+    def const_through(self, name: str) -> np.ndarray | None:
         """A constant, or one seen through Identity / Transpose([1, 0]) / Cast to float32 (weights
         stored once and shared, or stored as float16 and cast at load)."""
-        value = const(name)
+        from onnx import TensorProto
+
+        value = self.const(name)
         if value is not None:
             return value
-        node = producer.get(name)
+        node = self.producer.get(name)
         if node is None:
             return None
         if node.op_type == "Identity":
-            return const_through(node.input[0])
+            return self.const_through(node.input[0])
         if node.op_type == "Transpose" and list(_attr(node, "perm", [1, 0])) == [1, 0]:
-            inner = const_through(node.input[0])
+            inner = self.const_through(node.input[0])
             return None if inner is None else inner.T
         if node.op_type == "Cast" and _attr(node, "to") == TensorProto.FLOAT:
-            inner = const_through(node.input[0])
+            inner = self.const_through(node.input[0])
             return None if inner is None or inner.dtype.kind != "f" else inner.astype(np.float32)
         return None
 
-    consumers: dict[str, list] = {}
-    for n in graph.node:
-        for name in n.input:
-            consumers.setdefault(name, []).append(n)
-
-    def cone(output: str, source: str) -> list:
+    def cone(self, output: str, source: str) -> list:
         """The nodes computing `output` from `source` and constants, in graph order."""
         seen, todo = {}, [output]
         while todo:
             name = todo.pop()
-            if name == source or name in protos or name == "":
+            if name == source or name in self.protos or name == "":
                 continue
-            node = producer.get(name)
+            node = self.producer.get(name)
             if node is None:
                 raise FusionError(f"the quantized projection {output} reads {name}, not only its input")
             if id(node) not in seen:
                 seen[id(node)] = node
                 todo.extend(node.input)
-        order = {id(n): i for i, n in enumerate(nodes)}
+        order = {id(n): i for i, n in enumerate(self.nodes)}
         return sorted(seen.values(), key=lambda n: order[id(n)])
 
-    def quantized(node) -> Linear:
+    def quantized(self, node) -> Linear:
+        """The quantized projection a MatMulNBits or MatMulInteger computes, as the source computes it."""
         if node.op_type == "MatMulNBits":
             source, output = node.input[0], node.output[0]
             shape = (int(_attr(node, "K")), int(_attr(node, "N")))
         else:  # MatMulInteger(DynamicQuantizeLinear(x), W) -> Cast -> Mul(x_scale * w_scale)
-            quantize = producer.get(node.input[0])
-            weight = const(node.input[1])
-            casts = consumers.get(node.output[0], [])
-            scaled = consumers.get(casts[0].output[0], []) if len(casts) == 1 else []
+            quantize = self.producer.get(node.input[0])
+            weight = self.const(node.input[1])
+            casts = self.consumers.get(node.output[0], [])
+            scaled = self.consumers.get(casts[0].output[0], []) if len(casts) == 1 else []
             if quantize is None or quantize.op_type != "DynamicQuantizeLinear" or weight is None or \
                     casts[0].op_type != "Cast" or len(scaled) != 1 or scaled[0].op_type != "Mul":
                 raise FusionError("a MatMulInteger outside the int8 dynamic quantization pattern is not rewritten")
             source, output, shape = quantize.input[0], scaled[0].output[0], weight.shape
-        nodes = cone(output, source)
-        names = {name for n in nodes for name in n.input if name in protos}
-        return Linear(None, shape=tuple(shape), nodes=nodes, constants={k: protos[k] for k in names},
+        nodes = self.cone(output, source)
+        names = {name for n in nodes for name in n.input if name in self.protos}
+        return Linear(None, shape=tuple(shape), nodes=nodes, constants={k: self.protos[k] for k in names},
                       source_input=source, source_output=output)
 
-    hidden = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    norm_sizes = {hidden} | ({head_dim} if "q_norm" in layout.norms else set())
-    if layout.qk_norm_span == "all":  # OLMo 2's q / k norms: [heads * head_dim], [kv_heads * head_dim]
-        norm_sizes |= {heads * head_dim, int(config.get("num_key_value_heads") or heads) * head_dim}
-    embed, norms, linears = None, [], []
-    stacked: list[Linear] = []  # experts' projections, [experts, in, out] each (gate|up, down per layer)
-    sinks: list[np.ndarray] = []
-    norm_biases: dict[int, np.ndarray] = {}  # a LayerNorm's bias, by its weight's index in norms
-    norm_outputs: dict[str, int] = {}  # Mul(norm) outputs, where an Add of a bias may follow
-    by_output: dict[str, Linear] = {}
-    taken: set[int] = set()  # nodes inside a quantized projection
-    for node in graph.node:
-        op = node.op_type
-        if id(node) in taken:
-            continue
+
+class _Found:
+    """The weights met so far in a walk over the source's nodes, in node order: each node's
+    (`read`) added to them, still in the source's dtype."""
+
+    def __init__(self, source: _Source, config: dict, layout):
+        self.source, self.layout = source, layout
+        self.hidden = hidden = int(config["hidden_size"])
+        self.heads = heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        self.norm_sizes = {hidden} | ({head_dim} if "q_norm" in layout.norms else set())
+        if layout.qk_norm_span == "all":  # OLMo 2's q / k norms: [heads * head_dim], [kv_heads * head_dim]
+            self.norm_sizes |= {heads * head_dim, int(config.get("num_key_value_heads") or heads) * head_dim}
+        self.embed, self.norms, self.linears = None, [], []
+        self.stacked: list[Linear] = []  # experts' projections, [experts, in, out] each (gate|up, down per layer)
+        self.sinks: list[np.ndarray] = []
+        self.norm_biases: dict[int, np.ndarray] = {}  # a LayerNorm's bias, by its weight's index in norms
+        self.norm_outputs: dict[str, int] = {}  # Mul(norm) outputs, where an Add of a bias may follow
+        self.by_output: dict[str, Linear] = {}
+        self.taken: set[int] = set()  # nodes inside a quantized projection
+
+    def read(self, node) -> None:
+        """Add the weight `node` reads, if it reads one."""
+        op, layout = node.op_type, self.layout
         if op in ("MatMulNBits", "MatMulInteger"):
-            linear = quantized(node)
-            taken.update(id(n) for n in linear.nodes)
-            linears.append(linear)
-            by_output[linear.source_output] = linear
+            linear = self.source.quantized(node)
+            self.taken.update(id(n) for n in linear.nodes)
+            self.linears.append(linear)
+            self.by_output[linear.source_output] = linear
         elif op in ("QLinearMatMul", "GatherBlockQuantized"):
             raise FusionError(f"quantized weights ({op}) are not rewritten")
-        elif op == "Gather" and embed is None:
-            table = const_through(node.input[0])
-            if table is not None and table.ndim == 2 and table.shape[1] == hidden:
-                embed = _dequantized(table, consumers.get(node.output[0], []), const)
+        elif op == "Gather" and self.embed is None:
+            self._embedding(node)
         elif op == "Mul":
-            for name in node.input:
-                value = const_through(name)
-                if value is not None and value.ndim == 1 and value.shape[0] in norm_sizes:
-                    norms.append(value)
-                    norm_outputs[node.output[0]] = len(norms) - 1
+            self._norm_scale(node)
         elif op == "LayerNormalization" and layout.layer_norm:
-            scale = const_through(node.input[1])
-            bias = const_through(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-            if scale is not None and scale.ndim == 1 and scale.shape[0] in norm_sizes:
-                norms.append(scale)
-                if bias is not None:
-                    norm_biases[len(norms) - 1] = bias
+            self._layer_norm(node)
         elif layout.sinks and op in ("Expand", "Reshape"):
-            value = const_through(node.input[0])
-            if value is not None and value.dtype.kind == "f" and value.shape in ((heads,), (1, heads, 1, 1)):
-                sinks.append(value.reshape(heads))
+            self._sinks(node)
         elif op in ("MatMul", "Gemm"):
-            weight = const_through(node.input[1])
-            if weight is not None and weight.ndim == 3 and layout.experts and op == "MatMul":
-                stacked.append(Linear(weight, shape=weight.shape))
-                by_output[node.output[0]] = stacked[-1]
-                continue
-            if weight is None or weight.ndim != 2:
-                continue  # attention's own products (q @ k^T, scores @ v)
-            if op == "Gemm":
-                if _attr(node, "transA", 0) or _attr(node, "alpha", 1.0) != 1.0 or _attr(node, "beta", 1.0) != 1.0:
-                    raise FusionError("a Gemm with transA, alpha or beta is not rewritten")
-                weight = weight.T if _attr(node, "transB", 0) else weight
-            linear = Linear(weight, const(node.input[2]) if op == "Gemm" and len(node.input) > 2 else None,
-                            shape=weight.shape)
-            linears.append(linear)
-            by_output[node.output[0]] = linear
+            self._projection(node)
         elif op == "Add":
-            source = [by_output[name] for name in node.input if name in by_output]
-            bias = [const(name) for name in node.input if name not in by_output]
-            if source and bias and bias[0] is not None and bias[0].ndim == 1 and source[0].bias is None:
-                source[0].bias = bias[0]
-            elif source and bias and bias[0] is not None and len(source[0].shape) == 3 and \
-                    bias[0].shape == (source[0].shape[0], 1, source[0].shape[2]) and source[0].bias is None:
-                source[0].bias = bias[0][:, 0, :]  # an expert's bias, broadcast over its tokens
-            elif layout.layer_norm and any(name in norm_outputs for name in node.input):
-                index = next(norm_outputs[name] for name in node.input if name in norm_outputs)
-                bias = [const_through(name) for name in node.input if name not in norm_outputs]
-                if bias and bias[0] is not None and bias[0].ndim == 1 and index not in norm_biases:
-                    norm_biases[index] = bias[0]
-    embed, norms, sinks = _float32(embed), [_float32(n) for n in norms], [_float32(x) for x in sinks]
-    norm_biases = {k: _float32(v) for k, v in norm_biases.items()}
-    for x in linears + stacked:
-        if not x.quantized:
-            x.weight, x.bias = _float32(x.weight), _float32(x.bias)
-    out = _as_layers(embed, norms, linears, config, layout, norm_biases)
-    if layout.experts:
-        _add_experts(out, stacked, sinks, config, layout)
-    if layout.attention_softcap:
-        capped = _capped(graph.node, producer, const_through, layout.attention_softcap)
-        out.scores_softcapped = capped >= len(out.layers)
-    return out
+            self._bias(node)
+
+    def _embedding(self, node) -> None:
+        """A Gather over a [vocab, hidden] constant: the embedding table."""
+        table = self.source.const_through(node.input[0])
+        if table is not None and table.ndim == 2 and table.shape[1] == self.hidden:
+            self.embed = _dequantized(table, self.source.consumers.get(node.output[0], []), self.source.const)
+
+    def _norm_scale(self, node) -> None:
+        """A Mul by a [norm size] constant: an RMSNorm's weight (or a traced LayerNorm's scale)."""
+        for name in node.input:
+            value = self.source.const_through(name)
+            if value is not None and value.ndim == 1 and value.shape[0] in self.norm_sizes:
+                self.norms.append(value)
+                self.norm_outputs[node.output[0]] = len(self.norms) - 1
+
+    def _layer_norm(self, node) -> None:
+        """A LayerNormalization's scale and bias, where the family's norms are LayerNorms."""
+        scale = self.source.const_through(node.input[1])
+        bias = self.source.const_through(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+        if scale is not None and scale.ndim == 1 and scale.shape[0] in self.norm_sizes:
+            self.norms.append(scale)
+            if bias is not None:
+                self.norm_biases[len(self.norms) - 1] = bias
+
+    def _sinks(self, node) -> None:
+        """A [heads] float constant reshaped or expanded to join the scores: gpt-oss's sinks."""
+        value = self.source.const_through(node.input[0])
+        if value is not None and value.dtype.kind == "f" and value.shape in ((self.heads,), (1, self.heads, 1, 1)):
+            self.sinks.append(value.reshape(self.heads))
+
+    def _projection(self, node) -> None:
+        """A MatMul or Gemm by a constant: a projection ([in, out]), or gpt-oss's experts' stacked
+        [experts, in, out] one."""
+        op = node.op_type
+        weight = self.source.const_through(node.input[1])
+        if weight is not None and weight.ndim == 3 and self.layout.experts and op == "MatMul":
+            self.stacked.append(Linear(weight, shape=weight.shape))
+            self.by_output[node.output[0]] = self.stacked[-1]
+            return
+        if weight is None or weight.ndim != 2:
+            return  # attention's own products (q @ k^T, scores @ v)
+        if op == "Gemm":
+            if _attr(node, "transA", 0) or _attr(node, "alpha", 1.0) != 1.0 or _attr(node, "beta", 1.0) != 1.0:
+                raise FusionError("a Gemm with transA, alpha or beta is not rewritten")
+            weight = weight.T if _attr(node, "transB", 0) else weight
+        linear = Linear(weight, self.source.const(node.input[2]) if op == "Gemm" and len(node.input) > 2 else None,
+                        shape=weight.shape)
+        self.linears.append(linear)
+        self.by_output[node.output[0]] = linear
+
+    def _bias(self, node) -> None:
+        """An Add of a constant to a projection's output (its bias, an expert's broadcast over its
+        tokens) or to a traced LayerNorm's scaled output (the norm's bias)."""
+        source = [self.by_output[name] for name in node.input if name in self.by_output]
+        bias = [self.source.const(name) for name in node.input if name not in self.by_output]
+        if source and bias and bias[0] is not None and bias[0].ndim == 1 and source[0].bias is None:
+            source[0].bias = bias[0]
+        elif source and bias and bias[0] is not None and len(source[0].shape) == 3 and \
+                bias[0].shape == (source[0].shape[0], 1, source[0].shape[2]) and source[0].bias is None:
+            source[0].bias = bias[0][:, 0, :]  # an expert's bias, broadcast over its tokens
+        elif self.layout.layer_norm and any(name in self.norm_outputs for name in node.input):
+            index = next(self.norm_outputs[name] for name in node.input if name in self.norm_outputs)
+            bias = [self.source.const_through(name) for name in node.input if name not in self.norm_outputs]
+            if bias and bias[0] is not None and bias[0].ndim == 1 and index not in self.norm_biases:
+                self.norm_biases[index] = bias[0]
 
 
 def _float32(array: np.ndarray | None) -> np.ndarray | None:
