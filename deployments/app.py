@@ -1,49 +1,20 @@
-"""The Ray Serve application: the thin deployments and how they are bound together (`build`, over
+"""The Ray Serve application: the deployments and how they are bound together (`build`, over
 deployments/config.py's AppConfig): a Decoder deployment (the engine and its batching loop) behind an Ingress
 deployment (OpenAI-style HTTP and the Python handle API), beside the two that every ingress
 replica shares: Responses (the stored responses) and Batches (the files and batches of the Batch
-API, whose lines it sends back through the ingress's routes).
+API, whose lines it sends back through the ingress's routes). What each replica runs is
+deployments/replicas.py; here, each one's resources, scaling and draining.
 
     serve run deployments.app:build model=path/to/folder     # or cluster/serve.yaml
     handle = serve.get_app_handle("raymuter")
     await handle.generate.remote(GenerateRequest(prompt="Once"))
-
-The ingress never touches arrays. Its routes are deployments/http/routes/ (a file per route
-group) on `api`; they and the handle API reach the decoder through http/decoder_calls.py, whose
-failures become OpenAI's error body (4xx naming the field, 503 with Retry-After, 500 with only a
-request id). A client that goes away cancels its request, streaming or not.
 """
 
-import asyncio
-import os
-import time
-
-from fastapi import FastAPI
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.handle import DeploymentHandle
 
-from generation.cli import version
-from generation.front import Finish, Generation, rejected
-
-from .autoscaling import RUNNING, SLOTS, WAITING
-from .batch.requests import BatchRequest
-from .config import DEFAULT_MODEL_NAME, AppConfig, app_kind
-from .batch.route_client import RouteClient
-from .errors import Overloaded, RequestError, refusal_fields
-from .http.batches import BatchCalls
-from .http.decoder_calls import DecoderCalls
-from .http.edge import body_limit, install_error_handlers, replica_id
-from .http.ingress_state import IngressState
-from .http.media import Media
-from .http.routes import ROUTERS as HTTP_ROUTERS
-from .http.to_decoder import typed, with_id
-from .local_handle import LocalHandle
-from .schema import (EmbedRequest, EmbedResponse, GenerateRequest, Refusal,
-                     Transcription, TranscriptionRequest)
-from .services.batches import BatchService
-from .services.loading import decoder_service, encoding_service
-from .services.response_store import ResponseStore
+from . import replicas
+from .config import AppConfig, app_kind
 from .services.routing import ROUTERS
 
 ROUTER_ON_LOOP = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
@@ -60,299 +31,47 @@ PARTS = {"text": ("Ingress", "Decoder", "Responses", "Batches"),
 # The same with the routes and the decoder in one Server deployment (AppConfig.colocate).
 COLOCATED_PARTS = {kind: ("Server", *names[2:]) for kind, names in PARTS.items()}
 
-
-class _Encoding:
-    """The one shape of the Encoder and Vision deployments: the service of their KIND
-    (deployments/services/encoding.py) loaded from the config; each verb a call of it. Their
-    replies go to the decoder unopened."""
-
-    KIND: str  # "encoder" or "vision"
-
-    def __init__(self, config: dict):
-        started = time.perf_counter()
-        self.service = encoding_service(self.KIND, AppConfig(**config))
-        self.service.metrics.started(time.perf_counter() - started)
-
-    def metrics(self) -> str:
-        return self.service.metrics.text()
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
-class Encoder(_Encoding):
-    """An encoder-decoder model's encoder (deployments.services.encoder.EncoderService): uploaded audio
-    decoded to samples, Whisper windows or texts through the encoder."""
-
-    KIND = "encoder"
-
-    def decode_audio(self, data: bytes, filename: str = "file"):
-        return self.service.decode_audio(data, filename)
-
-    def encode_features(self, windows):
-        return self.service.encode_features(windows)
-
-    def encode_text(self, sources: list):
-        return self.service.encode_text(sources)
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
-class Vision(_Encoding):
-    """A vision-language model's image and video preprocessing and vision encoder
-    (deployments.services.vision.VisionService), features cached by content."""
-
-    KIND = "vision"
-
-    def encode_image(self, data: bytes, name: str = "image"):
-        return self.service.encode_image(data, name)
-
-    def encode_video(self, data: bytes | list[bytes], name: str = "video"):
-        return self.service.encode_video(data, name)
-
+# The deployments: each replica's class (deployments/replicas.py) with its resources, scaling and
+# draining.
+Encoder = serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)(replicas.Encoder)
+Vision = serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)(replicas.Vision)
 
 # One replica: every ingress replica's /v1/responses reads and writes the same records (a second
 # replica would hold other ones). It takes no CPU of its own: a dict and, optionally, a folder. Serve
 # runs its (sync) methods on a thread pool, several at once: the store takes a lock in each.
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, num_replicas=1)
-class Responses(ResponseStore):
-    """The stored responses of /v1/responses (deployments.services.response_store), bounded as
-    the config says (response_store_bytes, response_ttl_seconds, response_folder)."""
-
-    def __init__(self, store: dict):
-        super().__init__(store["response_store_bytes"], store["response_ttl_seconds"], store["response_folder"])
-
+Responses = serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
+                             num_replicas=1)(replicas.Responses)
 
 # One replica: it holds the files and runs the batches (a second would hold others). It takes no
 # CPU of its own: its lines' work is the routes' (answer_line) and the decoder's. A redeploy that
 # leaves its settings as they are leaves it running where Serve can; a replaced one resumes.
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, num_replicas=1)
-class Batches(BatchService):
-    """/v1/files and /v1/batches (deployments.services.batches): each batch line is sent to the
-    routes of a replica of the deployment that serves HTTP (`settings["routes"]`: Ingress, or the
-    colocated Server), which answers it as it answers the same request over HTTP (answer_line)."""
-
-    async def __init__(self, settings: dict):
-        super().__init__(settings["batch_folder"], settings["batch_concurrency"], self._send)
-        self._routes_name, self._routes = settings["routes"], None
-        self.start()
-
-    async def _send(self, custom_id: str, url: str, body: dict) -> dict | None:
-        from ray.serve.exceptions import BackPressureError
-
-        from .http.decoder_calls import cause_of, replica_lost
-
-        if self._routes is None:  # by name: the routes' deployment is bound to this one, not the other way
-            self._routes = serve.get_deployment_handle(self._routes_name, _check_exists=False)
-        reply = self._routes.answer_line.remote(custom_id, url, body)
-        try:
-            return await reply
-        except asyncio.CancelledError:
-            reply.cancel()  # the batch was cancelled: its row is freed at the next step
-            raise
-        except Exception as e:  # noqa: BLE001 - no replica took it (lost, restarting, busy): the line is sent again
-            if replica_lost(cause_of(e)) or isinstance(cause_of(e), BackPressureError):
-                return None
-            raise
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def __del__(self):
-        self.close()
-
+Batches = serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
+                           num_replicas=1)(replicas.Batches)
 
 # The ingress sends a request to the decoder replica that most likely holds its prompt's prefix
 # (deployments/services/routing.py); a Serve config's request_router_config replaces it (ROUTERS).
 # A replica that is scaled down or replaced by a redeploy takes no new request and finishes the
 # rows it holds, up to DRAIN_SECONDS (a long generation at a slow model's pace), so no stream is cut.
-@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024, health_check_period_s=2,
-                  health_check_timeout_s=10, request_router_config=RequestRouterConfig(request_router_class=ROUTERS["prefix"]),
-                  graceful_shutdown_timeout_s=DRAIN_SECONDS, graceful_shutdown_wait_loop_s=1)
-class Decoder:
-    """Owns the model and its continuous batching loop (deployments.services.generator.TextGenerator). An
-    encoder-decoder model's decoder gets its sources' encoder outputs from the Encoder
-    deployment (through the ingress's calls, or `encoder` for Whisper's later windows)."""
-
-    def __init__(self, config: dict, encoder: DeploymentHandle | None = None):
-        started = time.perf_counter()
-        cfg = AppConfig(**config)
-        self.encoder = encoder
-        self.generator = decoder_service(cfg, DEFAULT_MODEL_NAME)
-        self.replica = replica_id()  # a stored response's next turn asks for it (GenerateRequest.affinity)
-        self.generator.metrics.started(time.perf_counter() - started)
-
-    async def generate(self, request: GenerateRequest, encoded=None, *images) -> Generation:
-        try:
-            response = await self.generator.generate(request, encoded, images)
-            response.finish.replica = self.replica
-            return response
-        except (RequestError, Overloaded) as e:  # the client's problem: an answer, not a replica error log
-            return Generation.refused(rejected(**refusal_fields(e)))
-
-    async def stream(self, request: GenerateRequest, encoded=None, *images):
-        try:
-            async for event in self.generator.stream(request, encoded, images):
-                if isinstance(event, Finish):
-                    event.replica = self.replica
-                yield event
-        except (RequestError, Overloaded) as e:
-            yield rejected(**refusal_fields(e))
-
-    async def embed(self, request: EmbedRequest) -> EmbedResponse:
-        embed = getattr(self.generator, "embed", None)
-        if embed is None:
-            return EmbedResponse(**refusal_fields(RequestError(
-                f"model: '{self.generator.name}' gives no embeddings (an embedding model's ONNX graph gives "
-                "last_hidden_state: optimum's --task feature-extraction)", "model")))
-        try:
-            return await embed(request)
-        except (RequestError, Overloaded) as e:
-            return EmbedResponse(**refusal_fields(e))
-
-    async def transcribe(self, samples, request: TranscriptionRequest):
-        if self.encoder is None:
-            return Refusal(**refusal_fields(RequestError(f"model: '{self.generator.name}' does not take audio", "model")))
-
-        def encode(windows):  # the first window, on the worker thread that prepares the clip
-            return self.encoder.encode_features.remote(windows).result()
-
-        async def aencode(windows):  # the later windows: awaited, no thread waits on the reply
-            return await self.encoder.encode_features.remote(windows)
-
-        try:
-            return await self.generator.transcribe(samples, request, encode, aencode)
-        except (RequestError, Overloaded) as e:
-            return Refusal(**refusal_fields(e))
-
-    async def tokenize(self, text, messages, add_special_tokens, add_generation_prompt, variables, token_strs):
-        try:
-            return self.generator.tokenize(text, messages, add_special_tokens, add_generation_prompt, variables,
-                                           token_strs)
-        except RequestError as e:
-            return Refusal(**refusal_fields(e))
-
-    async def detokenize(self, ids: list[int]):
-        try:
-            return self.generator.detokenize(ids)
-        except RequestError as e:
-            return Refusal(**refusal_fields(e))
-
-    def card(self):
-        return self.generator.card()
-
-    def metrics(self) -> str:
-        return self.generator.metrics.text()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """What the decoder's autoscaling policy reads (deployments.autoscaling.DecoderPolicy)."""
-        batcher = getattr(self.generator, "batcher", None)
-        if batcher is None:  # an embedding model: Ray's own rule (ongoing requests)
-            return {}
-        return {RUNNING: float(batcher.running), WAITING: float(batcher.waiting), SLOTS: float(batcher.slots)}
-
-    def check_health(self) -> None:
-        batcher = getattr(self.generator, "batcher", None)
-        if batcher is not None and not batcher.alive:
-            raise RuntimeError(f"the batching loop stopped ({getattr(batcher, '_stopped', None) or 'its thread ended'})")
-
-    def __del__(self):
-        generator = getattr(self, "generator", None)
-        if generator is not None:
-            generator.close()
-
-
-api = FastAPI(title="Raymuter", version=version(), docs_url=None, redoc_url=None, openapi_url=None,
-              description="OpenAI-style generation over ONNX models on Ray Serve. Every route but /health "
-                          "needs the API key (Authorization: Bearer KEY) when the server has one.")
-install_error_handlers(api)
-for _router in HTTP_ROUTERS:  # a file per route group: deployments/http/routes/
-    api.include_router(_router)
-
+Decoder = serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024, health_check_period_s=2,
+                           health_check_timeout_s=10,
+                           request_router_config=RequestRouterConfig(request_router_class=ROUTERS["prefix"]),
+                           graceful_shutdown_timeout_s=DRAIN_SECONDS, graceful_shutdown_wait_loop_s=1)(replicas.Decoder)
 
 # The ingress's handles route on its own event loop (Serve's default: a router thread, which every
 # streamed chunk hopped through); only here, as a handle built outside a running loop (a driver's
 # sync `.remote().result()`) needs the router thread. See deployments.cli.environment.SAME_LOOP.
-@serve.deployment(ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": ROUTER_ON_LOOP}},
-                  max_ongoing_requests=1024, graceful_shutdown_timeout_s=DRAIN_SECONDS,
-                  graceful_shutdown_wait_loop_s=1)
-@serve.ingress(api)
-class Ingress:
-    """HTTP routes (`api`: deployments/http/routes/, each reaching this replica's `state`) and the
-    Python handle API over the decoder."""
-
-    def __init__(self, decoder: DeploymentHandle, config: dict, encoder: DeploymentHandle | None = None,
-                 vision: DeploymentHandle | None = None, responses: DeploymentHandle | None = None,
-                 batches: DeploymentHandle | None = None):
-        cfg = AppConfig(**config)
-        max_body = body_limit(cfg.max_body_bytes)
-        calls = DecoderCalls(decoder, encoder, vision, Media(cfg.allow_remote_images, max_body))
-        self.state = IngressState(calls, cfg.api_key or os.environ.get("RAYMUTER_API_KEY") or None, max_body,
-                                  responses, BatchCalls(batches, cfg.file_size_limit))
-        self.lines = None  # the Batches deployment's lines, through these routes (answer_line)
-
-    async def generate(self, request: GenerateRequest | dict) -> Generation:
-        """One generation (handle.generate.remote(GenerateRequest(...)))."""
-        return await self.state.calls.generate(with_id(typed(request)))
-
-    async def generate_stream(self, request: GenerateRequest | dict):
-        """The front's events: an Echo (echo only), Deltas, then one Finish
-        (handle.options(stream=True).generate_stream.remote(...))."""
-        async for chunk in self.state.calls.chunks(with_id(typed(request))):
-            yield chunk
-
-    async def embed(self, request: EmbedRequest | dict) -> EmbedResponse:
-        """Embeddings of texts or token ids (handle.embed.remote(EmbedRequest(inputs=[...]))); a
-        refusal is an EmbedResponse with its error, status and field."""
-        return await self.state.calls.embed(request if isinstance(request, EmbedRequest) else EmbedRequest(**request))
-
-    async def transcribe(self, audio: bytes, request: TranscriptionRequest | dict | None = None,
-                         filename: str = "audio") -> Transcription:
-        """Whisper over an audio file's bytes (handle.transcribe.remote(data, TranscriptionRequest(...)))."""
-        return await self.state.transcribe(audio, request, filename)
-
-    async def models(self) -> list[dict]:
-        return [await self.state.model_card()]
-
-    async def answer_line(self, custom_id: str, url: str, body: dict) -> dict:
-        """A batch line answered by this replica's routes as they answer the same request over
-        HTTP (the Batches deployment sends its lines here): its OpenAI batch output line."""
-        if self.lines is None:
-            key = self.state.api_key
-            self.lines = RouteClient(api, {"authorization": f"Bearer {key}"} if key else None)
-        return await self.lines.answer(BatchRequest(custom_id, url, body))
-
-    def pid(self) -> int:
-        return os.getpid()
-
+Ingress = serve.deployment(ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": ROUTER_ON_LOOP}},
+                           max_ongoing_requests=1024, graceful_shutdown_timeout_s=DRAIN_SECONDS,
+                           graceful_shutdown_wait_loop_s=1)(replicas.HTTPIngress)
 
 # The routes and the decoder in one replica (AppConfig.colocate): the ingress's code over a
 # LocalHandle of its own Decoder, so a request and each streamed chunk cost no Ray message.
-@serve.deployment(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": ROUTER_ON_LOOP}},
-                  max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=10,
-                  graceful_shutdown_timeout_s=DRAIN_SECONDS, graceful_shutdown_wait_loop_s=1,
-                  logging_config={"enable_access_log": False})
-class Server(Ingress.func_or_class):
-    """HTTP routes and the Python handle API with the model in the same process."""
+Server = serve.deployment(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": ROUTER_ON_LOOP}},
+                          max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=10,
+                          graceful_shutdown_timeout_s=DRAIN_SECONDS, graceful_shutdown_wait_loop_s=1,
+                          logging_config={"enable_access_log": False})(replicas.Server)
 
-    async def __init__(self, config: dict, encoder: DeploymentHandle | None = None,
-                       vision: DeploymentHandle | None = None, responses: DeploymentHandle | None = None,
-                       batches: DeploymentHandle | None = None):
-        self.model = Decoder.func_or_class(config, encoder)
-        await super().__init__(LocalHandle(self.model), config, encoder, vision, responses, batches)
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        return self.model.record_autoscaling_stats()
-
-    def check_health(self) -> None:
-        self.model.check_health()
-
-    def pid(self) -> int:
-        return self.model.pid()
-
-    async def __del__(self):  # Serve's shutdown of the replica: the routes, then the batching loop
-        await super().__del__()
-        self.model.__del__()
+api = replicas.build_api()  # this process's: the OpenAPI document, the routes in process (tests, raymuter batch)
 
 
 def build(args: dict | None = None):
