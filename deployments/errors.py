@@ -4,7 +4,7 @@ engine front's own type, one from the queue to the route)."""
 
 from __future__ import annotations
 
-from generation.front import Overloaded
+from generation.front import Finish, Overloaded, rejected
 
 
 class RequestError(ValueError):
@@ -27,9 +27,10 @@ class NotFound(RequestError):
     (HTTP 404 naming the field that named it)."""
 
 
-def refusal_fields(error: Exception) -> dict:
-    """A decoder answer's refusal fields (deployments/schema.py's Refusal): 503 for a full queue,
-    else 400 naming the field."""
+def refusal(error: RequestError | Overloaded) -> Finish:
+    """How a refusal crosses the Ray hop from the decoder, whatever the verb: the engine front's
+    "rejected" Finish (503 for a full queue, else 400 naming the field), an answer rather than
+    an exception (which a replica would log as its own failure)."""
     if isinstance(error, Overloaded):
-        return {"error": str(error), "status": 503, "field": None, "predicate": None}
-    return {"error": str(error), "status": 400, "field": error.field, "predicate": getattr(error, "predicate", None)}
+        return rejected(str(error), 503)
+    return rejected(str(error), 400, error.field, getattr(error, "predicate", None))

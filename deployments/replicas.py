@@ -20,13 +20,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from generation.cli import version
-from generation.front import Finish, Generation, rejected
+from generation.front import Finish, Generation
 
 from .autoscaling import RUNNING, SLOTS, WAITING
 from .batch.requests import BatchRequest
 from .batch.route_client import RouteClient
 from .config import DEFAULT_MODEL_NAME, AppConfig
-from .errors import Overloaded, RequestError, refusal_fields
+from .errors import Overloaded, RequestError, refusal
 from .http.batches import BatchCalls
 from .http.decoder_calls import DecoderCalls
 from .http.edge import body_limit, install_error_handlers, replica_id
@@ -35,8 +35,8 @@ from .http.media import Media
 from .http.routes import ROUTERS as HTTP_ROUTERS
 from .http.to_decoder import typed, with_id
 from .local_handle import LocalHandle
-from .schema import (EmbedRequest, EmbedResponse, GenerateRequest, Refusal,
-                     Transcription, TranscriptionRequest)
+from .http.openai import ApiError
+from .schema import EmbedRequest, EmbedResponse, GenerateRequest, Transcription, TranscriptionRequest
 from .services.batches import BatchService
 from .services.loading import decoder_service, encoding_service
 from .services.response_store import ResponseStore
@@ -151,7 +151,7 @@ class Decoder:
             response.finish.replica = self.replica
             return response
         except (RequestError, Overloaded) as e:  # the client's problem: an answer, not a replica error log
-            return Generation.refused(rejected(**refusal_fields(e)))
+            return Generation.refused(refusal(e))
 
     async def stream(self, request: GenerateRequest, encoded=None, *images):
         try:
@@ -160,22 +160,23 @@ class Decoder:
                     event.replica = self.replica
                 yield event
         except (RequestError, Overloaded) as e:
-            yield rejected(**refusal_fields(e))
+            yield refusal(e)
 
-    async def embed(self, request: EmbedRequest) -> EmbedResponse:
+    # each verb's refusal is an answer: errors.refusal's Finish
+    async def embed(self, request: EmbedRequest) -> EmbedResponse | Finish:
         embed = getattr(self.generator, "embed", None)
         if embed is None:
-            return EmbedResponse(**refusal_fields(RequestError(
+            return refusal(RequestError(
                 f"model: '{self.generator.name}' gives no embeddings (an embedding model's ONNX graph gives "
-                "last_hidden_state: optimum's --task feature-extraction)", "model")))
+                "last_hidden_state: optimum's --task feature-extraction)", "model"))
         try:
             return await embed(request)
         except (RequestError, Overloaded) as e:
-            return EmbedResponse(**refusal_fields(e))
+            return refusal(e)
 
-    async def transcribe(self, samples, request: TranscriptionRequest):
+    async def transcribe(self, samples, request: TranscriptionRequest) -> Transcription | Finish:
         if self.encoder is None:
-            return Refusal(**refusal_fields(RequestError(f"model: '{self.generator.name}' does not take audio", "model")))
+            return refusal(RequestError(f"model: '{self.generator.name}' does not take audio", "model"))
 
         def encode(windows):  # the first window, on the worker thread that prepares the clip
             return self.encoder.encode_features.remote(windows).result()
@@ -186,20 +187,20 @@ class Decoder:
         try:
             return await self.generator.transcribe(samples, request, encode, aencode)
         except (RequestError, Overloaded) as e:
-            return Refusal(**refusal_fields(e))
+            return refusal(e)
 
     async def tokenize(self, text, messages, add_special_tokens, add_generation_prompt, variables, token_strs):
         try:
             return self.generator.tokenize(text, messages, add_special_tokens, add_generation_prompt, variables,
                                            token_strs)
         except RequestError as e:
-            return Refusal(**refusal_fields(e))
+            return refusal(e)
 
     async def detokenize(self, ids: list[int]):
         try:
             return self.generator.detokenize(ids)
         except RequestError as e:
-            return Refusal(**refusal_fields(e))
+            return refusal(e)
 
     def card(self):
         return self.generator.card()
@@ -265,8 +266,11 @@ class Ingress:
 
     async def embed(self, request: EmbedRequest | dict) -> EmbedResponse:
         """Embeddings of texts or token ids (handle.embed.remote(EmbedRequest(inputs=[...]))); a
-        refusal is an EmbedResponse with its error, status and field."""
-        return await self.state.calls.embed(request if isinstance(request, EmbedRequest) else EmbedRequest(**request))
+        refusal is an EmbedResponse with its error, status and field (the handle API's answer)."""
+        try:
+            return await self.state.calls.embed(request if isinstance(request, EmbedRequest) else EmbedRequest(**request))
+        except ApiError as e:
+            return EmbedResponse(error=e.message, status=e.status, field=e.param, predicate=e.predicate)
 
     async def transcribe(self, audio: bytes, request: TranscriptionRequest | dict | None = None,
                          filename: str = "audio") -> Transcription:

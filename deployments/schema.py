@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from generation.front import Delta, Echo, EngineRequest, Finish, Generation, SpeechRequest
 
 __all__ = ["Delta", "Echo", "EmbedRequest", "EmbedResponse", "EngineRequest", "Finish", "GenerateRequest",
-           "GenerateResponse", "Generation", "ModelCard", "Refusal", "Segment", "SpeechRequest", "Tokenized",
+           "GenerateResponse", "Generation", "ModelCard", "Segment", "SpeechRequest", "Tokenized",
            "Transcription", "TranscriptionRequest"]
 
 
@@ -47,8 +47,8 @@ class EmbedRequest(BaseModel):
 
 
 class EmbedResponse(BaseModel):
-    """One vector per input, in order, and the tokens they took; a refusal's `error`, `status`
-    and `field` as a Refusal's."""
+    """One vector per input, in order, and the tokens they took; the handle API's refusal: its
+    `error`, `status` and `field` (over HTTP, OpenAI's error)."""
 
     embeddings: list[list[float]] = Field(default_factory=list)
     prompt_tokens: int = 0
@@ -97,11 +97,3 @@ class Transcription(BaseModel):
     segments: list[Segment] | None = None
 
 
-class Refusal(BaseModel):
-    """A request the decoder refused before running it: 400 (bad input; `field` names it) or
-    503 (busy)."""
-
-    error: str
-    status: int
-    field: str | None = None
-    predicate: str | None = None  # what `error` says of `field` after its name (a route names the field its own way)

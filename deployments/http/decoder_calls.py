@@ -17,7 +17,7 @@ import asyncio
 from ..errors import Overloaded, RequestError
 from generation.front import Finish, Generation
 
-from ..schema import EmbedRequest, EmbedResponse, GenerateRequest, Refusal
+from ..schema import EmbedRequest, EmbedResponse, GenerateRequest
 from .edge import RETRY_AFTER_SECONDS, request_id, server_error
 from .media import Media
 from .openai import ApiError
@@ -32,10 +32,11 @@ def busy(reason) -> ApiError:
 
 
 def refused(result, request_id_: str) -> ApiError | None:
-    """The ApiError of a decoder answer that refused or failed the request (a Refusal, or a
-    Generation or stream event whose Finish says so), else None."""
+    """The ApiError of a decoder answer that refused or failed the request (its Finish says so:
+    the answer itself, a stream's event or a Generation's), else None. The one place a decoder's
+    refusal becomes OpenAI's error."""
     finish = result.finish if isinstance(result, Generation) else result
-    if isinstance(finish, Refusal) or (isinstance(finish, Finish) and finish.finish_reason == "rejected"):
+    if isinstance(finish, Finish) and finish.finish_reason == "rejected":
         return busy(finish.error) if finish.status == 503 else ApiError(finish.status or 400, finish.error,
                                                                         param=finish.field, predicate=finish.predicate)
     if isinstance(finish, Finish) and finish.finish_reason == "error":
@@ -147,8 +148,8 @@ class DecoderCalls:
             raise for_request(e, body, prompt_index) from None
 
     async def embed(self, request: EmbedRequest) -> EmbedResponse:
-        """Embeddings (the handle API's); a refusal is an EmbedResponse with its error, status and field."""
-        return await self.call(self.decoder.embed.remote(request), request.request_id or request_id("embd-"))
+        """Embeddings of texts or token ids."""
+        return await self.answer(self.decoder.embed.remote(request), request.request_id or request_id("embd-"))
 
     async def tokenize(self, prompt, messages, add_special_tokens, add_generation_prompt, variables, token_strs,
                        request_id_: str):
@@ -174,10 +175,11 @@ class DecoderCalls:
         return parts
 
     async def answer(self, response, request_id_: str):
-        """A decoder call's reply (tokenize, detokenize, transcribe), a Refusal raised as its ApiError."""
+        """A decoder call's reply (embed, tokenize, detokenize, transcribe), a refusal raised as its ApiError."""
         out = await self.call(response, request_id_)
-        if isinstance(out, Refusal):
-            raise refused(out, request_id_)
+        refusal = refused(out, request_id_)
+        if refusal is not None:
+            raise refusal
         return out
 
     async def call(self, response, request_id_: str, raw: bool = False):

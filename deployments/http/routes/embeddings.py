@@ -6,10 +6,9 @@ from fastapi import APIRouter, Depends, Request
 
 from ...schema import EmbedRequest
 from ..answers import embedding_response
-from ..decoder_calls import busy
 from ..edge import ERRORS, answers, body_of
 from ..ingress_state import IngressState, guarded
-from ..openai import ApiError, EmbeddingRequest
+from ..openai import EmbeddingRequest
 from ..openai_replies import EmbeddingList
 
 router = APIRouter()
@@ -19,7 +18,5 @@ router = APIRouter()
 async def embeddings(request: Request, state: IngressState = Depends(guarded)):
     async def run(body: EmbeddingRequest, card: dict, rid: str):
         out = await state.calls.embed(EmbedRequest(inputs=body.inputs(), dimensions=body.dimensions, request_id=rid))
-        if out.error is not None:
-            raise busy(out.error) if out.status == 503 else ApiError(out.status or 400, out.error, param=out.field)
         return embedding_response(card["id"], out.embeddings, out.prompt_tokens, body.encoding_format)
     return await state.route(request, EmbeddingRequest, run, prefix="embd-")
