@@ -29,13 +29,11 @@ FRONT_EXPORTS = 25
 OPTION_PATH = ("generation/front", "generation/engine", "generation/cli.py", "deployments")
 OPTION_FILES = 3
 SHAPE_OPTIONS = ("slots", "capacity")  # the decode state's shape: a parameter of every part that sizes it
-# option -> the files that write it out today: `raymuter serve`'s layout flags and `raymuter batch`'s
-# defaults (deployments/cli/), the variant that picks the layout and finds a folder's files
+# option -> the files that write it out today: the command line's --grammar-budget FIELD=VALUE flag
+# and its JSON type for a Serve config, `raymuter batch`'s whole prompts (deployments/cli/)
 KNOWN_OPTION_FILES = {
-    "engine_process": 4,
     "grammar_budget": 4,
     "prefill_chunk_tokens": 4,
-    "variant": 6,
 }
 WIRE_SHAPES = ("deployments/http/openai.py", "deployments/http/openai_replies.py")  # OpenAI's, field for field
 

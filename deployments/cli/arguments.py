@@ -68,29 +68,29 @@ def argparse_hidden():
     return argparse.SUPPRESS
 
 
-def layout(split: bool, colocate: bool | None, engine_process: bool | None, *, model: str | None,
-           variant: str | None = None, engine: str = "onnx", routes_scaled: bool = False) -> dict:
-    """AppConfig's colocate and engine_process from --split, --colocate and --engine-process (None:
-    not given); with none given, a decoder-only text model's (the fastest on one node:
-    bench/serve.py) unless the routes are autoscaled apart, and the two-deployment layout for
-    anything else."""
+def layout(args, routes_scaled: bool = False) -> dict:
+    """AppConfig's colocate and engine_process from the command line's --split, --colocate and
+    --engine-process (None or absent: not given; `raymuter batch` has none of them); with none
+    given, a decoder-only text model's (the fastest on one node: bench/serve.py) unless the routes
+    are autoscaled apart, and the two-deployment layout for anything else."""
+    split, colocate, engine_process = (getattr(args, flag, None) for flag in ("split", "colocate", "engine_process"))
     if split and (colocate or engine_process):
         raise ValueError("--split puts the routes and the batching loop in separate places: it takes neither "
                          "--colocate nor --engine-process")
     if split or colocate is not None or engine_process is not None:
         return dict(colocate=bool(colocate), engine_process=bool(engine_process))
-    fast = engine == "onnx" and not routes_scaled and _generative_text(model, variant)
+    fast = args.engine == "onnx" and not routes_scaled and _generative_text(args)
     return dict(colocate=fast, engine_process=fast)
 
 
-def _generative_text(model: str | None, variant: str | None) -> bool:
-    """Whether `model` (None: the default model) is a decoder-only text generator (not an
-    encoder-decoder, vision or embedding model)."""
-    if model is None:
+def _generative_text(args) -> bool:
+    """Whether the arguments' model (None: the default model) is a decoder-only text generator
+    (not an encoder-decoder, vision or embedding model)."""
+    if args.model is None:
         return True
     from generation.front import ModelFolder
 
-    folder = ModelFolder.local(model, variant)
+    folder = ModelFolder.local(args.model, args.variant)
     return ModelFolder.kind(str(folder)) == "text" and not ModelFolder.embeds(folder)
 
 

@@ -95,9 +95,7 @@ def batch_engine_config(args) -> dict:
     config = engine_config(args)
     if config["prefill_chunk_tokens"] is None:
         config["prefill_chunk_tokens"] = 0
-    config["engine_process"] = layout(False, None, None, model=args.model, variant=args.variant,
-                                      engine=args.engine)["engine_process"]
-    return config
+    return {**config, **layout(args), "colocate": False}  # colocate places a server's routes: none here
 
 
 def _table_options(args) -> dict | None:

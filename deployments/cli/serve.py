@@ -81,8 +81,7 @@ def app_config(args) -> dict:
                 engine_cores=None if args.engine_cores is None else list(cores.parse(args.engine_cores,
                                                                                      "--engine-cores")),
                 reserve_cores=args.reserve_cores,
-                **layout(args.split, args.colocate, args.engine_process, model=args.model, variant=args.variant,
-                         engine=args.engine, routes_scaled="ingress" in autoscaling))
+                **layout(args, routes_scaled="ingress" in autoscaling))
 
 
 def place_cores(config: dict):

@@ -338,6 +338,9 @@ class EngineFront:
         """A prompt's token ids, or messages' through the chat template (as a chat renders them;
         `variables` the template's, a chat's tools among them); add_special_tokens defaults to
         true for a prompt, false for messages."""
+        if (text is None) == (messages is None):
+            raise Refused("give exactly one of prompt and messages", "prompt", message="give exactly one of prompt "
+                                                                                  "and messages")
         if messages is not None:
             if self.inputs.takes_images and any(isinstance(m.get("content"), list) and any(
                     p.get("type") in ("image_url", "video_url", "video") for p in m["content"]) for m in messages):

@@ -36,6 +36,8 @@ async def last_event(stream):
     ("tokenize", lambda d: d.tokenize(None, [{"role": "user", "content": [{"type": "image_url"}]}], None, True, None,
                                       False), "messages.0.content.0"),
     ("tokenize a text past the context", lambda d: d.tokenize("a" * 50_000, None, None, True, None, False), "prompt"),
+    ("tokenize neither a prompt nor messages", lambda d: d.tokenize(None, None, None, True, None, False), "prompt"),
+    ("tokenize both", lambda d: d.tokenize("a", [{"role": "user", "content": "a"}], None, True, None, False), "prompt"),
 ])
 def test_every_verb_answers_its_refusal_as_the_front_s_rejected_finish(decoder, verb, call, field):
     answer = asyncio.run(call(decoder))
