@@ -29,12 +29,8 @@ FRONT_EXPORTS = 25
 OPTION_PATH = ("generation/front", "generation/engine", "generation/cli.py", "deployments")
 OPTION_FILES = 3
 SHAPE_OPTIONS = ("slots", "capacity")  # the decode state's shape: a parameter of every part that sizes it
-# option -> the files that write it out today: the command line's --grammar-budget FIELD=VALUE flag
-# and its JSON type for a Serve config, `raymuter batch`'s whole prompts (deployments/cli/)
-KNOWN_OPTION_FILES = {
-    "grammar_budget": 4,
-    "prefill_chunk_tokens": 4,
-}
+# option -> the files that write it out today, where more than OPTION_FILES (none now)
+KNOWN_OPTION_FILES: dict[str, int] = {}
 WIRE_SHAPES = ("deployments/http/openai.py", "deployments/http/openai_replies.py")  # OpenAI's, field for field
 
 

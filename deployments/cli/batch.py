@@ -15,7 +15,7 @@ def add_batch_arguments(parser) -> None:
     parser.add_argument("input", help="OpenAI batch JSONL (custom_id, method, url, body per line), or a table "
                                       "(.parquet, .csv, or .jsonl with --prompt-column / --messages-column)")
     parser.add_argument("output", help="OpenAI batch output JSONL; lines already there are not run again")
-    add_engine_arguments(parser, whole_prompts=True)
+    add_engine_arguments(parser, batch=True)
     parser.add_argument("--replicas", type=int, default=1, help="engine actors (each a decoder with --slots rows)")
     parser.add_argument("--cpus-per-replica", type=float, help="Ray CPUs of one engine actor (default: the machine's "
                                                                "CPUs over --replicas, at least 1)")
@@ -88,14 +88,12 @@ def _batch(args, config: dict, folder: Path | None) -> int:
 
 
 def batch_engine_config(args) -> dict:
-    """`serve`'s engine options, but prompts whole unless --prefill-chunk-tokens says otherwise (a
-    batch has no interactive rows whose pace chunks would keep), and a decoder-only text model's
-    batching loop in a child process of the engine actor, as `serve`'s default layout has it (the
-    lines' routes then do not share the loop's GIL): bench/batch.py."""
-    config = engine_config(args)
-    if config["prefill_chunk_tokens"] is None:
-        config["prefill_chunk_tokens"] = 0
-    return {**config, **layout(args), "colocate": False}  # colocate places a server's routes: none here
+    """`serve`'s engine options (with `raymuter batch`'s defaults: prompts whole unless
+    --prefill-chunk-tokens says otherwise, a batch having no interactive rows whose pace chunks
+    would keep), and a decoder-only text model's batching loop in a child process of the engine
+    actor, as `serve`'s default layout has it (the lines' routes then do not share the loop's
+    GIL): bench/batch.py."""
+    return {**engine_config(args), **layout(args), "colocate": False}  # colocate places a server's routes: none here
 
 
 def _table_options(args) -> dict | None:

@@ -27,9 +27,7 @@ def model_context(model, options, settings: dict, draft=None):
     `settings` over its generation_config.json."""
     import generation
 
-    return generation.context(model, cache_mode=options.cache_mode, token_logprobs=options.max_logprobs >= 0,
-                              top_logprobs=max(0, options.max_logprobs), draft=draft,
-                              grammar_budget=options.grammar_budget, **settings)
+    return generation.context(model, draft=draft, **options.context_arguments(), **settings)
 
 
 def batcher_from_model(cls, source, options, cores: tuple[int, ...] | None = None, **settings):

@@ -13,6 +13,7 @@ refused by name when the options are made.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -23,14 +24,16 @@ from .request import own_fields
 
 
 def option(default, help: str, low=None, high=None, choices=None, served=None, flag: bool = True,
-           off: str | None = None, serve: bool = True):
+           off: str | None = None, serve: bool = True, batch: tuple | None = None, json=None):
     """A field of EngineOptions: its default, a sentence of help, its integer range or its
     choices; `served`: a server's default where it differs from a library caller's (a server
-    runs many rows, and keeps prefixes); `flag`: whether the CLI makes it a flag (`off`: a true
-    default's --no- flag's help); `serve`: whether a server's configuration takes it."""
+    runs many rows, and keeps prefixes); `batch`: (`raymuter batch`'s default, why) where it
+    differs from a server's; `flag`: whether the CLI makes it a flag (`off`: a true default's
+    --no- flag's help); `serve`: whether a server's configuration takes it; `json`: its type in a
+    Serve config where the field's own says less."""
     return field(default=default, metadata={"help": help, "low": low, "high": high, "choices": choices,
                                             "served": default if served is None else served, "flag": flag,
-                                            "off": off, "serve": serve})
+                                            "off": off, "serve": serve, "batch": batch, "json": json})
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,9 @@ class EngineOptions:
     prefill_chunk_tokens: int | None = option(None, "prompt tokens the decoder runs per step: a long prompt (or a "
                                                     "burst) runs in chunks between the running rows' steps, which "
                                                     f"keep their pace (default: {DEFAULT_PREFILL_CHUNK_TOKENS}; 0: "
-                                                    "every prompt whole at once)", 0, 2**31)
+                                                    "every prompt whole at once)", 0, 2**31,
+                                              batch=(0, "every prompt whole at once, no interactive rows to keep "
+                                                        "pace for"))
     fuse: bool = option(True, "run an Optimum / transformers.js Llama-family decoder as its fused rewrite "
                               "(generation.runtime.fusion; built once, cached under $RAYMUTER_CACHE)",
                         off="run an Optimum / transformers.js decoder as exported, not as its fused rewrite "
@@ -77,9 +82,12 @@ class EngineOptions:
     reserve_cores: int | None = option(None, "the engine process computes on all but the first this many cores "
                                              "(default: 1 from 4 cores, 0 below); needs engine_process", 0, 4096,
                                        flag=False)
-    grammar_budget: object = option(None, "what one request's constraint may cost (generation.logits.constraints."
-                                          "GrammarBudget, or a dict of its fields: seconds, max_grammar_size, ...)",
-                                    flag=False)
+    grammar_budget: object = option(None, "what one request's constraint (structured outputs, a tool's parameters) "
+                                          "may cost: generation.logits.constraints.GrammarBudget, or a dict of its "
+                                          "fields (seconds, max_grammar_size, initial_lexer_fuel, step_lexer_fuel, "
+                                          "step_max_items, max_items_in_row, max_lexer_states; default: 1 s, 4096 "
+                                          "symbols, 50000 fuel, llguidance's for the rest)",
+                                    served={}, json=dict[str, int | float])
     reasoning_parser: str = option("auto", "how a chat's reasoning is told from its answer: auto (from the chat "
                                            "template), none, or a parser by name (think: <think>...</think>; "
                                            "mistral: [THINK]...[/THINK])", choices=REASONING_PARSERS)
@@ -107,28 +115,63 @@ class EngineOptions:
         return cls(**options), {k: v for k, v in values.items() if k not in options}
 
     @classmethod
-    def add_flags(cls, parser, names=None, served: bool = True, helps: dict | None = None) -> None:
+    def add_flags(cls, parser, names=None, served: bool = True, batch: bool = False) -> None:
         """A flag on `parser` for each option of `names` (default: each whose `flag` says so), as its
         field gives it: --kv-cache-bytes, its range's type or its choices, its help, its default (a
-        server's where `served`, else a library caller's; a true default makes a --no- flag).
-        `helps`: an option's help where a command says it otherwise."""
+        server's where `served`, `raymuter batch`'s where `batch`, else a library caller's; a true
+        default makes a --no- flag). A dict option (grammar_budget) takes FIELD=VALUE[,FIELD=VALUE],
+        repeated."""
         for option in fields(cls):
             meta = option.metadata
             if not (option.name in names if names is not None else meta["flag"]):
                 continue
-            default = meta["served"] if served else option.default
+            default, help = meta["served"] if served else option.default, meta["help"]
             flag = "--" + option.name.replace("_", "-")
             if default is True:
                 parser.add_argument("--no-" + flag[2:], dest=option.name, action="store_false", help=meta["off"])
-                continue
-            help = (helps or {}).get(option.name, meta["help"] if default is None else f"{meta['help']} (default: "
-                                                                                         f"{default})")
-            parser.add_argument(flag, type=int if meta["low"] is not None else str, default=default,
-                                choices=meta["choices"], help=help)
+            elif isinstance(default, dict):
+                parser.add_argument(flag, action=_FieldValues, default=default, metavar="FIELD=VALUE[,FIELD=VALUE]",
+                                    help=f"{help}; e.g. {flag} seconds=2,max_grammar_size=8192")
+            else:
+                if batch and meta["batch"] is not None:
+                    default, why = meta["batch"]
+                    help = f"{help.split(' (default:')[0]} (default: {default}: {why})"
+                elif default is not None:
+                    help = f"{help} (default: {default})"
+                parser.add_argument(flag, type=int if meta["low"] is not None else str, default=default,
+                                    choices=meta["choices"], help=help)
+
+    def context_arguments(self) -> dict:
+        """The context's arguments (generation.context's) these options give: log-probabilities, the
+        KV cache mode, the constraint budget."""
+        return dict(cache_mode=self.cache_mode, token_logprobs=self.max_logprobs >= 0,
+                    top_logprobs=max(0, self.max_logprobs), grammar_budget=self.grammar_budget)
 
     def loop_arguments(self) -> dict:
         """The batching loop's arguments (ContinuousBatcher's: its slots, queue and budgets)."""
         return {name: getattr(self, name) for name in LOOP_OPTIONS}
+
+
+class _FieldValues(argparse.Action):
+    """FIELD=VALUE[,FIELD=VALUE], repeated -> one dict of numbers (a later value wins), checked
+    as the option's type takes it (GrammarBudget.of: a field that is not one, a value out of range)
+    before anything starts."""
+
+    def __call__(self, parser, namespace, text, option_string=None):
+        from generation.logits.constraints import GrammarBudget
+
+        values = dict(getattr(namespace, self.dest) or {})
+        for pair in text.split(","):
+            name, sep, value = pair.partition("=")
+            try:
+                values[name.strip()] = float(value) if name.strip() == "seconds" else int(value)
+            except ValueError:
+                raise argparse.ArgumentError(self, f"takes FIELD=VALUE (VALUE a number), not {pair!r}") from None
+        try:
+            GrammarBudget.of(values)
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        setattr(namespace, self.dest, values)
 
 
 LOOP_OPTIONS = ("slots", "capacity", "max_waiting", "prefix_cache_bytes", "kv_cache_bytes", "prefill_chunk_tokens")
