@@ -111,22 +111,37 @@ def artefacts(tmp_path_factory):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def venvs(artefacts, tmp_path_factory):
+    """{artefact: a fresh venv holding it with its EXTRAS}, installed as the Makefile installs (pip
+    itself first: --build-constraint is newer than the pip that venv bundles), less byte-compiling;
+    the two at once (pip mostly waits on one core). Removed after the module: 300 MB (`cpu`) to
+    1 GB (`cpu,serve`), and pytest keeps its last three runs' folders."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def install(name: str) -> Path:
+        venv = tmp_path_factory.mktemp(f"venv-{name}")
+        cwd = tmp_path_factory.mktemp("cwd")
+        run([sys.executable, "-m", "venv", venv], cwd=cwd)
+        python = venv / "bin" / "python"
+        run([python, "-m", "pip", "install", "-q", "-c", CONSTRAINTS, "pip"], cwd=cwd)
+        # --no-compile: byte-compiling every installed module (Ray's thousands) took 16 of the `serve`
+        # install's 38 s; what the tests import compiles as it is imported
+        run([python, "-m", "pip", "install", "-q", "--no-compile", *pinned(CONSTRAINTS),
+             f"{artefacts[name]}[{EXTRAS[name]}]"], cwd=cwd)
+        return venv
+
+    with ThreadPoolExecutor(len(EXTRAS)) as pool:
+        venvs = dict(zip(EXTRAS, pool.map(install, EXTRAS)))
+    yield venvs
+    for venv in venvs.values():
+        shutil.rmtree(venv, ignore_errors=True)
+
+
 @pytest.fixture(scope="module", params=list(EXTRAS))
-def venv(request, artefacts, tmp_path_factory):
-    """A fresh venv holding one artefact with its EXTRAS, installed as the Makefile installs (pip
-    itself first: --build-constraint is newer than the pip that venv bundles), less byte-compiling. Removed after the
-    module: 300 MB (`cpu`) to 1 GB (`cpu,serve`), and pytest keeps its last three runs' folders."""
-    venv = tmp_path_factory.mktemp(f"venv-{request.param}")
-    cwd = tmp_path_factory.mktemp("cwd")
-    run([sys.executable, "-m", "venv", venv], cwd=cwd)
-    python = venv / "bin" / "python"
-    run([python, "-m", "pip", "install", "-q", "-c", CONSTRAINTS, "pip"], cwd=cwd)
-    # --no-compile: byte-compiling every installed module (Ray's thousands) took 16 of the `serve`
-    # install's 38 s; what the tests import compiles as it is imported
-    run([python, "-m", "pip", "install", "-q", "--no-compile", *pinned(CONSTRAINTS),
-         f"{artefacts[request.param]}[{EXTRAS[request.param]}]"], cwd=cwd)
-    yield venv
-    shutil.rmtree(venv, ignore_errors=True)
+def venv(request, venvs):
+    """The venv of one artefact (each test runs in both unless it names one)."""
+    return venvs[request.param]
 
 
 def probe(venv: Path, script: str, cwd: Path):

@@ -18,21 +18,43 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from ports import quiet_port
 
 SCRIPT = Path(__file__).with_name("multinode.py")
 BATCH_SCRIPT = Path(__file__).with_name("batch_multinode.py")
 
 
-def test_a_lost_node_under_load_loses_no_request_silently():
-    # Serve's Python proxy on the head only: on one machine every node's proxy would share the port
+@pytest.fixture(scope="module")
+def clusters(tmp_path_factory):
+    """Both clusters' scripts, started together: each mostly waits (on its nodes' start, a lost
+    node's detection, a killed run), one core between them, so the module takes the longer one's
+    time, not the sum. {name: a function that waits for the script and gives its report}."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_SERVE_ENABLE_HA_PROXY="0", RAY_AUTH_MODE="disabled")
-    done = subprocess.run([sys.executable, str(SCRIPT), str(quiet_port())], capture_output=True, text=True,
-                          timeout=400, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    report = json.loads(lines[-1])
+    env.update(RAY_AUTH_MODE="disabled")
+    # Serve's Python proxy on the head only: on one machine every node's proxy would share the port
+    runs = {"lost_node": ([SCRIPT, quiet_port()], {**env, "RAY_SERVE_ENABLE_HA_PROXY": "0"}, 400),
+            "batch": ([BATCH_SCRIPT, tmp_path_factory.mktemp("batch")], env, 500)}
+    started = {name: (subprocess.Popen([sys.executable, *map(str, args)], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env=run_env), timeout)
+               for name, (args, run_env, timeout) in runs.items()}
+
+    def report(name: str) -> dict:
+        process, timeout = started[name]
+        out, err = process.communicate(timeout=timeout)
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        assert process.returncode == 0 and lines, err[-3000:]
+        return json.loads(lines[-1])
+
+    yield report
+    for process, _ in started.values():
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def test_a_lost_node_under_load_loses_no_request_silently(clusters):
+    report = clusters("lost_node")
     streams = 12
     assert len(set(report["decoder_nodes"])) == 2 and -1 not in report["decoder_nodes"], report  # spread
     # every slot ran at the kill; the rest waited (or, on a slow start, had run and ended)
@@ -46,14 +68,8 @@ def test_a_lost_node_under_load_loses_no_request_silently():
     assert report["after_whole"] == 4, report
 
 
-def test_raymuter_batch_on_a_cluster_spreads_its_engines_and_resumes_after_a_kill(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="disabled")
-    done = subprocess.run([sys.executable, str(BATCH_SCRIPT), str(tmp_path)], capture_output=True, text=True,
-                          timeout=500, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    report = json.loads(lines[-1])
+def test_raymuter_batch_on_a_cluster_spreads_its_engines_and_resumes_after_a_kill(clusters):
+    report = clusters("batch")
     assert 8 <= report["kept_after_kill"] < 120, report  # killed midway, its whole lines kept
     assert report["rerun_rc"] == 0, report
     assert f"{report['kept_after_kill']} already in" in report["rerun_stderr"], report  # the rerun skipped them
