@@ -142,21 +142,29 @@ def check_batch_folder(folder: str | None) -> None:
 
 
 def serve_command(args) -> int:
-    check_models(args)  # a hub id is fetched here, before app_config reads its kind
-    config = app_config(args)
-    check_port(args.host, args.port)
-    check_batch_folder(config["batch_folder"])
-    if args.start_timeout <= 0:
-        raise ValueError(f"--start-timeout: seconds above 0, not {args.start_timeout}")
+    # First thing: a server launched with SIGINT ignored (nohup, `&` in a script) kept ignoring a
+    # Ctrl-C that came before Ray started, and went on to serve.
+    stop_on_signals()
     from .. import instance
 
-    folder = instance.run_folder()
-    if config["batch_folder"] is None:  # in the run folder, so that the uploads go with it at stop
-        config["batch_folder"] = str(folder / "batches")
+    folder = None
     try:
+        check_models(args)  # a hub id is fetched here, before app_config reads its kind
+        config = app_config(args)
+        check_port(args.host, args.port)
+        check_batch_folder(config["batch_folder"])
+        if args.start_timeout <= 0:
+            raise ValueError(f"--start-timeout: seconds above 0, not {args.start_timeout}")
+        folder = instance.run_folder()
+        if config["batch_folder"] is None:  # in the run folder, so that the uploads go with it at stop
+            config["batch_folder"] = str(folder / "batches")
         return _serve(args, config, folder)
+    except KeyboardInterrupt:  # stopped before Ray started (_serve stops it once it has)
+        print("[raymuter] stopping ...", file=sys.stderr)
+        return 0
     finally:
-        instance.remove(folder)  # Ray's session and HAProxy's files: nothing of this instance stays in /tmp
+        if folder is not None:
+            instance.remove(folder)  # Ray's session and HAProxy's files: nothing of this instance stays in /tmp
 
 
 def _serve(args, config: dict, folder: Path) -> int:
@@ -176,7 +184,6 @@ def _serve(args, config: dict, folder: Path) -> int:
             from generation.front import cores
 
             cores.pin(place.service)
-    stop_on_signals()
     ray = None
     try:
         import ray

@@ -264,6 +264,25 @@ def test_sigterm_stops_it_and_the_uploads_go_with_it(pair):
     assert list(temporary.iterdir()) == []
 
 
+def test_a_sigint_before_ray_started_stops_it_though_ignored():
+    """Launched with SIGINT ignored, a Ctrl-C that comes at its first printed line (before Ray
+    starts) stops it: exit code 0, "stopping", no traceback, its run folder gone (it went on to
+    serve, the signal lost)."""
+    temporary = Path(f"/tmp/e{os.getpid() % 100000}")  # short enough for the run folder's sockets
+    temporary.mkdir()
+    try:
+        with serving("--port", free_port(), launch_only=True, env={"TMPDIR": str(temporary)}) as process:
+            first = process.stderr.readline()
+            assert first.startswith("[raymuter]"), first
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=60) == 0
+            rest = process.stderr.read()
+            assert "stopping" in rest and "Traceback" not in rest and "serving '" not in rest, first + rest
+        assert list(temporary.iterdir()) == []
+    finally:
+        subprocess.run(["rm", "-rf", str(temporary)])
+
+
 def test_the_default_layout_frees_slots_left_whole_and_answers_503_while_its_engine_restarts():
     """`raymuter serve` on the default model as a user starts it (the routes and the decoder in
     one replica, the batching loop in a child process): whole answers whose client's timeout
