@@ -83,13 +83,14 @@ class ServingConfig(BaseModel):
 JSON_TYPES = {
     "draft": str | None,
     "engine_cores": list[Annotated[int, Field(ge=0)]] | None,
+    "grammar_budget": dict[str, int | float],
 }
 
 
 def _engine_field(option, hint):
     """An engine option as a pydantic field: its served default, range or choices, and help."""
     meta = option.metadata
-    kind = meta["json"] or JSON_TYPES.get(option.name, hint)
+    kind = JSON_TYPES.get(option.name, hint)
     if meta["choices"] is not None:
         kind = Literal[meta["choices"]] if option.default is not None else Literal[meta["choices"]] | None
     bounds = {} if meta["low"] is None else {"ge": meta["low"], "le": meta["high"]}

@@ -24,16 +24,15 @@ from .request import own_fields
 
 
 def option(default, help: str, low=None, high=None, choices=None, served=None, flag: bool = True,
-           off: str | None = None, serve: bool = True, batch: tuple | None = None, json=None):
+           off: str | None = None, serve: bool = True, batch: tuple | None = None):
     """A field of EngineOptions: its default, a sentence of help, its integer range or its
     choices; `served`: a server's default where it differs from a library caller's (a server
     runs many rows, and keeps prefixes); `batch`: (`raymuter batch`'s default, why) where it
     differs from a server's; `flag`: whether the CLI makes it a flag (`off`: a true default's
-    --no- flag's help); `serve`: whether a server's configuration takes it; `json`: its type in a
-    Serve config where the field's own says less."""
+    --no- flag's help); `serve`: whether a server's configuration takes it."""
     return field(default=default, metadata={"help": help, "low": low, "high": high, "choices": choices,
                                             "served": default if served is None else served, "flag": flag,
-                                            "off": off, "serve": serve, "batch": batch, "json": json})
+                                            "off": off, "serve": serve, "batch": batch})
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class EngineOptions:
                                           "fields (seconds, max_grammar_size, initial_lexer_fuel, step_lexer_fuel, "
                                           "step_max_items, max_items_in_row, max_lexer_states; default: 1 s, 4096 "
                                           "symbols, 50000 fuel, llguidance's for the rest)",
-                                    served={}, json=dict[str, int | float])
+                                    served={})
     reasoning_parser: str = option("auto", "how a chat's reasoning is told from its answer: auto (from the chat "
                                            "template), none, or a parser by name (think: <think>...</think>; "
                                            "mistral: [THINK]...[/THINK])", choices=REASONING_PARSERS)
@@ -129,8 +128,8 @@ class EngineOptions:
             flag = "--" + option.name.replace("_", "-")
             if default is True:
                 parser.add_argument("--no-" + flag[2:], dest=option.name, action="store_false", help=meta["off"])
-            elif isinstance(default, dict):
-                parser.add_argument(flag, action=_FieldValues, default=default, metavar="FIELD=VALUE[,FIELD=VALUE]",
+            elif isinstance(meta["served"], dict):  # grammar_budget: its fields, parsed and checked here
+                parser.add_argument(flag, action=_FieldValues, default=dict(default or {}), metavar="FIELD=VALUE[,FIELD=VALUE]",
                                     help=f"{help}; e.g. {flag} seconds=2,max_grammar_size=8192")
             else:
                 if batch and meta["batch"] is not None:
