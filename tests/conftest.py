@@ -13,12 +13,19 @@ Nothing here imports the ``generation`` package, torch or transformers at import
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 _HERE = Path(__file__).resolve().parent
+# Byte-code caches for this process and every one the suite starts (Ray's workers, `raymuter serve`,
+# the packaging test's venvs): where the environment turns them off (PYTHONDONTWRITEBYTECODE), each
+# process compiled what it imports anew, ~0.4 s of a core a Ray worker, ~30 s a fresh venv's server.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # tests/ (the `model_builders` package) and every test folder on the import path, whatever pytest
 # collects: tests share helpers by module name (`from test_assisted import grounded` in
 # tests/generation/front/test_batching.py).
@@ -107,31 +114,109 @@ class Oracle:
         return self._logits[key].copy()
 
 
-# The session's Ray apps (serve_apps below): ~34 replicas and Serve's controller, which idle at
-# most of a core between them. Their modules run first and the apps stop after the last test
-# that uses them, instead of slowing every test after (the engine's, the CLI's, other Rays').
+# The session's Ray apps (serve_apps below): each app is ~4 replicas (~3.4 core-seconds each to
+# start) that idle at ~1% of a core apiece, Serve's controller more for each. Their modules run
+# first, ordered so that each app's tests sit together (app_order); an app stops after the last
+# test that names it, and the whole Ray after the last that uses it, instead of slowing every test
+# after (the engine's, the CLI's, other Rays'). A test that names an app that has stopped (a use
+# this scan missed) deploys it again: slower, never wrong. A module's own apps are deleted without
+# waiting for their replicas to stop (`serve.delete(name, _blocking=False)`): no later test deploys
+# the same name.
 SESSION_RAY = "serve_apps"
 _LAST_RAY_USER = pytest.StashKey[object]()
+_LAST_APP_USERS = pytest.StashKey[dict]()
+# Where an app is named: `serve_apps.real`, `serve_apps.app("real")`, a parameter "real".
+_APP_NAMED = re.compile(r"""serve_apps\.app\(["'](\w+)["']\)|serve_apps\.(\w+)\b""")
+# A module that deploys apps of its own counts as this many tests when app_order weighs it.
+_OWN_APPS_WEIGHT = 20
+
+
+def session_apps_of(item) -> set[str]:
+    """The session apps a test names in its own source, in its module's fixtures that it asks for,
+    or as a parameter."""
+    import inspect
+
+    sources = [item.function]
+    for name in item.fixturenames:
+        for definition in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            if getattr(definition.func, "__module__", None) == item.module.__name__:
+                sources.append(definition.func)
+    named = set()
+    for source in sources:
+        with contextlib.suppress(OSError, TypeError):
+            named.update(a or b for a, b in _APP_NAMED.findall(inspect.getsource(source)))
+    params = getattr(item, "callspec", None)
+    named.update(v for v in (params.params.values() if params else ()) if isinstance(v, str))
+    return named & set(ServeApps.CONFIGS)
+
+
+def app_order(modules: dict, weights: dict) -> list:
+    """`modules` ({module: [the set of apps each test names, in order]}) in the order that keeps
+    the sum of the apps' lifetimes (first test that names one to the last) small, each module
+    weighing `weights[module]` tests: a local search from the given order, moving one module at a
+    time while that shortens it."""
+    def lifetimes(order) -> float:
+        clock, first, last = 0.0, {}, {}
+        for module in order:
+            step = weights[module] / max(len(modules[module]), 1)
+            for apps in modules[module]:
+                for app in apps:
+                    first.setdefault(app, clock)
+                    last[app] = clock + step
+                clock += step
+        return sum(last[app] - first[app] for app in first)
+
+    order, best = list(modules), lifetimes(list(modules))
+    improved = True
+    while improved:
+        improved = False
+        for i in range(len(order)):
+            for j in range(len(order)):
+                moved = order[:i] + order[i + 1:]
+                moved.insert(j, order[i])
+                cost = lifetimes(moved)
+                if cost < best - 1e-9:
+                    order, best, improved = moved, cost, True
+    return order
 
 
 def pytest_collection_modifyitems(items):
     """The modules with a test that uses the session's Ray apps first, each whole and in its
-    order (a module's own fixtures are set up once), then the rest in theirs."""
+    order (a module's own fixtures are set up once), in app_order's order; then the rest in theirs."""
     users = {item.path for item in items if SESSION_RAY in item.fixturenames}
-    items.sort(key=lambda item: item.path not in users)  # stable: each group keeps its order
+    named = {}
+    for item in items:
+        if item.path in users:
+            named.setdefault(item.path, []).append(session_apps_of(item))
+    weights = {path: len(apps) + (_OWN_APPS_WEIGHT if "serve.run(" in path.read_text() else 0)
+               for path, apps in named.items()}
+    rank = {path: i for i, path in enumerate(app_order(named, weights))}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: each module keeps its order
 
 
 def pytest_collection_finish(session):
     users = [item for item in session.items if SESSION_RAY in item.fixturenames]
     session.config.stash[_LAST_RAY_USER] = users[-1] if users else None
+    last = {}
+    for item in users:
+        for app in session_apps_of(item):
+            last[app] = item
+    session.config.stash[_LAST_APP_USERS] = last
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the last test that uses the session's Ray apps, their fixture's own teardown (a
-    later test that asked for them again would start them anew)."""
+    """After the last test that names a session app, that app stops; after the last test that uses
+    the session's Ray apps, their fixture's own teardown (a later test that asked for them again
+    would start them anew)."""
     result = yield
-    if item is item.config.stash.get(_LAST_RAY_USER, None):
+    stash = item.config.stash
+    apps = item.funcargs.get(SESSION_RAY) if hasattr(item, "funcargs") else None
+    if apps is not None:
+        for app, last in stash.get(_LAST_APP_USERS, {}).items():
+            if last is item:
+                apps.retire(app)
+    if item is stash.get(_LAST_RAY_USER, None):
         item._fixtureinfo.name2fixturedefs[SESSION_RAY][-1].finish(item._request)
     return result
 
@@ -248,6 +333,7 @@ class ServeApps:
     FAKE = dict(engine="fake", name="fake", slots=4, step_seconds=0.005)
     GUARDED = dict(engine="fake", name="fake", slots=1, max_waiting=2, step_seconds=0.02, api_key="sesame",
                    max_body_bytes=4096)
+    CONFIGS = ("real", "fake", "guarded", "translate", "speech", "vision", "smolvlm", "embed")  # the apps' names
 
     def __init__(self, port: int, real_model: Path, s2s: dict, vl: dict, embedding_models: dict):
         self.port, self.real_model = port, real_model
@@ -266,7 +352,9 @@ class ServeApps:
                             settings={"max_new_tokens": 10}),
             "embed": dict(model=str(embedding_models["qwen2-embed"]), name="embed", threads=1),
         }
-        self._deployed = set()
+        assert set(self._configs) == set(self.CONFIGS)
+        self._deployed, self._retired = set(), set()
+        self.stopped = False  # the session's Serve has stopped (the fixture's teardown)
 
     def app(self, name: str) -> str:
         """The URL of the session's application `name`, deployed now if it is not yet."""
@@ -275,9 +363,21 @@ class ServeApps:
 
             from deployments.app import build
 
+            if name in self._retired:  # named again after its last test as the scan saw it
+                serve.delete(name)  # its stop finished first
+                self._retired.discard(name)
             serve.run(build(self._configs[name]), name=name, route_prefix="/" + name)
             self._deployed.add(name)
         return f"{self.url}/{name}"
+
+    def retire(self, name: str) -> None:
+        """Stop the application `name` (no later test names it), not waiting for its replicas."""
+        if name in self._deployed and not self.stopped:
+            from ray import serve
+
+            serve.delete(name, _blocking=False)
+            self._deployed.discard(name)
+            self._retired.add(name)
 
     real = property(lambda self: self.app("real"))
     fake = property(lambda self: self.app("fake"))
@@ -330,6 +430,7 @@ def serve_apps(test_models):
                      ensure_test_models(vision=True), ensure_embedding_models(test_models))
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield apps
+    apps.stopped = True
     # Serve's own shutdown first: it stops the handles' routers in this process, whose metrics
     # pushers (an autoscaled deployment's) went on after ray.shutdown alone, logging a traceback a
     # second for the rest of the session (and Python 3.11's traceback carets call ast.parse, which

@@ -158,4 +158,4 @@ def test_a_burst_grows_the_decoder_and_every_request_is_answered_whole(serve_app
             time.sleep(0.5)
         assert _replicas("scaled", "Decoder") == 1
     finally:
-        serve.delete("scaled")
+        serve.delete("scaled", _blocking=False)

@@ -57,4 +57,4 @@ def test_a_redeploy_under_load_cuts_no_stream(serve_apps):
         assert after.status_code == 200 and after.json()["choices"][0]["text"] == "retfa"
         assert not _replica_actors("drain") & before  # the replicas the streams ran on were all replaced
     finally:
-        serve.delete("drain")
+        serve.delete("drain", _blocking=False)

@@ -43,8 +43,8 @@ def apps(serve_apps, tmp_path_factory):
     serve.run(build(real), name="batches", route_prefix="/batches")
     serve.run(build(fake), name="batches-fake", route_prefix="/batches-fake")
     yield {"real": serve_apps.url + "/batches", "fake": serve_apps.url + "/batches-fake", "fake_config": fake}
-    serve.delete("batches")
-    serve.delete("batches-fake")
+    serve.delete("batches", _blocking=False)
+    serve.delete("batches-fake", _blocking=False)
 
 
 def client_of(url: str) -> openai.OpenAI:

@@ -35,7 +35,7 @@ def colocated(serve_apps):
             for name in ("colocated", "colocated-engine", "colocated-fake", "colocated-translate")}
     yield urls
     for name in urls:
-        serve.delete(name)
+        serve.delete(name, _blocking=False)
 
 
 def test_the_application_is_one_server_deployment_and_an_encoder_where_the_model_has_one(colocated):

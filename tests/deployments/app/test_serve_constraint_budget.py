@@ -48,7 +48,7 @@ def apps(serve_apps):
     urls = {"split": serve_apps.real, **{name: f"{serve_apps.url}/budget-{name}" for name in names}}
     yield urls
     for name in names:
-        serve.delete(f"budget-{name}")
+        serve.delete(f"budget-{name}", _blocking=False)
 
 
 def post(url: str, route: str = "/v1/completions", **body):

@@ -28,7 +28,7 @@ def thinking_app(serve_apps, tmp_path_factory):
     serve.run(build({**ServeApps.REAL, "model": str(folder), "colocate": True, "settings": {"max_new_tokens": 40}}),
               name="thinking", route_prefix="/thinking")
     yield f"{serve_apps.url}/thinking"
-    serve.delete("thinking")
+    serve.delete("thinking", _blocking=False)
 
 
 def test_a_chat_gives_reasoning_apart_from_content(thinking_app):

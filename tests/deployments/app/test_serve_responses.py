@@ -28,7 +28,7 @@ def two_by_two(serve_apps):
                      "autoscaling": {"ingress": fixed, "decoder": fixed}}), name="responses", route_prefix="/responses")
     url = f"{serve_apps.url}/responses"
     yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60), url
-    serve.delete("responses")
+    serve.delete("responses", _blocking=False)
 
 
 def created(client, **fields):
@@ -206,4 +206,4 @@ def test_a_background_response_whose_server_replica_dies_is_failed(serve_apps):
         assert time.monotonic() - killed >= STALE_SECONDS - 1
         assert client.responses.cancel(running.id).status == "failed"
     finally:
-        serve.delete("dying")
+        serve.delete("dying", _blocking=False)

@@ -63,23 +63,19 @@ SYSTEMS = [f"{name}: you are an assistant. " + "Answer briefly and cite the docs
 
 
 @pytest.fixture(scope="module")
-def routed(serve_apps, monkeypatch_module):
-    """The tiny real app with 2 decoder replicas and the prefix router, through its handle."""
+def routed(serve_apps):
+    """The tiny real app with 2 decoder replicas and the prefix router, through its handle (the
+    two replicas only while it is built: a session app deployed later keeps its one)."""
     from ray import serve
 
     import deployments.app as app
 
-    monkeypatch_module.setattr(app, "Decoder", app.Decoder.options(num_replicas=2))
     cfg = app.AppConfig(**{**serve_apps.REAL, "model": str(serve_apps.real_model)})
-    handle = serve.run(app.application(cfg, "text"), name="routed", route_prefix="/routed")
-    yield handle
-    serve.delete("routed")
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
     with pytest.MonkeyPatch.context() as patch:
-        yield patch
+        patch.setattr(app, "Decoder", app.Decoder.options(num_replicas=2))
+        handle = serve.run(app.application(cfg, "text"), name="routed", route_prefix="/routed")
+    yield handle
+    serve.delete("routed", _blocking=False)
 
 
 def test_with_two_decoder_replicas_every_repeat_of_a_prefix_finds_it_cached(routed, engine):
