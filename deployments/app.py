@@ -1,8 +1,8 @@
 """The Ray Serve application: the deployments and how they are bound together (`build`, over
 deployments/config.py's AppConfig): a Decoder deployment (the engine and its batching loop) behind an Ingress
-deployment (OpenAI-style HTTP and the Python handle API), beside the two that every ingress
-replica shares: Responses (the stored responses) and Batches (the files and batches of the Batch
-API, whose lines it sends back through the ingress's routes). What each replica runs is
+deployment (OpenAI-style HTTP and the Python handle API), beside the one that every ingress
+replica shares: Records (the stored responses, and the files and batches of the Batch API, whose
+lines it sends back through the ingress's routes). What each replica runs is
 deployments/replicas.py; here, each one's resources, scaling and draining.
 
     serve run deployments.app:build model=path/to/folder     # or cluster/serve.yaml
@@ -25,9 +25,9 @@ ROUTER_ON_LOOP = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 DRAIN_SECONDS = 300
 
 # The deployments of each kind of model, the ingress first.
-PARTS = {"text": ("Ingress", "Decoder", "Responses", "Batches"),
-         "encoder-decoder": ("Ingress", "Decoder", "Encoder", "Responses", "Batches"),
-         "vision": ("Ingress", "Decoder", "Vision", "Responses", "Batches")}
+PARTS = {"text": ("Ingress", "Decoder", "Records"),
+         "encoder-decoder": ("Ingress", "Decoder", "Encoder", "Records"),
+         "vision": ("Ingress", "Decoder", "Vision", "Records")}
 # The same with the routes and the decoder in one Server deployment (AppConfig.colocate).
 COLOCATED_PARTS = {kind: ("Server", *names[2:]) for kind, names in PARTS.items()}
 
@@ -36,17 +36,14 @@ COLOCATED_PARTS = {kind: ("Server", *names[2:]) for kind, names in PARTS.items()
 Encoder = serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)(replicas.Encoder)
 Vision = serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)(replicas.Vision)
 
-# One replica: every ingress replica's /v1/responses reads and writes the same records (a second
-# replica would hold other ones). It takes no CPU of its own: a dict and, optionally, a folder. Serve
-# runs its (sync) methods on a thread pool, several at once: the store takes a lock in each.
-Responses = serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
-                             num_replicas=1)(replicas.Responses)
-
-# One replica: it holds the files and runs the batches (a second would hold others). It takes no
-# CPU of its own: its lines' work is the routes' (answer_line) and the decoder's. A redeploy that
-# leaves its settings as they are leaves it running where Serve can; a replaced one resumes.
-Batches = serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
-                           num_replicas=1)(replicas.Batches)
+# One replica: every ingress replica's /v1/responses, /v1/files and /v1/batches read and write the
+# same records (a second replica would hold other ones). It takes no CPU of its own: dicts and,
+# optionally, folders; the batches' lines are the routes' work (answer_line) and the decoder's. Serve
+# runs the response store's (sync) methods on a thread pool, several at once: it takes a lock in
+# each. A redeploy that leaves its settings as they are leaves it running where Serve can; a
+# replaced one reads its folders again and resumes the batches that had not ended.
+Records = serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
+                           num_replicas=1)(replicas.Records)
 
 # The ingress sends a request to the decoder replica that most likely holds its prompt's prefix
 # (deployments/services/routing.py); a Serve config's request_router_config replaces it (ROUTERS).
@@ -96,14 +93,14 @@ def application(cfg: AppConfig, kind: str):
     ingress, decoder = parts["ingress"], parts["decoder"]
     encoder = parts["encoder"].bind(config) if kind == "encoder-decoder" else None
     vision = parts["vision"].bind(config) if kind == "vision" else None
-    # only its own settings: a redeploy that changes the others leaves the store as it is where Serve can
-    responses = Responses.bind({k: config[k] for k in ("response_store_bytes", "response_ttl_seconds",
-                                                       "response_folder")})
-    batches = Batches.bind({"batch_folder": cfg.batch_folder, "batch_concurrency": cfg.batch_concurrency or cfg.slots,
+    # only its own settings: a redeploy that changes the others leaves the records as they are where Serve can
+    records = Records.bind({**{k: config[k] for k in ("response_store_bytes", "response_ttl_seconds", "response_folder",
+                                                      "batch_folder")},
+                            "batch_concurrency": cfg.batch_concurrency or cfg.slots,
                             "routes": "Server" if cfg.colocate else "Ingress"})
     if cfg.colocate:
-        return decoder.bind(config, encoder, vision, responses, batches)
-    return ingress.bind(decoder.bind(config, encoder), config, encoder, vision, responses, batches)
+        return decoder.bind(config, encoder, vision, records)
+    return ingress.bind(decoder.bind(config, encoder), config, encoder, vision, records)
 
 
 def _cluster_has_gpu() -> bool:

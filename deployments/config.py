@@ -60,15 +60,15 @@ class ServingConfig(BaseModel):
     # and streamed chunk between an ingress and the decoder; the routes then scale with the decoder
     # (its autoscaling, one proxy spreading requests) and the prefix router does not apply.
     colocate: bool = False
-    # /v1/responses' stored responses (the Responses deployment, one replica every ingress replica
+    # /v1/responses' stored responses (the Records deployment, one replica every ingress replica
     # shares): at most these bytes (the least recently used go first), each kept this many seconds
     # after it was last written, and persisted to this folder when given (made 0700, its files 0600; a
     # restarted store keeps them)
     response_store_bytes: int = Field(default=256 * 2**20, ge=2**20, le=2**40)
     response_ttl_seconds: float = Field(default=24 * 3600, gt=0, le=366 * 24 * 3600)
     response_folder: str | None = None
-    # /v1/files and /v1/batches (the Batches deployment, one replica every ingress replica shares): the
-    # files and batches are kept in this folder, made 0700 (a restarted Batches replica resumes the batches
+    # /v1/files and /v1/batches (the Records deployment, one replica every ingress replica shares): the
+    # files and batches are kept in this folder, made 0700 (a restarted Records replica resumes the batches
     # that ran; default: a temporary folder of the replica's, gone with it; `raymuter serve` gives a folder
     # in its run folder, gone at stop); an upload takes at most
     # file_size_limit bytes; the batches keep at most batch_concurrency lines in flight (default:

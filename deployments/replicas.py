@@ -12,6 +12,7 @@ cancels its request, streaming or not. The ingress never touches arrays.
 """
 
 import asyncio
+import inspect
 import os
 import time
 
@@ -89,23 +90,27 @@ class Vision(_Encoding):
         return self.service.encode_video(data, name)
 
 
-class Responses(ResponseStore):
-    """The stored responses of /v1/responses (deployments.services.response_store), bounded as
-    the config says (response_store_bytes, response_ttl_seconds, response_folder)."""
+class Records:
+    """What every ingress replica shares, in one replica (a Ray worker process idles at ~1% of a
+    core and takes ~3 core-seconds to start: one, not one per store): the stored responses of
+    /v1/responses (`responses`, deployments.services.response_store, bounded as the config says:
+    response_store_bytes, response_ttl_seconds, response_folder) and the files and batches of
+    /v1/files and /v1/batches (`batches`, deployments.services.batches), whose lines are sent to
+    the routes of a replica of the deployment that serves HTTP (`settings["routes"]`: Ingress, or
+    the colocated Server), which answers each as it answers the same request over HTTP
+    (answer_line). Each store's verbs are this deployment's methods, by the same names (VERBS);
+    the response store's are sync (Serve runs them on its thread pool), the batches' async."""
 
-    def __init__(self, store: dict):
-        super().__init__(store["response_store_bytes"], store["response_ttl_seconds"], store["response_folder"])
-
-
-class Batches(BatchService):
-    """/v1/files and /v1/batches (deployments.services.batches): each batch line is sent to the
-    routes of a replica of the deployment that serves HTTP (`settings["routes"]`: Ingress, or the
-    colocated Server), which answers it as it answers the same request over HTTP (answer_line)."""
+    VERBS = {"responses": ("put", "update", "beat", "get", "events_after", "delete", "cancel_response", "stats"),
+             "batches": ("begin_file", "append_file", "finish_file", "abort_file", "file", "open_file", "file_piece",
+                         "close_file", "file_page", "delete_file", "create", "batch", "page", "cancel_batch")}
 
     async def __init__(self, settings: dict):
-        super().__init__(settings["batch_folder"], settings["batch_concurrency"], self._send)
+        self.responses = ResponseStore(settings["response_store_bytes"], settings["response_ttl_seconds"],
+                                       settings["response_folder"])
+        self.batches = BatchService(settings["batch_folder"], settings["batch_concurrency"], self._send)
         self._routes_name, self._routes = settings["routes"], None
-        self.start()
+        self.batches.start()
 
     async def _send(self, custom_id: str, url: str, body: dict) -> dict | None:
         from ray.serve.exceptions import BackPressureError
@@ -129,7 +134,25 @@ class Batches(BatchService):
         return os.getpid()
 
     def __del__(self):
-        self.close()
+        self.batches.close()
+
+
+def _verb(store: str, name: str, method):
+    """Records' method `name`: the same call on its store, sync or async as the store's own."""
+    if inspect.iscoroutinefunction(method):
+        async def verb(self, *args, **kwargs):
+            return await getattr(getattr(self, store), name)(*args, **kwargs)
+    else:
+        def verb(self, *args, **kwargs):
+            return getattr(getattr(self, store), name)(*args, **kwargs)
+    verb.__name__ = verb.__qualname__ = name
+    verb.__doc__ = method.__doc__
+    return verb
+
+
+for _store, _class in (("responses", ResponseStore), ("batches", BatchService)):
+    for _name in Records.VERBS[_store]:
+        setattr(Records, _name, _verb(_store, _name, getattr(_class, _name)))
 
 
 class Decoder:
@@ -245,14 +268,13 @@ class Ingress:
     and the Python handle API over the decoder."""
 
     def __init__(self, decoder: DeploymentHandle, config: dict, encoder: DeploymentHandle | None = None,
-                 vision: DeploymentHandle | None = None, responses: DeploymentHandle | None = None,
-                 batches: DeploymentHandle | None = None):
+                 vision: DeploymentHandle | None = None, records: DeploymentHandle | None = None):
         cfg = AppConfig(**config)
         max_body = body_limit(cfg.max_body_bytes)
         calls = DecoderCalls(decoder, encoder, vision, Media(cfg.allow_remote_images, max_body))
         self.state = IngressState(calls, cfg.api_key or os.environ.get("RAYMUTER_API_KEY") or None, max_body,
-                                  responses, BatchCalls(batches, cfg.file_size_limit))
-        self.lines = None  # the Batches deployment's lines, through these routes (answer_line)
+                                  records, BatchCalls(records, cfg.file_size_limit))
+        self.lines = None  # the Records deployment's lines, through these routes (answer_line)
 
     async def generate(self, request: GenerateRequest | dict) -> Generation:
         """One generation (handle.generate.remote(GenerateRequest(...)))."""
@@ -282,7 +304,7 @@ class Ingress:
 
     async def answer_line(self, custom_id: str, url: str, body: dict) -> dict:
         """A batch line answered by this replica's routes as they answer the same request over
-        HTTP (the Batches deployment sends its lines here): its OpenAI batch output line."""
+        HTTP (the Records deployment sends its lines here): its OpenAI batch output line."""
         if self.lines is None:
             key = self.state.api_key
             self.lines = RouteClient(build_api(), {"authorization": f"Bearer {key}"} if key else None)
@@ -301,10 +323,9 @@ class Server(HTTPIngress):
     """HTTP routes and the Python handle API with the model in the same process."""
 
     async def __init__(self, config: dict, encoder: DeploymentHandle | None = None,
-                       vision: DeploymentHandle | None = None, responses: DeploymentHandle | None = None,
-                       batches: DeploymentHandle | None = None):
+                       vision: DeploymentHandle | None = None, records: DeploymentHandle | None = None):
         self.model = Decoder(config, encoder)
-        await super().__init__(LocalHandle(self.model), config, encoder, vision, responses, batches)
+        await super().__init__(LocalHandle(self.model), config, encoder, vision, records)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return self.model.record_autoscaling_stats()

@@ -3,7 +3,7 @@ through httpx, so a line's answer is what the server answers the same request ov
 route's validation, its errors naming the body's field, the same engine path and seeds).
 
 `raymuter batch`'s engine actors (worker.py) call the app over their own decoder; the server's
-ingress (deployments.app.Ingress.answer_line) calls its own routes for the Batches deployment's
+ingress (deployments.app.Ingress.answer_line) calls its own routes for the Records deployment's
 runner (deployments/services/batches.py).
 """
 

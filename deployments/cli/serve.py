@@ -129,7 +129,7 @@ def check_models(args) -> None:
 
 
 def check_batch_folder(folder: str | None) -> None:
-    """--batch-folder made as the Batches replica makes it (0700), before Ray starts: one that
+    """--batch-folder made as the Records replica makes it (0700), before Ray starts: one that
     cannot be is one line naming the flag, not a replica that fails to start."""
     if folder is None:
         return

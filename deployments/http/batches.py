@@ -1,8 +1,8 @@
 """The Files and Batches API at the ingress: OpenAI's shapes (the body POST /v1/batches validates,
-the objects the OpenAPI document names) and the calls of the Batches deployment that holds the
+the objects the OpenAPI document names) and the calls of the Records deployment that holds the
 files and runs the batches (deployments/services/batches.py): an upload read as it arrives and
 sent to it a piece at a time, stopped at the size limit (multipart_upload.py), a file's content
-streamed back a piece at a time from a read the Batches replica holds open (a DELETE meanwhile
+streamed back a piece at a time from a read the Records replica holds open (a DELETE meanwhile
 cannot cut it short), every refusal as OpenAI's error naming its field (404 for an unknown id,
 413 for a file over the size limit).
 """
@@ -24,7 +24,7 @@ from .edge import RETRY_AFTER_SECONDS, request_id, server_error
 from .multipart_upload import read_upload
 from .openai import ApiError, _Strict
 
-PIECE_BYTES = 2**20  # the bytes of one message between the ingress and the Batches replica
+PIECE_BYTES = 2**20  # the bytes of one message between the ingress and the Records replica
 FORM_BYTES = 64 * 2**10  # what a multipart form holds beside its file (its boundaries, headers, purpose)
 # The multipart form of POST /v1/files (the OpenAPI document's).
 FILE_FORM = {"type": "object", "required": ["file", "purpose"], "properties": {
@@ -53,7 +53,7 @@ class BatchCreateRequest(_Strict):
     output_expires_after: ExpiresAfter | None = None  # the output and error files' (default: 30 days)
 
 
-# -- the OpenAPI document's shapes (the Batches deployment builds them as dicts) ---------------------
+# -- the OpenAPI document's shapes (the Records deployment builds them as dicts) ---------------------
 class FileObject(BaseModel):
     id: str
     object: Literal["file"]
@@ -131,7 +131,7 @@ class BatchList(BaseModel):
 
 
 class BatchCalls:
-    """The Batches deployment by handle (or a LocalHandle of a BatchService; None: this
+    """The Records deployment by handle (or a LocalHandle of a BatchService; None: this
     application has none, and every route of the API says so), with the largest file an
     upload may bring."""
 
@@ -140,9 +140,9 @@ class BatchCalls:
 
     @property
     def service(self):
-        """The Batches deployment's handle (404 where the application has none)."""
+        """The Records deployment's handle (404 where the application has none)."""
         if self._service is None:
-            raise ApiError(404, "this application serves no Files and Batches API (it has no Batches deployment)",
+            raise ApiError(404, "this application serves no Files and Batches API (it has no Records deployment)",
                            code="unknown_url")
         return self._service
 
@@ -156,7 +156,7 @@ class BatchCalls:
         return await self.call(self.service.batch.remote(batch_id))
 
     async def cancel(self, batch_id: str) -> dict:
-        return await self.call(self.service.cancel.remote(batch_id))
+        return await self.call(self.service.cancel_batch.remote(batch_id))
 
     async def file_page(self, purpose: str | None, after: str | None, limit: int, order: str) -> dict:
         return await self.call(self.service.file_page.remote(purpose, after, limit, order))
@@ -235,7 +235,7 @@ class BatchCalls:
                 status, code = (404, "not_found") if isinstance(cause, NotFound) else (400, None)
                 raise ApiError(status, str(cause), param=cause.field, code=code) from None
             if replica_lost(cause):
-                raise ApiError(503, f"the Batches replica is restarting; retry after {RETRY_AFTER_SECONDS} s",
+                raise ApiError(503, f"the Records replica is restarting; retry after {RETRY_AFTER_SECONDS} s",
                                kind="server_overloaded") from None
             raise server_error(request_id(), "the Batches call failed", cause) from None
 

@@ -33,9 +33,9 @@ class IngressState:
     def __init__(self, calls: DecoderCalls, api_key: str | None, max_body: int, responses=None,
                  batches: BatchCalls | None = None):
         self.calls, self.api_key, self.max_body = calls, api_key, max_body
-        # /v1/responses: its runs, over the shared store (a handle to deployments.app.Responses)
+        # /v1/responses: its runs, over the shared store (a handle to deployments.app.Records)
         self.responses = ResponseRuns(calls, responses if responses is not None else _local_store())
-        # /v1/files and /v1/batches: the Batches deployment's calls (none: the API is not served here)
+        # /v1/files and /v1/batches: the Records deployment's calls (none: the API is not served here)
         self.batches = batches if batches is not None else BatchCalls(None, 0)
         self.metrics = IngressMetrics()
         self.openapi: dict | None = None  # the OpenAPI document once built (routes/meta.py)

@@ -1,6 +1,6 @@
 """The ingress's side of /v1/responses: a response run through the decoder as the chat request
 it is (responses.py), answered whole, as typed events, or in the background; kept in the
-shared store (deployments.app.Responses) for a next turn, GET, DELETE, input_items and cancel.
+shared store (deployments.app.Records) for a next turn, GET, DELETE, input_items and cancel.
 
 A next turn asks for the decoder replica that ran the turn before (GenerateRequest.affinity), so
 from any ingress replica it lands where the prefix cache holds the conversation. A background
@@ -140,7 +140,7 @@ class ResponseRun:
 
 class ResponseRuns:
     """/v1/responses on an ingress replica: `calls` reach the decoder, `store` the shared
-    Responses deployment (or a LocalHandle of a ResponseStore)."""
+    Records deployment (or a LocalHandle of a ResponseStore)."""
 
     def __init__(self, calls: DecoderCalls, store):
         self.calls, self.store = calls, store
@@ -196,7 +196,7 @@ class ResponseRuns:
         if not record["response"].get("background"):
             raise ApiError(400, f"response_id: '{response_id}' was not created with background true; only a "
                                 "background response can be cancelled", param="response_id")
-        record = await self.store.cancel.remote(response_id)
+        record = await self.store.cancel_response.remote(response_id)
         if record is None:  # deleted meanwhile
             raise _unknown(response_id, "response_id")
         response = record["response"]

@@ -3,7 +3,7 @@ batches of /v1/batches, each a file of requests run line by line through the ser
 at a priority below interactive requests, its answers written to an output file (the 200s) and an
 error file (the rest), as OpenAI's Batch API.
 
-One BatchService (the Batches deployment's one replica, deployments.app.Batches) holds every file
+One BatchService (in the Records deployment's one replica, deployments.app.Records) holds every file
 and batch; every ingress replica reaches it by handle. It runs the lines itself: `send` posts a
 line to the routes of whichever ingress (or Server) replica Serve picks and answers its output
 line, or None where no replica could take it (lost while it ran the line, restarting, or busy: a
@@ -188,7 +188,7 @@ class BatchService:
         found = listed(list(self.batches.values()), after, limit, True, "after")
         return {**found, "data": [public(b) for b in found["data"]]}
 
-    async def cancel(self, batch_id: str) -> dict:
+    async def cancel_batch(self, batch_id: str) -> dict:
         """Stop a validating or running batch: cancelling (the lines in flight stopped, their
         rows freed), then cancelled with the answers so far in its files."""
         batch = self._batch(batch_id)

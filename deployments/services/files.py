@@ -1,5 +1,5 @@
 """The files of /v1/files: the batch inputs clients upload and the output and error files the
-batches write, in a folder (deployments.app.Batches holds one store, every ingress replica
+batches write, in a folder (deployments.app.Records holds one store, every ingress replica
 reaches it by handle).
 
 A file is two entries in the folder: its bytes (`file-ID.data`) and its record (`file-ID.json`,

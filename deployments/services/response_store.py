@@ -1,5 +1,5 @@
 """The stored responses of /v1/responses: what `previous_response_id`, GET, DELETE, input_items
-and cancel read, shared by every ingress replica (deployments.app.Responses holds one store).
+and cancel read, shared by every ingress replica (the Records deployment holds one store).
 
 A stored response is a record: the response object as the client got it, its input items, the
 conversation it ends (the chat messages a next turn continues, instructions left out, as OpenAI
@@ -130,7 +130,7 @@ class ResponseStore:
             self._forget(key)
             return True
 
-    def cancel(self, key: str) -> dict | None:
+    def cancel_response(self, key: str) -> dict | None:
         """Mark a running background response cancelled (its owner stops it at its next beat);
         the record as it is now (without its events), or None when there is none."""
         with self.lock:

@@ -25,7 +25,7 @@ def test_serve_yaml_validates_and_builds():
     built = build(app.args)
     names = {d.name for d in [built._bound_deployment] + [a._bound_deployment for a in built._bound_deployment.init_args
                                                            if hasattr(a, "_bound_deployment")]}
-    assert {d.name for d in app.deployments} <= names == {"Ingress", "Decoder", "Responses", "Batches"}
+    assert {d.name for d in app.deployments} <= names == {"Ingress", "Decoder", "Records"}
 
 
 def test_bad_app_arguments_fail_with_the_field():

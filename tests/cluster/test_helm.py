@@ -165,10 +165,9 @@ def test_a_colocated_application_renders_as_raymuter_serve_colocate_builds_it(he
               "deployments": {"decoder": {"cpus": 1.5, "autoscaling": {
                   "enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetOngoingRequests": 8}}}}
     (app,) = serve_config(render(helm, tmp_path, values))["applications"]
-    server, store, batches = app["deployments"]
+    server, records = app["deployments"]
     assert server["name"] == "Server" and app["args"]["colocate"] is True
-    assert store["name"] == "Responses" and store["num_replicas"] == 1  # /v1/responses' store: one, shared
-    assert batches["name"] == "Batches" and batches["num_replicas"] == 1  # the files and batches: one, shared
+    assert records["name"] == "Records" and records["num_replicas"] == 1  # the responses, files and batches: one, shared
     assert server["ray_actor_options"] == {"num_cpus": 1.5, "runtime_env": {"env_vars": ROUTER_ON_LOOP}}
     assert server["autoscaling_config"]["policy"]["policy_function"] == "deployments.autoscaling:DecoderPolicy"
     assert "request_router_config" not in server  # HTTP reaches it through the proxy, not a handle's router

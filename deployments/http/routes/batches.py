@@ -1,5 +1,5 @@
 """/v1/batches (OpenAI's Batch API): create a batch of an uploaded file's requests, retrieve, list
-and cancel batches (http/batches.py; the Batches deployment runs them at a priority below
+and cancel batches (http/batches.py; the Records deployment runs them at a priority below
 interactive requests: deployments/services/batches.py)."""
 
 from __future__ import annotations

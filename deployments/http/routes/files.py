@@ -1,6 +1,6 @@
 """/v1/files (OpenAI's Files API, for batches): upload a batch's requests (a multipart form, purpose
 batch, at most the server's file size limit), list, retrieve, read and delete files, the batches'
-output and error files among them (http/batches.py; the files are the Batches deployment's)."""
+output and error files among them (http/batches.py; the files are the Records deployment's)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """/v1/responses (OpenAI's Responses API): create a response (whole, streamed as typed events, or
 in the background, streamed or not), and a stored one's GET (a background stream's events again:
 ?stream=true&starting_after=N), DELETE, input_items and cancel (http/response_runs.py; the store
-is the Responses deployment every ingress replica shares)."""
+is the Records deployment every ingress replica shares)."""
 
 from __future__ import annotations
 

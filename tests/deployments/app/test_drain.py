@@ -40,7 +40,7 @@ def test_a_redeploy_under_load_cuts_no_stream(serve_apps):
     url = serve_apps.url + "/drain"
     try:
         before = _replica_actors("drain")
-        assert len(before) == 4, before  # the ingress, the decoder, the responses' store and the batches' runner
+        assert len(before) == 3, before  # the ingress, the decoder and the records (responses, files, batches)
         prompts, started = [f"drain stream {i}" for i in range(STREAMS)], {}
         with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
             futures = [pool.submit(stream, url, p, started, TOKENS, 120) for p in prompts]

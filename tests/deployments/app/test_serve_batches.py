@@ -6,9 +6,9 @@ openai client's round trip (files.create, batches.create, batches.retrieve polle
 files.content), each output line equal to the same request sent directly to the same server,
 greedy and seeded, completions, chat and responses, a line refused by name in the error file.
 
-`batches-fake`: the fake engine (outputs known) in the two-deployment layout: the Batches
+`batches-fake`: the fake engine (outputs known) in the two-deployment layout: the Records
 replica runs its lines through the ingress's routes, so a batch outlives an ingress replica that
-is killed, a redeploy that replaces the ingress and the decoder, and a Batches replica that is
+is killed, a redeploy that replaces the ingress and the decoder, and a Records replica that is
 killed (the next one resumes it from the folder): every line answered once, as it would be alone.
 """
 
@@ -212,8 +212,8 @@ def test_a_batch_outlives_a_redeploy_of_the_ingress_and_decoder(apps):
 
 def test_a_killed_batches_replica_is_resumed_by_the_next_from_its_folder(apps):
     client, batch = started_batch(apps["fake"])
-    pid = pid_of("Batches", "batches-fake")
+    pid = pid_of("Records", "batches-fake")
     os.kill(pid, signal.SIGKILL)
     batch = finished(client, batch.id)
     each_line_once_as_alone(client, batch)
-    assert pid_of("Batches", "batches-fake") != pid
+    assert pid_of("Records", "batches-fake") != pid

@@ -42,8 +42,8 @@ def test_the_application_is_one_server_deployment_and_an_encoder_where_the_model
     from ray import serve
 
     status = serve.status().applications
-    assert set(status["colocated"].deployments) == {"Server", "Responses", "Batches"}  # and the shared stores
-    assert set(status["colocated-translate"].deployments) == {"Server", "Encoder", "Responses", "Batches"}
+    assert set(status["colocated"].deployments) == {"Server", "Records"}  # and the shared records
+    assert set(status["colocated-translate"].deployments) == {"Server", "Encoder", "Records"}
 
 
 @pytest.mark.parametrize("app", ["colocated", "colocated-engine"])  # the batching loop in the replica, or its child

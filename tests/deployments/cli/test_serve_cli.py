@@ -402,7 +402,7 @@ def test_start_up_progress_names_what_it_waits_for(monkeypatch, capsys):
         assert str(e) == "the application failed to deploy: ValueError: model folder 'x' has no onnx"
     replica_failed = N(proxies={}, applications={"raymuter": N(  # the replica's own error, not Serve's summary
         status=ApplicationStatus.DEPLOY_FAILED, message="Failed to update the deployments ['Server'].", deployments={
-            "Responses": N(status=DeploymentStatus.HEALTHY, message="", replica_states={ReplicaState.RUNNING: 1}),
+            "Records": N(status=DeploymentStatus.HEALTHY, message="", replica_states={ReplicaState.RUNNING: 1}),
             "Server": N(status=DeploymentStatus.DEPLOY_FAILED, replica_states={}, message=(
                 "The deployment failed to start 3 times in a row. This may be due to a problem with its "
                 "constructor or initial health check failing. See controller logs for details. Error:\n"

@@ -1,6 +1,6 @@
 """/v1/files and /v1/batches through the openai client, on the ingress's routes in this process over
 the fake engine (deployments/fake.py: its outputs are known) and a BatchService of its own whose
-lines go back through the same routes (as deployments.app.Batches sends them to answer_line).
+lines go back through the same routes (as deployments.app.Records sends them to answer_line).
 
 Invariants: each output line is the answer the same request gets sent directly (status and body,
 but for ids and times); a line the route refuses is an error line whose body names the field; the

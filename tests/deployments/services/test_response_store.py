@@ -59,10 +59,10 @@ def test_cancel_marks_only_a_running_response_and_its_owner_hears_it_at_its_beat
     store.put(record("resp_run", status="in_progress"))
     store.put(record("resp_done"))
     assert store.beat("resp_run", 0, [])["run"] == "on"
-    assert store.cancel("resp_run")["cancel"] is True and store.beat("resp_run", 0, [])["run"] == "cancel"
+    assert store.cancel_response("resp_run")["cancel"] is True and store.beat("resp_run", 0, [])["run"] == "cancel"
     assert store.update(record("resp_run", status="in_progress")) and store.get("resp_run")["cancel"]  # kept
-    assert "cancel" not in store.cancel("resp_done") and store.beat("resp_done", 0, [])["run"] == "stop"
-    assert store.cancel("resp_missing") is None and store.beat("resp_missing", 0, [])["run"] == "stop"
+    assert "cancel" not in store.cancel_response("resp_done") and store.beat("resp_done", 0, [])["run"] == "stop"
+    assert store.cancel_response("resp_missing") is None and store.beat("resp_missing", 0, [])["run"] == "stop"
 
 
 def test_a_store_reads_its_folder_back(tmp_path):
@@ -96,7 +96,7 @@ def test_a_running_record_whose_owner_stops_beating_is_failed_for_every_reader()
         assert store.beat("resp_run", 0, [])["run"] == "on"
     assert store.get("resp_run")["response"]["status"] == "in_progress"
     clock.now += STALE_SECONDS + 1
-    failed = store.cancel("resp_run")  # the first reader after: the same answer as every other
+    failed = store.cancel_response("resp_run")  # the first reader after: the same answer as every other
     assert failed["response"]["status"] == "failed" and "stopped" in failed["response"]["error"]["message"]
     assert "cancel" not in failed and store.get("resp_run")["response"] == failed["response"]
     assert store.beat("resp_run", 0, [])["run"] == "stop"  # an owner only slow: it stops, and writes nothing
@@ -135,11 +135,8 @@ def test_a_streamed_records_events_come_with_its_beats_and_count_in_its_bytes(tm
 
 def test_the_response_folder_is_private_as_the_default_folders_are(tmp_path):
     """--response-folder (app arg response_folder): the folder 0700, each stored conversation 0600."""
-    from deployments.app import Responses
-
     folder = tmp_path / "kept" / "responses"
-    store = Responses.func_or_class({"response_store_bytes": 2**20, "response_ttl_seconds": 60,
-                                     "response_folder": str(folder)})
+    store = ResponseStore(max_bytes=2**20, ttl_seconds=60, folder=str(folder))
     store.put(record("resp_a"))
     store.put(record("resp_a", status="incomplete"))  # written again: still private
     assert folder.stat().st_mode & 0o777 == 0o700
@@ -147,8 +144,7 @@ def test_the_response_folder_is_private_as_the_default_folders_are(tmp_path):
     given = tmp_path / "given"  # a folder that exists already, open to all: made private too
     given.mkdir(mode=0o755)
     given.chmod(0o755)
-    Responses.func_or_class({"response_store_bytes": 2**20, "response_ttl_seconds": 60,
-                             "response_folder": str(given)}).put(record("resp_b"))
+    ResponseStore(max_bytes=2**20, ttl_seconds=60, folder=str(given)).put(record("resp_b"))
     assert given.stat().st_mode & 0o777 == 0o700 and (given / "resp_b.json").stat().st_mode & 0o777 == 0o600
 
 
@@ -162,7 +158,7 @@ def switching_often():
 
 
 def test_puts_and_gets_from_many_threads_past_the_bytes(switching_often):
-    """Serve runs the Responses replica's sync methods on its thread pool (RAY_SERVE_RUN_SYNC_IN_THREADPOOL,
+    """Serve runs the Records replica's (the store's) sync methods on its thread pool (RAY_SERVE_RUN_SYNC_IN_THREADPOOL,
     on by default), several at once: a put evicting while another reads raised `OrderedDict mutated
     during iteration` (a 500 on POST /v1/responses)."""
     one = len(json.dumps(record("resp_0_0", size=2000), separators=(",", ":")))
