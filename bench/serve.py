@@ -198,7 +198,8 @@ def main() -> int:
     args = parser.parse_args()
     from deployments.cli.arguments import layout
 
-    picked = layout(args.split, args.colocate, args.engine_process, model=args.model)
+    args.engine = "onnx"  # the real engine: layout() picks as `raymuter serve` does for it
+    picked = layout(args)
     args.colocate, args.engine_process = picked["colocate"], picked["engine_process"]
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
