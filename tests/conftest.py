@@ -125,6 +125,7 @@ class Oracle:
 SESSION_RAY = "serve_apps"
 _LAST_RAY_USER = pytest.StashKey[object]()
 _LAST_APP_USERS = pytest.StashKey[dict]()
+_APPS_NAMED = pytest.StashKey[set]()  # each Ray test's session_apps_of, read once at collection
 # Where an app is named: `serve_apps.real`, `serve_apps.app("real")`, a parameter "real".
 _APP_NAMED = re.compile(r"""serve_apps\.app\(["'](\w+)["']\)|serve_apps\.(\w+)\b""")
 # A module that deploys apps of its own counts as this many tests when app_order weighs it.
@@ -187,7 +188,8 @@ def pytest_collection_modifyitems(items):
     named = {}
     for item in items:
         if item.path in users:
-            named.setdefault(item.path, []).append(session_apps_of(item))
+            item.stash[_APPS_NAMED] = session_apps_of(item)
+            named.setdefault(item.path, []).append(item.stash[_APPS_NAMED])
     weights = {path: len(apps) + (_OWN_APPS_WEIGHT if "serve.run(" in path.read_text() else 0)
                for path, apps in named.items()}
     rank = {path: i for i, path in enumerate(app_order(named, weights))}
@@ -199,7 +201,7 @@ def pytest_collection_finish(session):
     session.config.stash[_LAST_RAY_USER] = users[-1] if users else None
     last = {}
     for item in users:
-        for app in session_apps_of(item):
+        for app in item.stash[_APPS_NAMED]:
             last[app] = item
     session.config.stash[_LAST_APP_USERS] = last
 
