@@ -42,7 +42,7 @@ def version() -> str:
 
 # The engine options `raymuter generate` takes (generation.front's EngineOptions: their flags, help and
 # checks); the batching loop's are a server's.
-ENGINE_FLAGS = ("threads", "provider", "variant", "cache_mode", "fuse")
+ENGINE_FLAGS = ("threads", "provider", "variant", "precision", "cache_mode", "fuse")
 
 
 def add_generate_command(commands) -> None:
@@ -159,6 +159,8 @@ def generate_command(args) -> int:
     ctx = generation.compile(ctx, batch_size=len(args.prompts))
     print(f"[raymuter] {model.folder} ({model.decoder_path.name}, cache {ctx.cache_mode}, {model.provider}, "
           f"{model.threads} threads) loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    print(f"[raymuter] precision {model.precision or 'as exported'} ({options.precision} asked): "
+          f"{model.precision_reason}", file=sys.stderr)
     prompts = [tokenizer.encode(text).ids for text in args.prompts]
     seeds = [args.seed + i for i in range(len(prompts))]
     stops = ctx.settings.stop_strings

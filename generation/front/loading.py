@@ -9,7 +9,7 @@ from __future__ import annotations
 
 def load_model(source, options, parent: bool = False, loader=None):
     """The model of `source` as `options` say (EngineOptions: variant, provider, threads, spin,
-    fuse). `parent`: the engine process's parent's copy, which only checks requests against its
+    fuse, precision). `parent`: the engine process's parent's copy, which only checks requests against its
     context (on the CPU, one thread asleep: the child runs the model). `loader`: another kind's
     load, which takes where the model runs only (an embedding model's load_embedder)."""
     import generation
@@ -19,7 +19,7 @@ def load_model(source, options, parent: bool = False, loader=None):
         return loader(source, variant=options.variant, provider=provider, threads=threads)
     spin_wait = options.spin and options.draft is None and not parent  # a draft's runs come between the model's
     return generation.load(source, variant=options.variant, provider=provider, threads=threads, spin_wait=spin_wait,
-                           fuse=options.fuse)
+                           fuse=options.fuse, precision=options.precision)
 
 
 def model_context(model, options, settings: dict, draft=None):

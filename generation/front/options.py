@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS
+from generation.runtime.precision import CHOICES as PRECISIONS
 
 from .reasoning import CHOICES as REASONING_PARSERS
 from .request import own_fields
@@ -51,6 +52,10 @@ class EngineOptions:
                                        "container's CPU quota)", 1, 4096)
     provider: str | None = option(None, "cpu or cuda (default: CUDA where usable, else CPU)", choices=("cpu", "cuda"))
     variant: str | None = option(None, "dtype variant of a transformers.js export: fp16, q4, ... (default: fp32)")
+    precision: str = option("auto", "the decoder's precision: auto (int8 where the CPU has int8 dot products and the "
+                                    "weights are large, else as exported; the log says which and why), fp32, fp16 "
+                                    "(the fused graph's), int8 (int8 weights, per-token int8 activations; built once, "
+                                    "cached)", choices=PRECISIONS)
     cache_mode: str | None = option(None, "force a KV cache mode the graph supports (default: the graph's own)",
                                     choices=("in_place", "append", "grow"), flag=False, serve=False)
     draft: str | Path | None = option(None, "a draft model (folder or hub id, the model's tokenizer) whose proposals "

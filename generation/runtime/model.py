@@ -28,10 +28,12 @@ from typing import Callable
 import numpy as np
 
 from .errors import ModelError
-from .fusion import fused_decoder
+from .fusion import cache_root, fused_decoder
 from .graph import DecoderGraph, GraphError, read_graph
 from .hooks import Hooks
 from .positions import append_layout
+from .precision import CHOICES as PRECISIONS
+from .precision import choose
 from .session import captures_graphs, chosen_provider, open_session
 
 __all__ = ["Encoder", "Model", "ModelError", "default_threads", "load", "open_session", "read_json", "resolve_folder"]
@@ -89,6 +91,8 @@ class Model:
     # the decoder session captures CUDA graphs (load's cuda_graphs): its in_place device cache runs
     # each class as a captured graph (cache/in_place_device.py)
     cuda_graphs: bool = False
+    precision: str | None = None  # what load ran it at (runtime.precision: None, as exported) ...
+    precision_reason: str = ""  # ... and why (an 'auto' choice's reasoning)
 
     @property
     def is_seq2seq(self) -> bool:
@@ -265,8 +269,10 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
     fuse: run an Optimum / transformers.js decoder of a family the rewrite knows (Llama, Mistral,
     Qwen2, Qwen3, Granite, Phi-3, Gemma: generation.runtime.fusion.FAMILIES) as its fused rewrite
     (generation.runtime.fusion: built once, cached under $RAYMUTER_CACHE, checked against the
-    source); False runs the file as exported. precision: the fused graph's, 'fp32' or 'fp16'
-    (default: fp16 on CUDA, whose GroupQueryAttention takes float16; fp32 on the CPU).
+    source); False runs the file as exported. precision (runtime.precision): 'fp32' or 'fp16', the
+    fused graph's (None: fp16 on CUDA, whose GroupQueryAttention takes float16; fp32 on the CPU);
+    'int8', a float32 decoder's MatMuls on int8 weights and per-token int8 activations
+    (runtime.quantize; built once, cached; the CPU); 'auto', the one this machine is fast at.
     cuda_graphs: the decoder session captures CUDA graphs, its in_place cache on device buffers
     replaying one per class (CUDA only; off by default; where onnxruntime refuses the graph, the
     session runs without them and the log says why).
@@ -276,8 +282,8 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
     """
     if not isinstance(fuse, bool):
         raise ModelError(f"fuse must be true or false, not {fuse!r}")
-    if precision not in (None, "fp32", "fp16"):
-        raise ModelError(f"precision must be fp32 or fp16, not {precision!r}")
+    if precision is not None and precision not in PRECISIONS:
+        raise ModelError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     if not isinstance(cuda_graphs, bool):
         raise ModelError(f"cuda_graphs must be true or false, not {cuda_graphs!r}")
     if cuda_graphs and chosen_provider(provider) != "cuda":
@@ -297,7 +303,12 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     tokenizer = folder / "tokenizer.json"
     tokenizer_path = tokenizer if tokenizer.exists() else None
     if config.get("is_encoder_decoder"):
+        if precision not in (None, "auto", "fp32"):
+            raise ModelError(f"precision {precision!r} applies to decoder-only models; an encoder-decoder runs as exported")
         return _load_seq2seq(folder, variant, provider, threads, config, generation_config, tokenizer_path)
+    choice = choose(precision, chosen_provider(provider), decoder_path)
+    if choice.precision == "int8" and chosen_provider(provider) != "cpu":
+        raise ModelError("precision 'int8' runs on the CPU provider only (its int8 kernels are MLAS's)")
     fused, source = None, None
     if fuse and not genai_path.exists():
         def load_source():  # asked for only when the cache has no answer for this file yet
@@ -305,8 +316,13 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
             session, used = open_session(decoder_path, provider, threads, spin_wait, head=True, int8_rows=True)
             source = session, used, read_graph(decoder_path, session, _config_dims(config), present_names)
             return source[0], source[2]
-        fused = fused_decoder(decoder_path, config, chosen_provider(provider), load_source, precision)
+        fused = fused_decoder(decoder_path, config, chosen_provider(provider), load_source,
+                              choice.precision if choice.precision in ("fp32", "fp16") else None)
     path = fused or decoder_path
+    if choice.precision == "int8":
+        from .quantize import quantized_decoder
+
+        path, source = quantized_decoder(path, cache_root()), None
     if fused is None and source is not None:  # refused just now: the source is loaded already
         session, used, graph = source
     else:
@@ -318,7 +334,9 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,
                   generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path,
                   fused_from=decoder_path if fused else None,
-                  cuda_graphs=cuda_graphs and used == "cuda" and captures_graphs(session))
+                  cuda_graphs=cuda_graphs and used == "cuda" and captures_graphs(session),
+                  precision=choice.precision, precision_reason=choice.reason)
+    log.info("%s runs at %s: %s", model.folder, choice.name, choice.reason)
     if graph.has_inputs_embeds:
         _load_vision_parts(model, variant, provider, threads)
     return model

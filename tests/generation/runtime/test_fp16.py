@@ -118,5 +118,5 @@ def test_a_float16_rewrite_is_refused_on_the_cpu_by_default(test_models, caplog)
     precision='fp16' asks for the float16 rewrite."""
     model = generation.load(test_models["llama-merged"], variant="fp16")
     assert model.fused_from is None and model.graph.native_mode == "append"
-    with pytest.raises(generation.ModelError, match="precision must be fp32 or fp16"):
+    with pytest.raises(generation.ModelError, match="precision must be one of auto, fp32, fp16, int8"):
         generation.load(test_models["llama-optimum"], precision="bf16")

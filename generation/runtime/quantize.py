@@ -1,0 +1,193 @@
+"""Int8 matrix products for a float32 decoder, made at load and cached: the precision CPUs with
+int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI, AMX) are fast at.
+
+Every MatMul whose second input is a float32 weight [K, N] becomes one `raymuter.QuantizedMatMul`
+node (a function of the model, inlined by onnxruntime):
+
+    amax  = max(|x|) over the last axis                      # x: [..., K] float32, one token a row
+    scale = max(amax, 1e-30) / 127                           # [..., 1]
+    q     = int8(clip(round_half_even(x / scale), -127, 127))
+    y     = MatMulIntegerToFloat(q, w, scale, w_scale)       # int8 x int8 -> int32, then * scale * w_scale
+
+with the weight quantized once, symmetric per output channel: w_scale[n] = max |W[:, n]| / 127,
+w = int8(round_half_even(W / w_scale)). The activation's scale is each token's own (vLLM's dynamic
+per-token int8, llama.cpp's Q8 activations), so a token's output depends on nothing but its own
+hidden state: not on the rows beside it in a batch, not on padding, not on how a prompt is chunked.
+The products are exact in int32 and each output is scaled by the same two floats, so the rows of a
+batch equal the rows run alone bit for bit. onnxruntime runs the product on MLAS's int8 kernels
+(VNNI / AMX where the CPU has them) and scales inside the kernel.
+
+A node's first input stays the hidden states, so runtime.head's gather of the read positions goes
+before it as before a MatMul. The rewrite is built once per source file and kept under
+$RAYMUTER_CACHE/quantized/<hash of the source and VERSION>, beside the fused graphs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ModelError
+
+log = logging.getLogger(__name__)
+
+VERSION = 2  # part of every cache key: bump when the rewrite changes
+DOMAIN = "raymuter"
+FUNCTION = "QuantizedMatMul"
+LEVELS = 127  # symmetric: -127..127 (no -128, so negation is exact and both signs weigh the same)
+
+
+class QuantizeError(ModelError):
+    """The decoder cannot run at the asked precision; the message says why."""
+
+
+def quantized_decoder(path: Path, cache_root: Path) -> Path:
+    """The int8 rewrite of the float32 decoder at `path` (built once, then read from the cache).
+    QuantizeError where the graph has no float32 MatMul weight to quantize."""
+    from .fusion import _exclusive
+
+    folder = cache_root / "quantized" / cache_key(path)
+    built = folder / "model.onnx"
+    with _exclusive(folder):  # replicas starting together on one node: one builds, the others load it
+        if built.exists():
+            log.info("%s runs as its int8 rewrite %s", path.name, built)
+            return built
+        log.info("quantizing %s to int8 (once; cached in %s)", path, folder)
+        import onnx
+
+        model = onnx.load(str(path), load_external_data=True)
+        count = quantize_graph(model)
+        if not count:
+            raise QuantizeError(f"{path.name} has no MatMul with a float32 weight to quantize (int8 applies to a "
+                                "float32 export; a quantized file runs as exported)")
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".building-"))
+        onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="model.onnx.data", size_threshold=1024)
+        try:
+            os.rename(staging, folder)
+        except OSError:  # another machine built it first (a cache shared over a filesystem the lock does not span)
+            shutil.rmtree(staging, ignore_errors=True)
+        log.info("%s: %d MatMuls quantized to int8", path.name, count)
+        return built
+
+
+def cache_key(path: Path) -> str:
+    from .fusion import _source_files
+
+    digest = hashlib.sha256(f"raymuter-int8-{VERSION}".encode())
+    for file in _source_files(path):
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()[:32]
+
+
+def matmul_weight_bytes(model) -> int:
+    """Bytes of the float32 weights the MatMuls of `model` (an onnx ModelProto, weights not
+    needed) multiply by: what int8 would shrink to a quarter."""
+    sizes = {t.name: int(np.prod(t.dims)) * 4 for t in _initializers(model) if t.data_type == 1 and len(t.dims) == 2}
+    return sum(sizes.get(n.input[1], 0) for g in _graphs(model.graph) for n in g.node
+               if n.op_type == "MatMul" and n.domain in ("", "ai.onnx"))
+
+
+def quantize_graph(model) -> int:
+    """Rewrite, in place, each MatMul of `model` (an onnx ModelProto with its weights) whose second
+    input is a 2-D float32 initializer into a QuantizedMatMul (in a merged decoder's If branches
+    too); the number rewritten. A weight read by anything else besides MatMuls is kept too."""
+    from onnx import numpy_helper
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 13:
+        raise QuantizeError(f"its opset {opset} is older than 13 (Clip and ReduceMax as the rewrite writes them)")
+    weights = {t.name: t for t in _initializers(model) if t.data_type == 1 and len(t.dims) == 2}
+    made: dict[str, tuple[str, str]] = {}
+    count = 0
+    for graph in _graphs(model.graph):
+        for node in graph.node:
+            if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.input[1] not in weights:
+                continue
+            name = node.input[1]
+            if name not in made:
+                made[name] = (f"{name}/int8", f"{name}/int8_scale")
+                w, w_scale = quantize_weight(numpy_helper.to_array(weights[name]))
+                model.graph.initializer.extend([numpy_helper.from_array(w, made[name][0]),
+                                                numpy_helper.from_array(w_scale, made[name][1])])
+            node.op_type, node.domain = FUNCTION, DOMAIN
+            node.input[:] = [node.input[0], *made[name]]
+            count += 1
+    if not count:
+        return 0
+    readers = {i for g in _graphs(model.graph) for n in g.node for i in n.input} | {o.name for o in model.graph.output}
+    kept = [t for t in model.graph.initializer if t.name not in made or t.name in readers]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    model.opset_import.append(_opset(DOMAIN, 1))
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(_opset("com.microsoft", 1))
+    model.ir_version = max(model.ir_version, 8)  # model-local functions
+    model.functions.append(quantized_matmul(opset))
+    return count
+
+
+def quantize_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """W [K, N] float32 -> (int8 [K, N], scale [N] float32), symmetric per output column:
+    W ~ w * scale. A column of zeros takes scale 1."""
+    weight = np.asarray(weight, np.float32)
+    amax = np.abs(weight).max(axis=0)
+    scale = np.where(amax > 0, amax / np.float32(LEVELS), np.float32(1)).astype(np.float32)
+    w = np.clip(np.rint(weight / scale), -LEVELS, LEVELS).astype(np.int8)
+    return w, scale
+
+
+def quantized_matmul(opset: int):
+    """The FunctionProto of raymuter.QuantizedMatMul(x, w, w_scale) -> y, in opset `opset`."""
+    from onnx import TensorProto, helper
+
+    def constant(name, value, kind=TensorProto.FLOAT):
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, kind, [], [value]))
+
+    if opset >= 18:  # ReduceMax takes its axes as an input from opset 18
+        reduce = [helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("axes", TensorProto.INT64, [1], [-1])),
+                  helper.make_node("ReduceMax", ["absolute", "axes"], ["amax"], keepdims=1)]
+    else:
+        reduce = [helper.make_node("ReduceMax", ["absolute"], ["amax"], axes=[-1], keepdims=1)]
+    nodes = [helper.make_node("Abs", ["x"], ["absolute"]), *reduce,
+             constant("floor", 1e-30), constant("levels", float(LEVELS)), constant("low", -float(LEVELS)),
+             helper.make_node("Max", ["amax", "floor"], ["amax_floored"]),
+             helper.make_node("Div", ["amax_floored", "levels"], ["scale"]),
+             helper.make_node("Div", ["x", "scale"], ["scaled"]),
+             helper.make_node("Round", ["scaled"], ["rounded"]),
+             helper.make_node("Clip", ["rounded", "low", "levels"], ["clipped"]),
+             constant("offset", 128.0), constant("zero_point", 128, TensorProto.UINT8),
+             helper.make_node("Add", ["clipped", "offset"], ["shifted"]),
+             helper.make_node("Cast", ["shifted"], ["q"], to=TensorProto.UINT8),
+             helper.make_node("MatMulIntegerToFloat", ["q", "w", "scale", "w_scale", "zero_point"], ["y"],
+                              domain="com.microsoft")]
+    return helper.make_function(DOMAIN, FUNCTION, ["x", "w", "w_scale"], ["y"], nodes,
+                                [_opset("", opset), _opset("com.microsoft", 1)])
+
+
+def _opset(domain: str, version: int):
+    from onnx import helper
+
+    return helper.make_opsetid(domain, version)
+
+
+def _initializers(model):
+    return [t for g in _graphs(model.graph) for t in g.initializer]
+
+
+def _graphs(graph):
+    """`graph` and its subgraphs (If branches, Loop bodies), depth first."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.type == attribute.GRAPH else list(attribute.graphs)):
+                yield from _graphs(sub)
