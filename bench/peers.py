@@ -21,8 +21,10 @@ What it runs, in order:
    vLLM then Raymuter, ...), one server alive at a time: start it (start-up seconds: from the
    process's start until /v1/models answers), two warm-up requests, its idle memory, the greedy
    check (round 0), then each concurrency level, then stop it (its whole process group and
-   everything it started). `raymuter serve` runs with its defaults (only --model and --port;
-   --raymuter-arg adds flags for experiments); vLLM as its recipe runs it (below).
+   everything it started). `raymuter serve` runs with its defaults (only --model and --port)
+   but `--precision fp32`, the precision vLLM runs at here (its default, auto, picks int8 on a
+   CPU with VNNI or AMX: bench/precision.py measures that beside vLLM's bfloat16); --raymuter-arg
+   adds flags for experiments (a --precision there replaces fp32); vLLM as its recipe runs it (below).
 3. Offline: each engine in a worker process of its own venv, both loaded (the idle one's whole
    process tree stopped with SIGSTOP while the other runs), called in alternation for each batch size (one untimed warm-up call, then --repeats timed calls each): vLLM's
    `LLM.generate` on TokensPrompt rows, Raymuter's `generation.generate` on a compiled context of
@@ -291,8 +293,9 @@ def start_server(kind: str, args, dirs: dict, bind: str | None, logs: Path, tag:
 
     port = free_port()
     if kind == "raymuter":
+        precision = [] if any(a.startswith("--precision") for a in args.raymuter_arg) else ["--precision", "fp32"]
         command = [str(Path(sys.executable).with_name("raymuter")), "serve", "--model", str(dirs["genai"]),
-                   "--port", str(port), *args.raymuter_arg]
+                   "--port", str(port), *precision, *args.raymuter_arg]
         env = clean_env()
     else:
         command = [str(args.vllm_python), "-c", VLLM_CLI, "serve", str(dirs["hf"]), *VLLM_ARGS,
@@ -485,7 +488,7 @@ def probe_vllm(args, dirs, logs, tokenizer) -> tuple[str, dict]:
 
 
 # -- offline workers --------------------------------------------------------------------------------
-def offline_worker(kind: str, model_dir: str) -> int:
+def offline_worker(kind: str, model_dir: str, dtype: str = "float32", max_seqs: int = 32, precision: str = "fp32") -> int:
     """`peers.py --offline-worker KIND --model DIR`: load the engine, then answer one JSON line per
     request line {"prompts", "new"} with {"seconds", "tokens"} (lines marked MARK on stdout)."""
     bench = str(BENCH)
@@ -499,7 +502,7 @@ def offline_worker(kind: str, model_dir: str) -> int:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_num_seqs=32, seed=0, max_model_len=512)
+        llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_num_seqs=max_seqs, seed=0, max_model_len=512)
 
         def run(prompts, new):
             params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -509,7 +512,7 @@ def offline_worker(kind: str, model_dir: str) -> int:
     else:
         import generation
 
-        model = generation.load(model_dir, provider="cpu")
+        model = generation.load(model_dir, provider="cpu", precision=precision)
         contexts = {}
 
         def run(prompts, new):
@@ -750,9 +753,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="also write every measure here")
     ap.add_argument("--offline-worker", choices=["raymuter", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)  # an offline worker's (bench/precision.py)
+    ap.add_argument("--max-seqs", type=int, default=32, help=argparse.SUPPRESS)
+    ap.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.offline_worker:
-        return offline_worker(args.offline_worker, args.model)
+        return offline_worker(args.offline_worker, args.model, args.dtype, args.max_seqs, args.precision)
 
     args.levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32,64")).split(",")]
     args.batches = [int(b) for b in (args.offline_batch or ("1,8" if args.quick else "1,8,32")).split(",")]

@@ -33,7 +33,7 @@ from .graph import DecoderGraph, GraphError, read_graph
 from .hooks import Hooks
 from .positions import append_layout
 from .precision import CHOICES as PRECISIONS
-from .precision import choose
+from .precision import Choice, choose
 from .session import captures_graphs, chosen_provider, open_session
 
 __all__ = ["Encoder", "Model", "ModelError", "default_threads", "load", "open_session", "read_json", "resolve_folder"]
@@ -319,6 +319,9 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
         fused = fused_decoder(decoder_path, config, chosen_provider(provider), load_source,
                               choice.precision if choice.precision in ("fp32", "fp16") else None)
     path = fused or decoder_path
+    if choice.precision == "fp16" and fused is None:
+        choice = Choice(None, "fp16 was asked for, but the fused rewrite does not apply (the log says why): the file "
+                              "runs as exported")
     if choice.precision == "int8":
         from .quantize import quantized_decoder
 

@@ -6,8 +6,8 @@ node (a function of the model, inlined by onnxruntime):
 
     amax  = max(|x|) over the last axis                      # x: [..., K] float32, one token a row
     scale = max(amax, 1e-30) / 127                           # [..., 1]
-    q     = int8(clip(round_half_even(x / scale), -127, 127))
-    y     = MatMulIntegerToFloat(q, w, scale, w_scale)       # int8 x int8 -> int32, then * scale * w_scale
+    q     = uint8(round_half_even(x / scale) + 128)          # -127..127 around 128 (QuantizeLinear)
+    y     = MatMulIntegerToFloat(q, w, scale, w_scale, 128)  # (q - 128) x w in int32, then * scale * w_scale
 
 with the weight quantized once, symmetric per output channel: w_scale[n] = max |W[:, n]| / 127,
 w = int8(round_half_even(W / w_scale)). The activation's scale is each token's own (vLLM's dynamic
@@ -37,10 +37,11 @@ from .errors import ModelError
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # part of every cache key: bump when the rewrite changes
+VERSION = 3  # part of every cache key: bump when the rewrite changes
 DOMAIN = "raymuter"
 FUNCTION = "QuantizedMatMul"
 LEVELS = 127  # symmetric: -127..127 (no -128, so negation is exact and both signs weigh the same)
+ZERO_POINT = 128  # activations as uint8 around 128: MLAS's fast int8 kernels take uint8 x int8 (VNNI's vpdpbusd)
 
 
 class QuantizeError(ModelError):
@@ -159,17 +160,27 @@ def quantized_matmul(opset: int):
     else:
         reduce = [helper.make_node("ReduceMax", ["absolute"], ["amax"], axes=[-1], keepdims=1)]
     nodes = [helper.make_node("Abs", ["x"], ["absolute"]), *reduce,
-             constant("floor", 1e-30), constant("levels", float(LEVELS)), constant("low", -float(LEVELS)),
+             constant("floor", 1e-30), constant("levels", float(LEVELS)),
              helper.make_node("Max", ["amax", "floor"], ["amax_floored"]),
-             helper.make_node("Div", ["amax_floored", "levels"], ["scale"]),
-             helper.make_node("Div", ["x", "scale"], ["scaled"]),
-             helper.make_node("Round", ["scaled"], ["rounded"]),
-             helper.make_node("Clip", ["rounded", "low", "levels"], ["clipped"]),
-             constant("offset", 128.0), constant("zero_point", 128, TensorProto.UINT8),
-             helper.make_node("Add", ["clipped", "offset"], ["shifted"]),
-             helper.make_node("Cast", ["shifted"], ["q"], to=TensorProto.UINT8),
-             helper.make_node("MatMulIntegerToFloat", ["q", "w", "scale", "w_scale", "zero_point"], ["y"],
-                              domain="com.microsoft")]
+             helper.make_node("Div", ["amax_floored", "levels"], ["scale"])]
+    if opset >= 21:  # one blocked QuantizeLinear (a block spans the whole last axis): x / scale, rounded, + 128
+        fill = helper.make_tensor("fill", TensorProto.UINT8, [1], [ZERO_POINT])
+        nodes += [helper.make_node("Shape", ["scale"], ["scale_shape"]),
+                  helper.make_node("ConstantOfShape", ["scale_shape"], ["zero_points"], value=fill),  # QuantizeLinear's
+                  constant("zero_point", ZERO_POINT, TensorProto.UINT8),  # MatMulIntegerToFloat's: a scalar
+                  helper.make_node("QuantizeLinear", ["x", "scale", "zero_points"], ["q"], axis=-1, block_size=1 << 30),
+                  helper.make_node("MatMulIntegerToFloat", ["q", "w", "scale", "w_scale", "zero_point"], ["y"],
+                                   domain="com.microsoft")]
+    else:  # the same arithmetic, operator by operator
+        nodes += [constant("low", -float(LEVELS)), constant("offset", float(ZERO_POINT)),
+                  constant("zero_point", ZERO_POINT, TensorProto.UINT8),
+                  helper.make_node("Div", ["x", "scale"], ["scaled"]),
+                  helper.make_node("Round", ["scaled"], ["rounded"]),
+                  helper.make_node("Clip", ["rounded", "low", "levels"], ["clipped"]),
+                  helper.make_node("Add", ["clipped", "offset"], ["shifted"]),
+                  helper.make_node("Cast", ["shifted"], ["q"], to=TensorProto.UINT8),
+                  helper.make_node("MatMulIntegerToFloat", ["q", "w", "scale", "w_scale", "zero_point"], ["y"],
+                                   domain="com.microsoft")]
     return helper.make_function(DOMAIN, FUNCTION, ["x", "w", "w_scale"], ["y"], nodes,
                                 [_opset("", opset), _opset("com.microsoft", 1)])
 
