@@ -488,7 +488,8 @@ def probe_vllm(args, dirs, logs, tokenizer) -> tuple[str, dict]:
 
 
 # -- offline workers --------------------------------------------------------------------------------
-def offline_worker(kind: str, model_dir: str, dtype: str = "float32", max_seqs: int = 32, precision: str = "fp32") -> int:
+def offline_worker(kind: str, model_dir: str, dtype: str = "float32", max_seqs: int = 32, precision: str = "fp32",
+                   variant: str | None = None) -> int:
     """`peers.py --offline-worker KIND --model DIR`: load the engine, then answer one JSON line per
     request line {"prompts", "new"} with {"seconds", "tokens"} (lines marked MARK on stdout)."""
     bench = str(BENCH)
@@ -512,7 +513,7 @@ def offline_worker(kind: str, model_dir: str, dtype: str = "float32", max_seqs: 
     else:
         import generation
 
-        model = generation.load(model_dir, provider="cpu", precision=precision)
+        model = generation.load(model_dir, provider="cpu", precision=precision, variant=variant)
         contexts = {}
 
         def run(prompts, new):
@@ -756,9 +757,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)  # an offline worker's (bench/precision.py)
     ap.add_argument("--max-seqs", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.offline_worker:
-        return offline_worker(args.offline_worker, args.model, args.dtype, args.max_seqs, args.precision)
+        return offline_worker(args.offline_worker, args.model, args.dtype, args.max_seqs, args.precision, args.variant)
 
     args.levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32,64")).split(",")]
     args.batches = [int(b) for b in (args.offline_batch or ("1,8" if args.quick else "1,8,32")).split(",")]

@@ -21,8 +21,9 @@ and float32.
     PYTHONPATH=. .venv/bin/python bench/precision.py --no-accuracy --batch 1,32
     PYTHONPATH=. .venv/bin/python bench/precision.py --no-vllm --profile 32
 
-Speed: 32-token prompts, 64 new tokens, eos ignored, greedy; per batch size each system is called
-once untimed, then --repeats times in alternating order (vLLM's idle workers stopped by SIGSTOP),
+Speed: 32-token prompts, 64 new tokens, eos ignored, greedy; each system in a worker process of its
+own (bench/peers.py's; the idle ones stopped by SIGSTOP); per batch size each is called once
+untimed, then --repeats times in alternating order,
 the median kept; tok/s = B x 64 / seconds. Accuracy (Raymuter's rows only): --prompts prompts of
 32 tokens (English sentences), --tokens greedy tokens each; transformers float32 greedy is the
 reference. `rows equal`: rows whose tokens all equal the reference's; `tokens to first
@@ -60,20 +61,17 @@ def cpu_line() -> str:
                                                                           for f in FLAGS)
 
 
+LOADS = {"fp32": ("genai", "fp32", None), "int8": ("genai", "int8", None), "int4-acc4": ("genai_int4", "auto", None),
+         "int4-acc0": ("optimum_q4", "auto", "q4"), "fp16": ("optimum", "fp16", None)}  # folder, precision, variant
+
+
 def load_system(name: str, dirs: dict):
     import generation
 
-    if name == "fp32":
-        return generation.load(dirs["genai"], provider="cpu", precision="fp32")
-    if name == "int8":
-        return generation.load(dirs["genai"], provider="cpu", precision="int8")
-    if name == "int4-acc4":
-        return generation.load(dirs["genai_int4"], provider="cpu")
-    if name == "int4-acc0":
-        return generation.load(dirs["optimum_q4"], provider="cpu", variant="q4")
-    if name == "fp16":
-        return generation.load(dirs["optimum"], provider="cpu", precision="fp16")
-    raise SystemExit(f"unknown system {name!r}")
+    if name not in LOADS:
+        raise SystemExit(f"unknown system {name!r}")
+    folder, precision, variant = LOADS[name]
+    return generation.load(dirs[folder], provider="cpu", precision=precision, variant=variant)
 
 
 def bf16_refusal() -> str:
@@ -113,14 +111,24 @@ class Ours:
         pass
 
 
-class Vllm(peers.Worker):
-    def __init__(self, args, dirs, dtype: str, logs: Path):
-        extra = ["--dtype", dtype, "--max-seqs", str(max(args.batches))]
-        command = [str(args.vllm_python), str(BENCH / "peers.py"), "--offline-worker", "vllm", "--model",
-                   str(dirs["hf"]), *extra]
-        env = peers.clean_env({**peers.VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": peers.bind_settings()[args.vllm_bind]},
-                              python_path=False)
-        self.kind = f"vllm-{dtype}"
+class Worker(peers.Worker):
+    """An engine in a process of its own (bench/peers.py's offline worker), stopped while another
+    runs: vLLM at `dtype`, or Raymuter's system `name` (its onnxruntime threads spin after each
+    run, as a server's do, and would take the cores of the next system timed in one process)."""
+
+    def __init__(self, args, dirs, logs: Path, dtype: str | None = None, name: str | None = None):
+        if dtype is not None:
+            command = [str(args.vllm_python), str(BENCH / "peers.py"), "--offline-worker", "vllm", "--model",
+                       str(dirs["hf"]), "--dtype", dtype, "--max-seqs", str(max(args.batches))]
+            env = peers.clean_env({**peers.VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": peers.bind_settings()[args.vllm_bind]},
+                                  python_path=False)
+            self.kind = f"vllm-{dtype}"
+        else:
+            folder, precision, variant = LOADS[name]
+            command = [sys.executable, str(BENCH / "peers.py"), "--offline-worker", "raymuter", "--model",
+                       str(dirs[folder]), "--precision", precision, *(["--variant", variant] if variant else [])]
+            env = peers.clean_env({"PYTHONPATH": str(BENCH.parent)})
+            self.kind = name
         self.process = peers.Managed(self.kind, command, env, logs / f"{self.kind}.log", stdin=__import__("subprocess").PIPE)
         self.answer()
 
@@ -293,12 +301,14 @@ def main(argv=None) -> int:
             continue
         models[name] = model
     results = {"cpu": cpu_line(), "auto": auto.name}
-    systems = {name: Ours(m) for name, m in models.items()}
+    systems = {}
     logs = Path(tempfile.mkdtemp(prefix="raymuter-precision-"))
     try:
+        for name in models:
+            systems[name] = Worker(args, dirs, logs, name=name)
         if args.vllm:
             for dtype in ("bfloat16", "float32"):
-                systems[f"vllm-{dtype}"] = Vllm(args, dirs, dtype, logs)
+                systems[f"vllm-{dtype}"] = Worker(args, dirs, logs, dtype=dtype)
         results["speed"] = speed(args, systems, tokenizer)
     finally:
         for system in systems.values():

@@ -17,7 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 POSITIONS = "logits_positions"
-_HEADS = ("MatMul", "MatMulNBits")  # row-wise in their first input: gathering rows first changes nothing
+# row-wise in their first input: gathering rows first changes nothing (runtime.quantize's int8
+# projections take each token's own scale, so they are too)
+_HEADS = ("MatMul", "MatMulNBits", "QuantizedMatMul", "SmoothQuantizedMatMul")
 #: elementwise after the head, with scalar constants (Gemma 2's soft-cap: Mul(Tanh(Div(logits, c)), c)):
 #: gathering rows before the head gives the rows they would have picked
 _ELEMENTWISE = ("Tanh", "Div", "Mul", "Add", "Sub")
@@ -70,7 +72,7 @@ def _cut(graph, name: str, count: list) -> str | None:
             if reason:
                 return f"{reason} (in the If's {attribute.name})"
         return None
-    if head is None or head.op_type not in _HEADS or head.domain not in ("", "com.microsoft"):
+    if head is None or head.op_type not in _HEADS or head.domain not in ("", "com.microsoft", "raymuter"):
         return f"its logits come from {head.op_type if head else 'no node'}, not a MatMul"
     if head.input[0] in {w.name for w in graph.initializer}:
         return "its LM head multiplies the weights by the hidden states, not the hidden states by the weights"

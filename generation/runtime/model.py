@@ -323,9 +323,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
         choice = Choice(None, "fp16 was asked for, but the fused rewrite does not apply (the log says why): the file "
                               "runs as exported")
     if choice.precision == "int8":
-        from .quantize import quantized_decoder
-
-        path, source = quantized_decoder(path, cache_root()), None
+        path, source = _int8_decoder(path, config, present_names, tokenizer_path), None
     if fused is None and source is not None:  # refused just now: the source is loaded already
         session, used, graph = source
     else:
@@ -343,6 +341,18 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     if graph.has_inputs_embeds:
         _load_vision_parts(model, variant, provider, threads)
     return model
+
+
+def _int8_decoder(path: Path, config: dict, present_names: dict[str, str], tokenizer_path: Path | None) -> Path:
+    """The int8 rewrite of the float32 decoder at `path` (runtime.quantize), smoothed by the ranges
+    of a prefill of its calibration text."""
+    from .quantize import calibration_ids, quantized_decoder
+
+    def graph_of(session):  # the calibration session's view of the graph at `path`
+        return read_graph(path, session, _config_dims(config), present_names)
+
+    ids = calibration_ids(tokenizer_path, int(config.get("vocab_size") or 0) or 2**31)
+    return quantized_decoder(path, cache_root(), ids, graph_of)
 
 
 def decoder_files(folder: Path, variant: str | None) -> tuple[Path | None, dict, dict[str, str]]:
