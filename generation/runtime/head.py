@@ -19,7 +19,7 @@ from pathlib import Path
 POSITIONS = "logits_positions"
 # row-wise in their first input: gathering rows first changes nothing (runtime.quantize's int8
 # projections take each token's own scale, so they are too)
-_HEADS = ("MatMul", "MatMulNBits", "QuantizedMatMul", "SmoothQuantizedMatMul")
+_HEADS = ("MatMul", "MatMulNBits", "QuantizedMatMul")
 #: elementwise after the head, with scalar constants (Gemma 2's soft-cap: Mul(Tanh(Div(logits, c)), c)):
 #: gathering rows before the head gives the rows they would have picked
 _ELEMENTWISE = ("Tanh", "Div", "Mul", "Add", "Sub")

@@ -37,10 +37,9 @@ from .errors import ModelError
 
 log = logging.getLogger(__name__)
 
-VERSION = 4  # part of every cache key: bump when the rewrite changes
+VERSION = 5  # part of every cache key: bump when the rewrite changes
 DOMAIN = "raymuter"
 FUNCTION = "QuantizedMatMul"
-SMOOTHED = "SmoothQuantizedMatMul"  # the same after x * smooth (SmoothQuant)
 ALPHA = 0.5  # SmoothQuant's migration strength: of 0.3, 0.4, 0.5 and 0.8, 0.5 gave SmolLM2-135M the lowest KL
 # what the calibration prefill reads (the activations' channel ranges): prose, code and numbers
 CALIBRATION = ("The committee met on Tuesday to discuss the new budget. She opened the window to let the cold "
@@ -88,7 +87,7 @@ def quantized_decoder(path: Path, cache_root: Path, calibration_ids: np.ndarray 
             os.rename(staging, folder)
         except OSError:  # another machine built it first (a cache shared over a filesystem the lock does not span)
             shutil.rmtree(staging, ignore_errors=True)
-        log.info("%s: %d MatMuls quantized to int8 (smoothed by the ranges of %d inputs)", path.name, count, len(ranges))
+        log.info("%s quantized to int8: %s", path.name, next(p.value for p in model.metadata_props if p.key == "raymuter.int8"))
         return built
 
 
@@ -134,11 +133,55 @@ def activation_ranges(path: Path, ids: np.ndarray, graph_of) -> dict[str, np.nda
     return {n: np.abs(v.reshape(-1, v.shape[-1])).max(axis=0).astype(np.float32) for n, v in zip(names, values)}
 
 
-def smoothing(x_range: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """SmoothQuant's per-channel factor s [K] for x [.., K] @ W [K, N]: (x / s) @ (s W) is the
-    same product with the activations' outlier channels moved into the weights, where int8 per
-    column takes them better than int8 per token does: s = max|x|^ALPHA / max|W row|^(1 - ALPHA)."""
-    w_range = np.abs(weight).max(axis=1)
+def _smoothings(model, weights: dict, ranges: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """{input name: s [K]} for each input of the top graph's projections that `ranges` covers: one
+    factor for all the projections that read it (q, k and v; gate and up), so they still quantize
+    the same x / s (onnxruntime then computes it once)."""
+    from onnx import numpy_helper
+
+    rows: dict[str, np.ndarray] = {}
+    for node in model.graph.node:
+        x = node.input[0] if node.input else None
+        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and node.input[1] in weights and x in ranges:
+            w_range = np.abs(numpy_helper.to_array(weights[node.input[1]])).max(axis=1)
+            rows[x] = np.maximum(rows[x], w_range) if x in rows else w_range
+    factors = {x: smoothing(ranges[x], w_range) for x, w_range in rows.items()}
+    return {x: f for x, f in factors.items() if _fold(model, x, f, set(weights))}
+
+
+def _fold(model, x: str, factor: np.ndarray, weights: set[str]) -> bool:
+    """Divide the scale of the norm that makes `x` by `factor`, so x comes out already divided by it
+    (an operator x / s would cost more than it saves: measured 9% of a step at 32 rows); False
+    where `x` is not an RMS norm's output read by projections only (it then runs unsmoothed)."""
+    from onnx import numpy_helper
+
+    maker = next((n for n in model.graph.node if x in n.output), None)
+    gamma_at = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2, "Mul": None}
+    if maker is None or maker.op_type not in gamma_at or list(maker.output).index(x) != 0:
+        return False
+    initializers = {t.name: t for t in model.graph.initializer}
+    at = gamma_at[maker.op_type]
+    if at is None:  # an exported RMS norm's last step: Mul(normed, weight [K])
+        at = next((i for i, name in enumerate(maker.input) if name in initializers), None)
+    if at is None or at >= len(maker.input) or maker.input[at] not in initializers:
+        return False
+    gamma = initializers[maker.input[at]]
+    readers = [n for n in model.graph.node if x in n.input or gamma.name in n.input]
+    nested = {i for g in _graphs(model.graph) if g is not model.graph for n in g.node for i in n.input}
+    projections = all(r.op_type == "MatMul" and r.domain in ("", "ai.onnx") and list(r.input[:1]) == [x]
+                      and r.input[1] in weights for r in readers if r is not maker)
+    if (list(gamma.dims) != [len(factor)] or gamma.data_type != 1 or not projections or gamma.name in maker.input[:at]
+            or x in nested or gamma.name in nested or x in {o.name for o in model.graph.output}):
+        return False
+    gamma.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(gamma) / factor).astype(np.float32), gamma.name))
+    return True
+
+
+def smoothing(x_range: np.ndarray, w_range: np.ndarray) -> np.ndarray:
+    """SmoothQuant's per-channel factor s [K] for x [.., K] @ W [K, N], from max |x| [K] and the
+    weights' max |W row| [K] (over every projection of x): (x / s) @ (s W) is the same product
+    with the activations' outlier channels moved into the weights, where int8 per column takes
+    them better than int8 per token does: s = max|x|^ALPHA / max|W row|^(1 - ALPHA)."""
     ok = (x_range > 0) & (w_range > 0)
     s = np.where(ok, np.maximum(x_range, 1e-30) ** ALPHA / np.maximum(w_range, 1e-30) ** (1 - ALPHA), 1.0)
     return np.clip(s, 1e-4, 1e4).astype(np.float32)
@@ -168,15 +211,16 @@ def matmul_weight_bytes(model) -> int:
 def quantize_graph(model, ranges: dict[str, np.ndarray] | None = None) -> int:
     """Rewrite, in place, each MatMul of `model` (an onnx ModelProto with its weights) whose second
     input is a 2-D float32 initializer into a QuantizedMatMul (in a merged decoder's If branches
-    too), or a SmoothQuantizedMatMul where `ranges` gives its input's channel ranges; the number
-    rewritten. A weight read by anything else besides MatMuls is kept too."""
+    too); where `ranges` gives an input's channel ranges and an RMS norm makes that input, its
+    projections are smoothed first (SmoothQuant, folded into the norm's scale). The number
+    rewritten; a weight read by anything else besides MatMuls is kept too."""
     from onnx import numpy_helper
 
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 13:
         raise QuantizeError(f"its opset {opset} is older than 13 (Clip and ReduceMax as the rewrite writes them)")
-    ranges = ranges or {}
     weights = {t.name: t for t in _initializers(model) if t.data_type == 1 and len(t.dims) == 2}
+    factors = _smoothings(model, weights, ranges or {})
     made: dict[tuple[str, str | None], list[str]] = {}
     count = 0
     for graph in _graphs(model.graph):
@@ -184,18 +228,16 @@ def quantize_graph(model, ranges: dict[str, np.ndarray] | None = None) -> int:
             if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.input[1] not in weights:
                 continue
             name, x = node.input[1], node.input[0]
-            smooth = x if graph is model.graph and x in ranges else None
+            smooth = x if graph is model.graph and x in factors else None
             if (name, smooth) not in made:
                 tag = f"{name}/int8" + (f"/{len(made)}" if smooth else "")
                 weight = numpy_helper.to_array(weights[name])
-                factor = smoothing(ranges[x], weight) if smooth else None
-                arrays = dict(zip((tag, f"{tag}_scale"), quantize_weight(weight if factor is None
-                                                                          else weight * factor[:, None])))
-                if factor is not None:
-                    arrays[f"{tag}_smooth"] = (1 / factor).astype(np.float32)
+                if smooth:  # its norm's scale was divided by the same factor (_fold)
+                    weight = weight * factors[x][:, None]
+                arrays = dict(zip((tag, f"{tag}_scale"), quantize_weight(weight)))
                 model.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in arrays.items())
                 made[name, smooth] = list(arrays)
-            node.op_type, node.domain = (SMOOTHED if smooth else FUNCTION), DOMAIN
+            node.op_type, node.domain = FUNCTION, DOMAIN
             node.input[:] = [x, *made[name, smooth]]
             count += 1
     if not count:
@@ -209,8 +251,18 @@ def quantize_graph(model, ranges: dict[str, np.ndarray] | None = None) -> int:
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(_opset("com.microsoft", 1))
     model.ir_version = max(model.ir_version, 8)  # model-local functions
-    model.functions.extend([quantized_matmul(opset), quantized_matmul(opset, smoothed=True)])
+    model.functions.append(quantized_matmul(opset))
+    _say(model, "raymuter.int8", f"{count} projections, {len(factors)} inputs smoothed (alpha {ALPHA})")
     return count
+
+
+def _say(model, key: str, value: str) -> None:
+    """Set `key` of the model's metadata_props (what the rewrite did, read back by tests and users)."""
+    for prop in model.metadata_props:
+        if prop.key == key:
+            prop.value = value
+            return
+    model.metadata_props.add(key=key, value=value)
 
 
 def quantize_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -223,9 +275,8 @@ def quantize_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return w, scale
 
 
-def quantized_matmul(opset: int, smoothed: bool = False):
-    """The FunctionProto of raymuter.QuantizedMatMul(x, w, w_scale) -> y, in opset `opset`; smoothed:
-    of SmoothQuantizedMatMul(x, w, w_scale, smooth), which quantizes x * smooth."""
+def quantized_matmul(opset: int):
+    """The FunctionProto of raymuter.QuantizedMatMul(x, w, w_scale) -> y, in opset `opset`."""
     from onnx import TensorProto, helper
 
     def constant(name, value, kind=TensorProto.FLOAT):
@@ -236,8 +287,7 @@ def quantized_matmul(opset: int, smoothed: bool = False):
                   helper.make_node("ReduceMax", ["absolute", "axes"], ["amax"], keepdims=1)]
     else:
         reduce = [helper.make_node("ReduceMax", ["absolute"], ["amax"], axes=[-1], keepdims=1)]
-    smooth = [helper.make_node("Mul", ["x_in", "smooth"], ["x"])] if smoothed else []
-    nodes = [*smooth, helper.make_node("Abs", ["x"], ["absolute"]), *reduce,
+    nodes = [helper.make_node("Abs", ["x"], ["absolute"]), *reduce,
              constant("floor", 1e-30), constant("levels", float(LEVELS)),
              helper.make_node("Max", ["amax", "floor"], ["amax_floored"]),
              helper.make_node("Div", ["amax_floored", "levels"], ["scale"])]
@@ -259,8 +309,7 @@ def quantized_matmul(opset: int, smoothed: bool = False):
                   helper.make_node("Cast", ["shifted"], ["q"], to=TensorProto.UINT8),
                   helper.make_node("MatMulIntegerToFloat", ["q", "w", "scale", "w_scale", "zero_point"], ["y"],
                                    domain="com.microsoft")]
-    inputs = ["x_in", "w", "w_scale", "smooth"] if smoothed else ["x", "w", "w_scale"]
-    return helper.make_function(DOMAIN, SMOOTHED if smoothed else FUNCTION, inputs, ["y"], nodes,
+    return helper.make_function(DOMAIN, FUNCTION, ["x", "w", "w_scale"], ["y"], nodes,
                                 [_opset("", opset), _opset("com.microsoft", 1)])
 
 

@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 import generation
 from generation.engine.scheduler import Scheduler
 from generation.runtime.precision import MIN_INT8_BYTES, choose
-from generation.runtime.quantize import DOMAIN, FUNCTION, SMOOTHED, quantize_graph, quantize_weight, smoothing
+from generation.runtime.quantize import DOMAIN, FUNCTION, quantize_graph, quantize_weight, smoothing
 
 H, N = 24, 40
 # int8 on the tiny random Llama (its logits close together: 31 of the 40 rows below part from
@@ -92,30 +92,59 @@ def test_each_token_row_equals_that_row_alone_and_stays_near_float32(opset):
     assert not y[4].any()
 
 
+def _normed(gamma_readers: int = 0):
+    """h [B, S, H] -> x = h * gamma (an RMS norm's last step, as an Optimum export writes it) ->
+    two projections of x; `gamma_readers` more readers of x than projections (a Transpose)."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array(rng.uniform(0.5, 1.5, H).astype(np.float32), "gamma"),
+             numpy_helper.from_array(rng.normal(size=(H, N)).astype(np.float32), "Wq"),
+             numpy_helper.from_array(rng.normal(size=(H, N)).astype(np.float32) * 3, "Wk")]
+    nodes = [helper.make_node("Mul", ["h", "gamma"], ["x"]), helper.make_node("MatMul", ["x", "Wq"], ["q"]),
+             helper.make_node("MatMul", ["x", "Wk"], ["k"])]
+    outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, ["B", "S", N]) for o in ("q", "k")]
+    if gamma_readers:
+        nodes.append(helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]))
+        outputs.append(helper.make_tensor_value_info("xt", TensorProto.FLOAT, ["B", H, "S"]))
+    graph = helper.make_graph(nodes, "normed", [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["B", "S", H])],
+                              outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
 def test_smoothing_moves_outlier_channels_into_the_weights_and_keeps_the_product():
-    """SmoothQuant: with the input's channel ranges, (x / s) @ (s W) is x @ W, and int8 per token
-    then loses less where a few channels of x are 50x the rest."""
+    """SmoothQuant: with the input's channel ranges, (x / s) @ (s W) is x @ W, folded into the norm's
+    scale; int8 per token then loses less where a few channels of x are 50x the rest."""
     rng = np.random.default_rng(3)
-    x = rng.normal(size=(5, 7, H)).astype(np.float32)
-    x[..., [2, 11]] *= 50  # outlier channels, as LLMs' activations have
-    ranges = {"x": np.abs(x.reshape(-1, H)).max(axis=0), "c": np.full(N, 10, np.float32)}
-    weight = numpy_helper.to_array(_projections().graph.initializer[0])
-    s = smoothing(ranges["x"], weight)
+    h = rng.normal(size=(5, 7, H)).astype(np.float32)
+    h[..., [2, 11]] *= 50  # outlier channels, as LLMs' activations have
+    exact_model = _normed()
+    gamma = numpy_helper.to_array(exact_model.graph.initializer[0])
+    ranges = {"x": np.abs((h * gamma).reshape(-1, H)).max(axis=0)}
+    weights = [numpy_helper.to_array(t) for t in exact_model.graph.initializer[1:]]
+    s = smoothing(ranges["x"], np.max([np.abs(w).max(axis=1) for w in weights], axis=0))
     assert s.shape == (H,) and s[2] > 3 * np.median(s) and s[11] > 3 * np.median(s)
-    np.testing.assert_allclose((x / s) @ (s[:, None] * weight), x @ weight, rtol=1e-4, atol=1e-3)
-    exact = _session(_projections()).run(["y"], {"x": x})[0]
+    exact = _session(exact_model).run(["q", "k"], {"h": h})
     errors = {}
     for smoothed in (False, True):
-        model = _projections()
-        assert quantize_graph(model, ranges if smoothed else None) == 3
-        kinds = [n.op_type for n in model.graph.node if n.domain == DOMAIN]
-        assert kinds == ([SMOOTHED] * 3 if smoothed else [FUNCTION] * 3)
+        model = _normed()
+        assert quantize_graph(model, ranges if smoothed else None) == 2
+        said = next(p.value for p in model.metadata_props if p.key == "raymuter.int8")
+        assert said == f"2 projections, {int(smoothed)} inputs smoothed (alpha 0.5)"
+        folded = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "gamma"))
+        np.testing.assert_allclose(folded, gamma / s if smoothed else gamma, rtol=1e-6)
         served = _session(model)
-        y = served.run(["y"], {"x": x})[0]
+        got = served.run(["q", "k"], {"h": h})
         for b in range(5):  # still one token at a time
-            np.testing.assert_array_equal(y[b:b + 1, 2:3], served.run(["y"], {"x": x[b:b + 1, 2:3]})[0])
-        errors[smoothed] = float(np.abs(y - exact).mean())
-    assert errors[True] < 0.85 * errors[False], errors  # measured 0.74
+            alone = served.run(["q", "k"], {"h": h[b:b + 1, 2:3]})
+            for y, y1 in zip(got, alone):
+                np.testing.assert_array_equal(y[b:b + 1, 2:3], y1)
+        errors[smoothed] = float(np.mean([np.abs(y - e).mean() / np.abs(e).mean() for y, e in zip(got, exact)]))
+    assert errors[True] < 0.5 * errors[False], errors
+
+
+def test_an_input_read_by_more_than_projections_is_not_smoothed():
+    model = _normed(gamma_readers=1)
+    assert quantize_graph(model, {"x": np.full(H, 3, np.float32)}) == 2
+    assert next(p.value for p in model.metadata_props if p.key == "raymuter.int8").startswith("2 projections, 0 inputs")
 
 
 def test_a_graph_without_float32_weights_is_not_rewritten():
@@ -154,9 +183,16 @@ def test_every_layout_loads_its_int8_rewrite(int8_models):
         assert any(f.domain == DOMAIN and f.name == FUNCTION for f in graph.functions)
         assert (model.fused_from is not None) == (name == "fused")
         kinds = {n.op_type for g in _all_graphs(graph.graph) for n in g.node if n.domain == DOMAIN}
-        # calibrated and smoothed where the projections sit in the top graph; a merged decoder's
-        # If branches are not read by the calibration run, so they quantize unsmoothed
-        assert kinds == ({FUNCTION} if name == "merged" else {SMOOTHED}), (name, kinds)
+        assert kinds == {FUNCTION}, (name, kinds)
+        said = next(p.value for p in graph.metadata_props if p.key == "raymuter.int8")
+        # calibrated and smoothed where the projections sit in the top graph and an RMS norm makes
+        # their input (genai and fused: q/k/v, gate/up and the LM head's, 2 a layer + 1; the Optimum
+        # export's decomposed norms: where its last Mul reads the scale); a merged decoder's If
+        # branches are not read by the calibration run, so they quantize unsmoothed
+        smoothed = int(said.split(", ")[1].split()[0])
+        want = {"genai": 2 * model.config["num_hidden_layers"] + 1, "fused": 2 * model.config["num_hidden_layers"] + 1,
+                "merged": 0}
+        assert smoothed == want[name] if name in want else smoothed > 0, said
         assert model.graph.has_logits_positions  # runtime.head gathers before the int8 LM head too
     assert int8_models["genai"].graph.native_mode == "in_place" and int8_models["fused"].graph.native_mode == "in_place"
     assert int8_models["optimum"].graph.native_mode == "append"
