@@ -1,12 +1,15 @@
 """Which precision a decoder runs at: as asked, or ('auto') the one this CPU is fast at.
 
 Measured with bench/precision.py (SmolLM2-135M, 2 vCPUs; README "Precision"): on an AMD EPYC with
-AVX-512 VNNI the int8 rewrite (runtime.quantize) ran 1.6-1.9x float32 at 1 to 64 rows, where
-vLLM's default there (bfloat16) ran 0.6-1.4x float32. int8's dot products need the CPU's int8
-instructions (AVX-512 VNNI, AVX-VNNI, AMX); without them (an AVX2-only CPU) MLAS's int8 kernels
-were not measured faster, so float32 stays. A model whose weights fit in the CPU's caches gains
-nothing from smaller weights and pays the activations' quantization: below MIN_INT8_BYTES of
-MatMul weights float32 stays too. On CUDA the precision is the fused graph's (float16).
+AVX-512 VNNI the int8 rewrite (runtime.quantize) ran 1.6-2.1x float32 at 1 to 64 rows and
+1.3-3.3x vLLM's default there (bfloat16), at a KL to float32 of 0.011 (bfloat16's: 0.0007). int8's
+dot products need the CPU's int8 instructions (AVX-512 VNNI, AVX-VNNI, AMX); an AVX2-only CPU was
+not measured, so float32 stays there. A model whose weights fit in the CPU's caches gains little
+from smaller weights and pays the activations' quantization at every projection (the 0.5 MiB test
+Llama ran 0.67-0.97x float32 at int8, 1 to 32 rows): below MIN_INT8_BYTES of MatMul weights (a
+model of 16M parameters, past the last-level cache) float32 stays too; where between 0.5 and
+513 MiB int8 starts to pay was not measured. The batch sizes served do not enter the choice:
+int8 was the faster at every batch size measured. On CUDA the precision is the fused graph's.
 
     choice = choose("auto", "cpu", Path("onnx/model.onnx"))
     choice.precision, choice.reason   # 'int8', 'this CPU has avx512_vnni (int8 dot products) and ...'

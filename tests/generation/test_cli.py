@@ -158,3 +158,22 @@ def test_no_fuse_runs_the_export_as_exported(folder, tmp_path):
     assert fused.returncode == 0 and exported.returncode == 0, (fused.stderr, exported.stderr)
     assert "cache in_place" in fused.stderr and "cache append" in exported.stderr
     assert fused.stdout == exported.stdout  # the same greedy text either way
+
+
+def test_the_precision_chosen_is_printed_with_why(folder, tokenizer, tmp_path):
+    """auto on a tiny model stays float32 and says why (its weights are below the line where int8
+    pays, or the CPU has no int8 dot products); --precision int8 prints int8 and gives the int8
+    model's greedy text."""
+    auto = raymuter("generate", "--model", folder, "--max-new-tokens", "3", "x", cwd=tmp_path)
+    assert auto.returncode == 0, auto.stderr
+    line = next(l for l in auto.stderr.splitlines() if "precision" in l)
+    assert line.startswith("[raymuter] precision fp32 (auto asked): ") and (
+        "below the 64 MiB" in line or "no int8 dot-product instructions" in line), line
+    int8 = raymuter("generate", "--model", folder, "--max-new-tokens", "6", "--precision", "int8", "ka lo mi",
+                    cwd=tmp_path)
+    assert int8.returncode == 0, int8.stderr
+    assert "[raymuter] precision int8 (int8 asked): asked for" in int8.stderr
+    quantized = generation.load(folder, threads=1, precision="int8")
+    assert int8.stdout == expected_text(quantized, tokenizer, "ka lo mi", 6) + "\n"
+    wrong = raymuter("generate", "--model", folder, "--precision", "bf16", "x", cwd=tmp_path)
+    assert wrong.returncode == 2 and "--precision: invalid choice: 'bf16'" in wrong.stderr
