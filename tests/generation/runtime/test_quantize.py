@@ -297,3 +297,28 @@ def test_an_asked_precision_is_kept_and_a_wrong_one_named():
 def test_auto_counts_the_matmul_weights_of_the_file(test_models):
     tiny = choose("auto", "cpu", test_models["llama-genai"] / "model.onnx", flags=VNNI)
     assert tiny.precision == "fp32" and "MiB, below the 64 MiB" in tiny.reason
+
+
+def test_slots_and_the_prefix_cache_change_no_token(int8_models, prompts_of):
+    """Jobs joining running rows in free slots, with the prefix store on (a shared system prompt),
+    give each job what it gets alone: greedy, seeded sampling and beams, log-probabilities too."""
+    system = prompts_of([40], seed=8)[0]
+    prompts = [system + [11, 12, 13], system + [21, 22], system[:20], [7, 8, 9], system + [11, 12, 13]]
+    kinds = [dict(), dict(do_sample=True, temperature=0.9), dict(num_beams=3)]
+    ctx = generation.context(int8_models["genai"], max_new_tokens=8, token_logprobs=True)
+    scheduler = Scheduler(ctx, 6, 128, prefix_cache_bytes=2**24)
+    jobs = [scheduler.job(p, seed=i, settings=kinds[i % 3]) for i, p in enumerate(prompts)]
+    for job in jobs:
+        scheduler.add(job)
+        scheduler.step()
+    while scheduler.busy:
+        scheduler.step()
+    assert sum(job.cached_tokens for job in jobs) > 0
+    for i, (job, prompt) in enumerate(zip(jobs, prompts)):
+        only = Scheduler(ctx, 3, 128)
+        alone = only.job(prompt, seed=i, settings=kinds[i % 3])
+        only.add(alone)
+        while only.busy:
+            only.step()
+        assert job.tokens == alone.tokens, i
+        np.testing.assert_allclose(job.logprobs, alone.logprobs, atol=1e-4)
