@@ -23,8 +23,9 @@ What it runs, in order:
    check (round 0), then each concurrency level, then stop it (its whole process group and
    everything it started). `raymuter serve` runs with its defaults (only --model and --port)
    but `--precision fp32`, the precision vLLM runs at here (its default, auto, picks int8 on a
-   CPU with VNNI or AMX: bench/precision.py measures that beside vLLM's bfloat16); --raymuter-arg
-   adds flags for experiments (a --precision there replaces fp32); vLLM as its recipe runs it (below).
+   CPU with VNNI or AMX); `--vllm-dtype bfloat16` serves vLLM in its own default dtype beside
+   Raymuter in its own default precision (issue 53's served bars); --raymuter-arg adds flags for
+   experiments (a --precision there replaces fp32); vLLM as its recipe runs it (below).
 3. Offline: each engine in a worker process of its own venv, both loaded (the idle one's whole
    process tree stopped with SIGSTOP while the other runs), called in alternation for each batch size (one untimed warm-up call, then --repeats timed calls each): vLLM's
    `LLM.generate` on TokensPrompt rows, Raymuter's `generation.generate` on a compiled context of
@@ -58,7 +59,7 @@ vLLM's venv (its own; this script installs nothing, and says so when the venv is
     ~/venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds that break `from vllm import LLM`
 
 vLLM runs with `VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1` (2 GiB of KV
-cache), `--dtype float32 --enforce-eager --max-model-len 512`, its other settings its defaults; the
+cache), `--dtype float32 --enforce-eager --max-model-len 512` (`--vllm-dtype` changes the dtype), its other settings its defaults; the
 wheel's `vllm` console script asks for the metadata of "vllm" (the distribution is "vllm-cpu"), so
 the server runs as `python -c VLLM_CLI serve ...` (VLLM_CLI below maps that one name).
 
@@ -86,7 +87,7 @@ ROOT = BENCH.parent
 VLLM_PYTHON = Path.home() / "venv-vllm" / "bin" / "python"
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"]
+VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512"]  # and --dtype: --vllm-dtype's
 VLLM_CLI = """\
 import importlib.metadata as _md, sys
 _version = _md.version
@@ -294,11 +295,13 @@ def start_server(kind: str, args, dirs: dict, bind: str | None, logs: Path, tag:
     port = free_port()
     if kind == "raymuter":
         precision = [] if any(a.startswith("--precision") for a in args.raymuter_arg) else ["--precision", "fp32"]
+        if args.vllm_dtype != "float32":  # vLLM in its own default dtype: Raymuter in its own default precision
+            precision = []
         command = [str(Path(sys.executable).with_name("raymuter")), "serve", "--model", str(dirs["genai"]),
                    "--port", str(port), *precision, *args.raymuter_arg]
         env = clean_env()
     else:
-        command = [str(args.vllm_python), "-c", VLLM_CLI, "serve", str(dirs["hf"]), *VLLM_ARGS,
+        command = [str(args.vllm_python), "-c", VLLM_CLI, "serve", str(dirs["hf"]), "--dtype", args.vllm_dtype, *VLLM_ARGS,
                    "--host", "127.0.0.1", "--port", str(port)]
         env = clean_env({**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}, python_path=False)
     server = Managed(f"{kind} {tag}", command, env, logs / f"{kind}-{tag}.log")
@@ -539,11 +542,11 @@ class Worker:
     def __init__(self, kind: str, args, dirs, bind, logs: Path):
         if kind == "vllm":
             command = [str(args.vllm_python), str(Path(__file__).resolve()), "--offline-worker", "vllm",
-                       "--model", str(dirs["hf"])]
+                       "--model", str(dirs["hf"]), "--dtype", args.vllm_dtype]
             env = clean_env({**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}, python_path=False)
         else:
             command = [sys.executable, str(Path(__file__).resolve()), "--offline-worker", "raymuter",
-                       "--model", str(dirs["genai"])]
+                       "--model", str(dirs["genai"]), "--precision", "fp32" if args.vllm_dtype == "float32" else "auto"]
             env = clean_env({"PYTHONPATH": str(ROOT)})
         self.kind = kind
         self.process = Managed(f"{kind} offline", command, env, logs / f"{kind}-offline.log", stdin=subprocess.PIPE)
@@ -630,7 +633,7 @@ def _ratio(a, b):
 def report(args, served: dict | None, offline_rows: dict | None, vllm_setting: str, probe: dict | None,
            check: dict | None, texts: tuple[int, int] | None) -> list[str]:
     out = []
-    setting = f"{vllm_setting} (VLLM_CPU_OMP_THREADS_BIND={bind_settings()[vllm_setting]})"
+    setting = f"{vllm_setting} (VLLM_CPU_OMP_THREADS_BIND={bind_settings()[vllm_setting]}, --dtype {args.vllm_dtype})"
     if probe:
         out.append(f"\nvLLM's thread setting, probed at concurrency 8 ({args.probe_requests} requests): " + "; ".join(
             f"{k} ({v['bind']}) {v['tok_s']:.1f} tok/s" for k, v in probe.items()) + f" -> {vllm_setting}")
@@ -744,6 +747,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-bind", choices=["probe", "auto", "all"], default="probe",
                     help="vLLM's VLLM_CPU_OMP_THREADS_BIND: probe both (default), its default auto, or every core")
     ap.add_argument("--probe-requests", type=int, default=8, help="requests at concurrency 8 per probed setting")
+    ap.add_argument("--vllm-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="vLLM's --dtype served (default float32, beside Raymuter at --precision fp32; bfloat16, vLLM's "
+                         "default on AVX-512 BF16 / AMX, is served beside Raymuter's default precision)")
     ap.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help=f"vLLM's venv's python (default {VLLM_PYTHON})")
     ap.add_argument("--raymuter-arg", action="append", default=[], metavar="FLAG",
                     help="a flag added to `raymuter serve` (default none: the default server), e.g. --raymuter-arg=--slots=32")
