@@ -174,6 +174,13 @@ def _serve(args, config: dict, folder: Path) -> int:
 
         print(f"[raymuter] no --model: serving the default model ({default_model_path()})", file=sys.stderr)
     print(f"[raymuter] layout: {layout_words(config)}", file=sys.stderr)
+    if args.engine == "onnx":
+        from generation.default_model import default_model_path
+        from generation.front import EngineOptions, ModelFolder
+
+        options = EngineOptions.split(vars(args))[0]
+        print(f"[raymuter] precision on this machine: {ModelFolder.precision(args.model or default_model_path(), options)}",
+              file=sys.stderr)
     from ..app import AppConfig
 
     place = place_cores(config)

@@ -23,6 +23,22 @@ class ModelFolder:
         return is_embedding_folder(resolve_folder(source, variant))
 
     @staticmethod
+    def precision(source, options) -> str:
+        """The precision `source`'s decoder would load at on this machine as `options` (EngineOptions:
+        precision, provider, variant) ask, and why, in words (runtime.precision.choose: a replica
+        on another node decides on its own CPU)."""
+        from generation.runtime.model import decoder_files, resolve_folder
+        from generation.runtime.precision import choose
+        from generation.runtime.session import chosen_provider
+
+        folder = resolve_folder(source, options.variant)
+        decoder, config, _ = decoder_files(folder, options.variant)
+        if config.get("is_encoder_decoder"):
+            return "as exported (an encoder-decoder)"
+        choice = choose(options.precision, chosen_provider(options.provider), decoder)
+        return f"{choice.name} ({options.precision} asked): {choice.reason}"
+
+    @staticmethod
     def local(source, variant: str | None = None):
         """The local folder of a model folder or hub id (downloaded once), once it holds what
         loading it reads first (config.json, the decoder file for `variant`): ModelError with

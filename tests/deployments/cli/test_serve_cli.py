@@ -294,6 +294,9 @@ def test_the_default_layout_frees_slots_left_whole_and_answers_503_while_its_eng
     port, key = free_port(), "key-a"
     with serving("--port", port, "--api-key", key, engine="onnx") as (process, url):
         assert f'-H "Authorization: Bearer $RAYMUTER_API_KEY"' in process.printed
+        # the default model's weights are float16: auto runs it as exported, and says so before Ray starts
+        assert ("[raymuter] precision on this machine: as exported (auto asked): the decoder has no float32 MatMul "
+                "weights") in process.printed
         headers = {"Authorization": f"Bearer {key}"}
         check_abandoned_whole_answers_free_slots(url, "raymuter-default", count=8, leave_after=0.5,
                                                  prompt="The list type", max_tokens=480, ignore_eos=True,
