@@ -70,7 +70,8 @@ def quantized_decoder(path: Path, cache_root: Path, calibration_ids: np.ndarray 
         if built.exists():
             log.info("%s runs as its int8 rewrite %s", path.name, built)
             return built
-        log.info("quantizing %s to int8 (once; cached in %s)", path, folder)
+        # a warning, so that a command line shows it: the build reads every weight (minutes for a large model)
+        log.warning("quantizing %s to int8 (once; cached in %s) ...", path, folder)
         import onnx
 
         ranges = activation_ranges(path, calibration_ids, graph_of) if calibration_ids is not None else {}

@@ -257,5 +257,7 @@ def _check_against(session, graph, fused_path: Path, precision: str = "fp32") ->
         scale = max(1.0, float(np.abs(a).max()))
         diff = float(np.abs(a - b).max())
         if diff > tolerance * scale:
+            why = (f"beyond float16's {tolerance:.0%} of their scale {scale:.3g}: float16 rounding across the layers, or "
+                   "weights that did not map" if half else "the weights did not map as expected")
             raise FusionError(f"the fused graph's logits differ from the source's by {diff:.3g} at probe step {step} "
-                              "(the weights did not map as expected)")
+                              f"({why})")
