@@ -225,6 +225,8 @@ def profile(model, batch: int, past: int = 64) -> list[tuple[str, float]]:
     """(operator type, ms a decode step) of `model`'s graph at `batch` rows with `past` tokens
     cached, the cache bound in place (as the engine runs it), from onnxruntime's profile."""
     import collections
+    import shutil
+    import tempfile
 
     import onnxruntime as ort
 
@@ -234,7 +236,9 @@ def profile(model, batch: int, past: int = 64) -> list[tuple[str, float]]:
     options.intra_op_num_threads, options.inter_op_num_threads = model.threads, 1
     options.log_severity_level = 3
     source = _rewritten_source(model.decoder_path, options, True, True)
-    options.enable_profiling = True
+    options.enable_profiling = True  # its file in a folder of its own, not the working directory
+    folder = tempfile.mkdtemp(prefix="raymuter-profile-")
+    options.profile_file_prefix = os.path.join(folder, "step")
     session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     graph, length = model.graph, past + 64
     feeds = {"input_ids": np.full((batch, 1), 500, np.int64), "attention_mask": np.ones((batch, past + 1), np.int64)}
@@ -253,7 +257,9 @@ def profile(model, batch: int, past: int = 64) -> list[tuple[str, float]]:
     binding.bind_output("logits")
     for _ in range(13):
         session.run_with_iobinding(binding)
-    events = json.load(open(session.end_profiling()))
+    with open(session.end_profiling()) as f:
+        events = json.load(f)
+    shutil.rmtree(folder, ignore_errors=True)
     by = collections.Counter()
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
