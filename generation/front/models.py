@@ -27,15 +27,11 @@ class ModelFolder:
         """The precision `source`'s decoder would load at on this machine as `options` (EngineOptions:
         precision, provider, variant) ask, and why, in words (runtime.precision.choose: a replica
         on another node decides on its own CPU)."""
-        from generation.runtime.model import decoder_files, resolve_folder
-        from generation.runtime.precision import choose
-        from generation.runtime.session import chosen_provider
+        from generation.runtime.model import decoder_files, planned_precision, resolve_folder
 
         folder = resolve_folder(source, options.variant)
         decoder, config, _ = decoder_files(folder, options.variant)
-        if config.get("is_encoder_decoder"):
-            return "as exported (an encoder-decoder)"
-        choice = choose(options.precision, chosen_provider(options.provider), decoder)
+        choice = planned_precision(decoder, config, options.precision, options.provider)
         return f"{choice.name} ({options.precision} asked): {choice.reason}"
 
     @staticmethod

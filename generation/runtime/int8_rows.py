@@ -37,6 +37,8 @@ returned untouched.
 
 from __future__ import annotations
 
+from .onnx_graph import graphs
+
 QUANTIZE = "DynamicQuantizeLinear"
 
 
@@ -47,7 +49,7 @@ def rows_apart(model) -> tuple[int, str | None]:
     (nothing changed); (0, None) for a graph that has none."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     found = []
-    for graph in _graphs(model.graph):
+    for graph in graphs(model.graph):
         quantizers = [n for n in graph.node if n.op_type == QUANTIZE and n.domain in ("", "ai.onnx")]
         if quantizers:
             found.append((graph, quantizers, _readers(graph)))
@@ -57,7 +59,7 @@ def rows_apart(model) -> tuple[int, str | None]:
         return 0, f"its opset {opset} is older than 13 (QuantizeLinear per axis, Clip with inputs)"
     for graph, quantizers, readers in found:
         # a name read inside a nested subgraph is read outside the pattern
-        nested = {name for sub in _graphs(graph) if sub is not graph for n in sub.node for name in n.input}
+        nested = {name for sub in graphs(graph) if sub is not graph for n in sub.node for name in n.input}
         for node in quantizers:
             reason = _pattern_breaks(node, readers, {o.name for o in graph.output} | nested)
             if reason:
@@ -68,15 +70,6 @@ def rows_apart(model) -> tuple[int, str | None]:
             _rewrite(graph, node, readers, f"/int8_rows{count}", opset)
             count += 1
     return count, None
-
-
-def _graphs(graph):
-    """`graph` and its subgraphs (If branches, Loop bodies), depth first."""
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            for sub in ([attribute.g] if attribute.type == attribute.GRAPH else list(attribute.graphs)):
-                yield from _graphs(sub)
 
 
 def _readers(graph) -> dict[str, list]:

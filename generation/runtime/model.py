@@ -306,7 +306,7 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
         if precision not in (None, "auto", "fp32"):
             raise ModelError(f"precision {precision!r} applies to decoder-only models; an encoder-decoder runs as exported")
         return _load_seq2seq(folder, variant, provider, threads, config, generation_config, tokenizer_path)
-    choice = choose(precision, chosen_provider(provider), decoder_path)
+    choice = planned_precision(decoder_path, config, precision, provider)
     if choice.precision == "int8" and chosen_provider(provider) != "cpu":
         raise ModelError("precision 'int8' runs on the CPU provider only (its int8 kernels are MLAS's)")
     fused, source = None, None
@@ -341,6 +341,14 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     if graph.has_inputs_embeds:
         _load_vision_parts(model, variant, provider, threads)
     return model
+
+
+def planned_precision(decoder_path: Path | None, config: dict, precision: str | None, provider: str | None) -> Choice:
+    """The precision `load` runs the decoder at `decoder_path` at, as asked, and why (before a
+    fused rewrite that may refuse float16: load then says it runs as exported)."""
+    if config.get("is_encoder_decoder"):
+        return Choice(None, "an encoder-decoder runs as exported")
+    return choose(precision, chosen_provider(provider), decoder_path)
 
 
 def _int8_decoder(path: Path, config: dict, present_names: dict[str, str], tokenizer_path: Path | None) -> Path:

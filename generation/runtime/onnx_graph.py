@@ -111,3 +111,13 @@ def read_output_names(path: str | Path) -> list[str]:
                 return [bytes(buf[s:e]).decode() for n, gs, ge in _fields(buf, start, end) if n == _GRAPH_OUTPUT
                         for m, s, e in _fields(buf, gs, ge) if m == _VALUE_INFO_NAME]
     raise ValueError(f"{path}: no graph in this ONNX file")
+
+
+def graphs(graph):
+    """An onnx GraphProto and every subgraph in it (If branches, Loop bodies), depth first: what a
+    rewrite of a loaded ModelProto walks (runtime.int8_rows, runtime.quantize)."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.type == attribute.GRAPH else list(attribute.graphs)):
+                yield from graphs(sub)

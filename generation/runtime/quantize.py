@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ModelError
+from .onnx_graph import graphs
 
 log = logging.getLogger(__name__)
 
@@ -147,32 +148,47 @@ def _smoothings(model, weights: dict, ranges: dict[str, np.ndarray]) -> dict[str
             w_range = np.abs(numpy_helper.to_array(weights[node.input[1]])).max(axis=1)
             rows[x] = np.maximum(rows[x], w_range) if x in rows else w_range
     factors = {x: smoothing(ranges[x], w_range) for x, w_range in rows.items()}
-    return {x: f for x, f in factors.items() if _fold(model, x, f, set(weights))}
+    top = _TopGraph(model.graph, set(weights))
+    return {x: f for x, f in factors.items() if _fold(top, x, f)}
 
 
-def _fold(model, x: str, factor: np.ndarray, weights: set[str]) -> bool:
+class _TopGraph:
+    """What `_fold` asks of the top graph for every input, read once: who makes and who reads each
+    name, its initializers, and the names read in subgraphs or given out."""
+
+    def __init__(self, graph, weights: set[str]):
+        self.weights = weights
+        self.initializers = {t.name: t for t in graph.initializer}
+        self.makers = {name: n for n in graph.node for name in n.output}
+        self.readers: dict[str, list] = {}
+        for node in graph.node:
+            for name in set(node.input):
+                self.readers.setdefault(name, []).append(node)
+        self.outside = ({i for g in graphs(graph) if g is not graph for n in g.node for i in n.input}
+                        | {o.name for o in graph.output})
+
+
+def _fold(top: _TopGraph, x: str, factor: np.ndarray) -> bool:
     """Divide the scale of the norm that makes `x` by `factor`, so x comes out already divided by it
     (an operator x / s would cost more than it saves: measured 9% of a step at 32 rows); False
     where `x` is not an RMS norm's output read by projections only (it then runs unsmoothed)."""
     from onnx import numpy_helper
 
-    maker = next((n for n in model.graph.node if x in n.output), None)
+    maker = top.makers.get(x)
     gamma_at = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2, "Mul": None}
     if maker is None or maker.op_type not in gamma_at or list(maker.output).index(x) != 0:
         return False
-    initializers = {t.name: t for t in model.graph.initializer}
     at = gamma_at[maker.op_type]
     if at is None:  # an exported RMS norm's last step: Mul(normed, weight [K])
-        at = next((i for i, name in enumerate(maker.input) if name in initializers), None)
-    if at is None or at >= len(maker.input) or maker.input[at] not in initializers:
+        at = next((i for i, name in enumerate(maker.input) if name in top.initializers), None)
+    if at is None or at >= len(maker.input) or maker.input[at] not in top.initializers:
         return False
-    gamma = initializers[maker.input[at]]
-    readers = [n for n in model.graph.node if x in n.input or gamma.name in n.input]
-    nested = {i for g in _graphs(model.graph) if g is not model.graph for n in g.node for i in n.input}
+    gamma = top.initializers[maker.input[at]]
+    readers = {id(n): n for n in top.readers.get(x, []) + top.readers.get(gamma.name, [])}.values()
     projections = all(r.op_type == "MatMul" and r.domain in ("", "ai.onnx") and list(r.input[:1]) == [x]
-                      and r.input[1] in weights for r in readers if r is not maker)
+                      and r.input[1] in top.weights for r in readers if r is not maker)
     if (list(gamma.dims) != [len(factor)] or gamma.data_type != 1 or not projections or gamma.name in maker.input[:at]
-            or x in nested or gamma.name in nested or x in {o.name for o in model.graph.output}):
+            or x in top.outside or gamma.name in top.outside):
         return False
     gamma.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(gamma) / factor).astype(np.float32), gamma.name))
     return True
@@ -189,23 +205,19 @@ def smoothing(x_range: np.ndarray, w_range: np.ndarray) -> np.ndarray:
 
 
 def cache_key(path: Path, calibration_ids: np.ndarray | None = None) -> str:
-    from .fusion import _source_files
+    from .fusion import hash_files
 
     digest = hashlib.sha256(f"raymuter-int8-{VERSION}".encode())
     if calibration_ids is not None:
         digest.update(np.ascontiguousarray(calibration_ids, np.int64).tobytes())
-    for file in _source_files(path):
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-    return digest.hexdigest()[:32]
+    return hash_files(digest, path)
 
 
 def matmul_weight_bytes(model) -> int:
     """Bytes of the float32 weights the MatMuls of `model` (an onnx ModelProto, weights not
     needed) multiply by: what int8 would shrink to a quarter."""
     sizes = {t.name: int(np.prod(t.dims)) * 4 for t in _initializers(model) if t.data_type == 1 and len(t.dims) == 2}
-    return sum(sizes.get(n.input[1], 0) for g in _graphs(model.graph) for n in g.node
+    return sum(sizes.get(n.input[1], 0) for g in graphs(model.graph) for n in g.node
                if n.op_type == "MatMul" and n.domain in ("", "ai.onnx"))
 
 
@@ -224,7 +236,7 @@ def quantize_graph(model, ranges: dict[str, np.ndarray] | None = None) -> int:
     factors = _smoothings(model, weights, ranges or {})
     made: dict[tuple[str, str | None], list[str]] = {}
     count = 0
-    for graph in _graphs(model.graph):
+    for graph in graphs(model.graph):
         for node in graph.node:
             if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.input[1] not in weights:
                 continue
@@ -243,7 +255,7 @@ def quantize_graph(model, ranges: dict[str, np.ndarray] | None = None) -> int:
             count += 1
     if not count:
         return 0
-    readers = {i for g in _graphs(model.graph) for n in g.node for i in n.input} | {o.name for o in model.graph.output}
+    readers = {i for g in graphs(model.graph) for n in g.node for i in n.input} | {o.name for o in model.graph.output}
     replaced = {name for name, _ in made}
     kept = [t for t in model.graph.initializer if t.name not in replaced or t.name in readers]
     del model.graph.initializer[:]
@@ -321,13 +333,4 @@ def _opset(domain: str, version: int):
 
 
 def _initializers(model):
-    return [t for g in _graphs(model.graph) for t in g.initializer]
-
-
-def _graphs(graph):
-    """`graph` and its subgraphs (If branches, Loop bodies), depth first."""
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            for sub in ([attribute.g] if attribute.type == attribute.GRAPH else list(attribute.graphs)):
-                yield from _graphs(sub)
+    return [t for g in graphs(model.graph) for t in g.initializer]

@@ -99,6 +99,12 @@ def _source_files(path: Path) -> list[Path]:
 def cache_key(path: Path, config: dict, precision: str = "fp32") -> str:
     digest = hashlib.sha256(f"raymuter-fusion-{VERSION}".encode() + (b"" if precision == "fp32" else b"-fp16"))
     digest.update(json.dumps({k: config.get(k) for k in _CONFIG_FIELDS}, sort_keys=True).encode())
+    return hash_files(digest, path)
+
+
+def hash_files(digest, path: Path) -> str:
+    """`digest` (a hashlib object) over the graph at `path` and its external data files: a derived
+    model's cache key (this rewrite's, runtime.quantize's)."""
     for file in _source_files(path):
         with open(file, "rb") as f:
             while chunk := f.read(1 << 24):

@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import generation
 from generation.engine.scheduler import Scheduler
+from generation.runtime.onnx_graph import graphs
 from generation.runtime.precision import MIN_INT8_BYTES, choose
 from generation.runtime.quantize import DOMAIN, FUNCTION, quantize_graph, quantize_weight, smoothing
 
@@ -182,7 +183,7 @@ def test_every_layout_loads_its_int8_rewrite(int8_models):
         graph = onnx.load(str(model.decoder_path), load_external_data=False)
         assert any(f.domain == DOMAIN and f.name == FUNCTION for f in graph.functions)
         assert (model.fused_from is not None) == (name == "fused")
-        kinds = {n.op_type for g in _all_graphs(graph.graph) for n in g.node if n.domain == DOMAIN}
+        kinds = {n.op_type for g in graphs(graph.graph) for n in g.node if n.domain == DOMAIN}
         assert kinds == {FUNCTION}, (name, kinds)
         said = next(p.value for p in graph.metadata_props if p.key == "raymuter.int8")
         # calibrated and smoothed where the projections sit in the top graph and an RMS norm makes
@@ -196,14 +197,6 @@ def test_every_layout_loads_its_int8_rewrite(int8_models):
         assert model.graph.has_logits_positions  # runtime.head gathers before the int8 LM head too
     assert int8_models["genai"].graph.native_mode == "in_place" and int8_models["fused"].graph.native_mode == "in_place"
     assert int8_models["optimum"].graph.native_mode == "append"
-
-
-def _all_graphs(graph):
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            for sub in ([attribute.g] if attribute.type == attribute.GRAPH else list(attribute.graphs)):
-                yield from _all_graphs(sub)
 
 
 def test_a_second_load_reads_the_cache(test_models, int8_models, tmp_path, monkeypatch, caplog):
