@@ -49,6 +49,8 @@ def serve_application(args: dict, deployments: dict[str, dict] | None = None) ->
     cfg = AppConfig(**args)
     entries = []
     for entry in deployment_defaults(app_kind(cfg), cfg.colocate):
+        if entry["name"] == "Records" and cfg.records == "server":  # the Server's replica holds them
+            continue
         entries.append({**entry, **(deployments or {}).get(entry["name"], {})})
     return {"name": APP_NAME, "route_prefix": "/", "import_path": IMPORT_PATH, "args": args, "deployments": entries}
 

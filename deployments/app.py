@@ -93,13 +93,10 @@ def application(cfg: AppConfig, kind: str):
     ingress, decoder = parts["ingress"], parts["decoder"]
     encoder = parts["encoder"].bind(config) if kind == "encoder-decoder" else None
     vision = parts["vision"].bind(config) if kind == "vision" else None
-    # only its own settings: a redeploy that changes the others leaves the records as they are where Serve can
-    records = Records.bind({**{k: config[k] for k in ("response_store_bytes", "response_ttl_seconds", "response_folder",
-                                                      "batch_folder")},
-                            "batch_concurrency": cfg.batch_concurrency or cfg.slots,
-                            "routes": "Server" if cfg.colocate else "Ingress"})
-    if cfg.colocate:
+    if cfg.colocate:  # records "server": the Server's replica makes its own (replicas.Server)
+        records = None if cfg.records == "server" else Records.bind(replicas.records_settings(cfg))
         return decoder.bind(config, encoder, vision, records)
+    records = Records.bind(replicas.records_settings(cfg))
     return ingress.bind(decoder.bind(config, encoder), config, encoder, vision, records)
 
 

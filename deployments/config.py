@@ -33,6 +33,9 @@ class ServingConfig(BaseModel):
     @model_validator(mode="after")
     def _options_go_together(self):
         self.options  # noqa: B018 - EngineOptions refuses, by name, what does not go together (cores, process)
+        if self.records == "server" and (not self.colocate or "decoder" in self.autoscaling):
+            raise ValueError("records: 'server' keeps the records in the colocated Server's one replica; it needs "
+                             "colocate and no autoscaling of the decoder (else 'deployment')")
         return self
 
     model: str | None = None  # folder or hub id; None: the default model that ships with Raymuter
@@ -60,6 +63,12 @@ class ServingConfig(BaseModel):
     # and streamed chunk between an ingress and the decoder; the routes then scale with the decoder
     # (its autoscaling, one proxy spreading requests) and the prefix router does not apply.
     colocate: bool = False
+    # Where the stored responses and the Files and Batches API's records live: "deployment", the
+    # Records deployment every ingress replica shares; "server", inside the colocated Server's
+    # replica (one Ray worker process fewer: ~0.5% of a core idle and its memory; `raymuter serve`'s
+    # default with one Server replica). "server" needs colocate and no decoder autoscaling: a second
+    # Server replica would hold records of its own.
+    records: Literal["deployment", "server"] = "deployment"
     # /v1/responses' stored responses (the Records deployment, one replica every ingress replica
     # shares): at most these bytes (the least recently used go first), each kept this many seconds
     # after it was last written, and persisted to this folder when given (made 0700, its files 0600; a

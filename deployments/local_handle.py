@@ -27,9 +27,11 @@ async def _resolved(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 class LocalResponse:
     """A method call's reply, as DeploymentResponse: awaited for the value, cancel() stops it."""
 
-    def __init__(self, method, args: tuple, kwargs: dict):
+    def __init__(self, method, args: tuple, kwargs: dict, threaded: bool = False):
         async def call():
             a, k = await _resolved(args, kwargs)
+            if threaded and not inspect.iscoroutinefunction(method):  # as Serve runs a sync method: off the loop
+                return await asyncio.to_thread(method, *a, **k)
             out = method(*a, **k)
             return await out if inspect.isawaitable(out) else out
 
@@ -75,23 +77,25 @@ class LocalStream:
 
 
 class _Method:
-    def __init__(self, method):
-        self._method = method
+    def __init__(self, method, threaded: bool):
+        self._method, self._threaded = method, threaded
 
     def remote(self, *args, **kwargs):
-        kind = LocalStream if inspect.isasyncgenfunction(self._method) else LocalResponse
-        return kind(self._method, args, kwargs)
+        if inspect.isasyncgenfunction(self._method):
+            return LocalStream(self._method, args, kwargs)
+        return LocalResponse(self._method, args, kwargs, self._threaded)
 
 
 class LocalHandle:
     """`handle.method.remote(...)` on `target` in this process (`options(...)` is accepted and
-    ignored: a generator method always streams)."""
+    ignored: a generator method always streams). `threaded`: a sync method runs on a worker
+    thread, as Serve runs it (a store's file writes stay off the routes' event loop)."""
 
-    def __init__(self, target):
-        self._target = target
+    def __init__(self, target, threaded: bool = False):
+        self._target, self._threaded = target, threaded
 
     def options(self, **_) -> "LocalHandle":
         return self
 
     def __getattr__(self, name: str) -> _Method:
-        return _Method(getattr(self._target, name))
+        return _Method(getattr(self._target, name), self._threaded)

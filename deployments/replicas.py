@@ -105,18 +105,22 @@ class Records:
              "batches": ("begin_file", "append_file", "finish_file", "abort_file", "file", "open_file", "file_piece",
                          "close_file", "file_page", "delete_file", "create", "batch", "page", "cancel_batch")}
 
-    async def __init__(self, settings: dict):
+    async def __init__(self, settings: dict, local_routes=None, start: bool = True):
         self.responses = ResponseStore(settings["response_store_bytes"], settings["response_ttl_seconds"],
                                        settings["response_folder"])
         self.batches = BatchService(settings["batch_folder"], settings["batch_concurrency"], self._send)
         self._routes_name, self._routes = settings["routes"], None
-        self.batches.start()
+        self._local_routes = local_routes  # the Server's own answer_line, where it holds these records
+        if start:  # the batches that had not ended resume (the Server starts them once its routes are up)
+            self.batches.start()
 
     async def _send(self, custom_id: str, url: str, body: dict) -> dict | None:
         from ray.serve.exceptions import BackPressureError
 
         from .http.decoder_calls import cause_of, replica_lost
 
+        if self._local_routes is not None:
+            return await self._local_routes(custom_id, url, body)
         if self._routes is None:  # by name: the routes' deployment is bound to this one, not the other way
             self._routes = serve.get_deployment_handle(self._routes_name, _check_exists=False)
         reply = self._routes.answer_line.remote(custom_id, url, body)
@@ -135,6 +139,14 @@ class Records:
 
     def __del__(self):
         self.batches.close()
+
+
+def records_settings(cfg: AppConfig) -> dict:
+    """Records' own settings (a redeploy that changes only the others leaves the records as they
+    are where Serve can)."""
+    return {"response_store_bytes": cfg.response_store_bytes, "response_ttl_seconds": cfg.response_ttl_seconds,
+            "response_folder": cfg.response_folder, "batch_folder": cfg.batch_folder,
+            "batch_concurrency": cfg.batch_concurrency or cfg.slots, "routes": "Server" if cfg.colocate else "Ingress"}
 
 
 def _verb(store: str, name: str, method):
@@ -325,7 +337,23 @@ class Server(HTTPIngress):
     async def __init__(self, config: dict, encoder: DeploymentHandle | None = None,
                        vision: DeploymentHandle | None = None, records: DeploymentHandle | None = None):
         self.model = Decoder(config, encoder)
+        self.records = None
+        if records is None and AppConfig(**config).records == "server":  # the records in this replica
+            self.records = Records.__new__(Records)  # its __init__ is async: Serve awaits it, so does this
+            await self.records.__init__(records_settings(AppConfig(**config)), local_routes=self._own_line,
+                                        start=False)
+            records = LocalHandle(self.records, threaded=True)
         await super().__init__(LocalHandle(self.model), config, encoder, vision, records)
+        if self.records is not None:
+            self.records.batches.start()
+
+    async def _own_line(self, custom_id: str, url: str, body: dict) -> dict:
+        """A batch line of the records this replica holds, through its own routes: once Serve
+        has this replica (the routes reach it through the replica context, set after __init__;
+        a resumed batch starts before)."""
+        while serve.get_replica_context().servable_object is None:
+            await asyncio.sleep(0.05)
+        return await self.answer_line(custom_id, url, body)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return self.model.record_autoscaling_stats()
@@ -338,4 +366,6 @@ class Server(HTTPIngress):
 
     async def __del__(self):  # Serve's shutdown of the replica: the routes, then the batching loop
         await super().__del__()
+        if self.records is not None:
+            self.records.__del__()
         self.model.__del__()

@@ -132,6 +132,8 @@ def local_ray_environment(loopback_only: bool) -> bool:
     from .. import loopback
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for name, value in QUIET.items():
+        os.environ.setdefault(name, value)
     if not loopback_only:
         return False
     os.environ.update(loopback.ENVIRONMENT)
@@ -140,6 +142,16 @@ def local_ray_environment(loopback_only: bool) -> bool:
 
         return not ray_constants.ENABLE_RAY_CLUSTER
     return True
+
+
+# What a local Ray of `serve`'s or `batch`'s does with no request, measured on 2 cores (docs/serving.md
+# "A quiet server"; each a default the operator's own environment overrides): a replica exports
+# Serve's own metrics once a second, not ten times; Ray starts no idle worker ahead of need (a
+# process at ~0.5% of a core and ~90 MB that no replica took: each deployment's actor starts its
+# own). Serve's controller loop keeps its 0.1 s: at 1 s it took 1.9% of a core less, but start-up
+# took 1.2x as long and a killed replica's successor served 1.9x later (bench/quiet.py).
+QUIET = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+         "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 
 
 # Seconds `raymuter serve` gives Ray, the proxy and the application to start (--start-timeout).

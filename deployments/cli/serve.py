@@ -72,7 +72,10 @@ def app_config(args) -> dict:
     from generation.front import cores
 
     autoscaling = autoscaling_of(args.autoscale)
-    return dict(**engine_config(args), autoscaling=autoscaling,
+    where = layout(args, routes_scaled="ingress" in autoscaling)
+    # one Server replica holds the records itself: one Ray worker process fewer (docs/serving.md "A quiet server")
+    records = "server" if where["colocate"] and "decoder" not in autoscaling else "deployment"
+    return dict(**engine_config(args), autoscaling=autoscaling, records=records,
                 api_key=args.api_key if args.api_key is not None else os.environ.get("RAYMUTER_API_KEY"),
                 response_store_bytes=args.response_store_bytes, response_ttl_seconds=args.response_ttl,
                 response_folder=args.response_folder and os.path.abspath(args.response_folder),
@@ -80,8 +83,7 @@ def app_config(args) -> dict:
                 file_size_limit=args.file_size_limit, batch_concurrency=args.batch_concurrency,
                 engine_cores=None if args.engine_cores is None else list(cores.parse(args.engine_cores,
                                                                                      "--engine-cores")),
-                reserve_cores=args.reserve_cores,
-                **layout(args, routes_scaled="ingress" in autoscaling))
+                reserve_cores=args.reserve_cores, **where)
 
 
 def place_cores(config: dict):
@@ -158,6 +160,10 @@ def serve_command(args) -> int:
         folder = instance.run_folder()
         if config["batch_folder"] is None:  # in the run folder, so that the uploads go with it at stop
             config["batch_folder"] = str(folder / "batches")
+        if config["records"] == "server" and config["response_folder"] is None:
+            # the records live in the Server's replica: one Serve replaces reads them back, as a
+            # restarted Records replica would (gone at stop with the run folder)
+            config["response_folder"] = str(folder / "responses")
         return _serve(args, config, folder)
     except KeyboardInterrupt:  # stopped before Ray started (_serve stops it once it has)
         print("[raymuter] stopping ...", file=sys.stderr)

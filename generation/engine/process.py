@@ -332,7 +332,7 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
 
     def _idle(self) -> None:
         try:
-            if self.conn.poll(0.002 if self._compiling else 0.05):  # a compile's end is looked for often
+            if self.conn.poll(0.002 if self._compiling else batching.IDLE_TICK_SECONDS):  # a compile's end: often
                 self._command(self.conn.recv())
         except (EOFError, OSError):
             self._stop.set()

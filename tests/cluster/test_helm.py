@@ -176,6 +176,11 @@ def test_a_colocated_application_renders_as_raymuter_serve_colocate_builds_it(he
                                                       "autoscaling_config": server["autoscaling_config"]}})["deployments"]
     assert server == expected
     assert build({**app["args"], "model": folder})._bound_deployment.name == "Server"
+    # records "server" (`raymuter serve`'s default with one Server replica): no Records deployment
+    values = {**values, "app": {"args": {"colocate": True, "records": "server"}}, "deployments": {}}
+    (app,) = serve_config(render(helm, tmp_path, values))["applications"]
+    assert [d["name"] for d in app["deployments"]] == ["Server"]
+    assert cli["records"] == "server" and [d["name"] for d in serve_application(cli)["deployments"]] == ["Server"]
 
 
 BAD = [

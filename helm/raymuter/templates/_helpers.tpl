@@ -90,7 +90,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $entries := index (ternary $parts.colocated $parts.kinds (eq (toString .Values.app.args.colocate) "true")) .Values.model.kind -}}
 {{- $deployments := list -}}
 {{- range $entries -}}
+{{- if not (and (eq .name "Records") (eq (toString $.Values.app.args.records) "server")) -}}{{/* records in the Server's replica */}}
 {{- $deployments = append $deployments (include "raymuter.deployment" (dict "entry" . "values" $.Values "routers" $parts.routers) | fromJson) -}}
+{{- end -}}
 {{- end -}}
 {{- $app := dict "name" $parts.app_name "route_prefix" "/" "import_path" $parts.import_path "args" (include "raymuter.args" . | fromJson) "deployments" $deployments -}}
 {{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) -}}

@@ -1,7 +1,7 @@
 """The Files and Batches API on Ray Serve, apps on the session's Ray (conftest.serve_apps).
 
-`batches`: what `raymuter serve` runs for a text model (the tiny real model, the routes and the
-decoder in one Server replica, its batching loop in a child process), with a batch folder: the
+`batches`: what `raymuter serve` runs for a text model (the tiny real model, the routes, the
+decoder and the records in one Server replica, its batching loop in a child process), with a batch folder: the
 openai client's round trip (files.create, batches.create, batches.retrieve polled,
 files.content), each output line equal to the same request sent directly to the same server,
 greedy and seeded, completions, chat and responses, a line refused by name in the error file.
@@ -38,7 +38,7 @@ def apps(serve_apps, tmp_path_factory):
     from deployments.app import build
 
     real = {**ServeApps.REAL, "model": str(serve_apps.real_model), "colocate": True, "engine_process": True,
-            "batch_folder": str(tmp_path_factory.mktemp("real-batches"))}
+            "records": "server", "batch_folder": str(tmp_path_factory.mktemp("real-batches"))}
     fake = {**FAKE, "batch_folder": str(tmp_path_factory.mktemp("fake-batches"))}
     serve.run(build(real), name="batches", route_prefix="/batches")
     serve.run(build(fake), name="batches-fake", route_prefix="/batches-fake")
@@ -217,3 +217,38 @@ def test_a_killed_batches_replica_is_resumed_by_the_next_from_its_folder(apps):
     batch = finished(client, batch.id)
     each_line_once_as_alone(client, batch)
     assert pid_of("Records", "batches-fake") != pid
+
+
+def test_records_in_the_server_replica_outlive_it_through_their_folders(serve_apps, tmp_path):
+    """records 'server' (`raymuter serve`'s default with one Server replica, which gives both
+    folders): no Records deployment; the Server replica Serve starts in place of a killed one
+    reads the stored responses back and resumes the batch from the folders, every line answered once."""
+    from ray import serve
+
+    from deployments.app import build
+
+    config = {**FAKE, "colocate": True, "records": "server", "batch_folder": str(tmp_path / "batches"),
+              "response_folder": str(tmp_path / "responses")}
+    serve.run(build(config), name="in-server", route_prefix="/in-server")
+    try:
+        assert set(serve.status().applications["in-server"].deployments) == {"Server"}
+        url = serve_apps.url + "/in-server"
+        stored = client_of(url).responses.create(model="fake", input="hello", max_output_tokens=5)
+        client, batch = started_batch(url)
+        pid = pid_of("Server", "in-server")
+        os.kill(pid, signal.SIGKILL)
+        batch = finished(client, batch.id)
+        each_line_once_as_alone(client, batch)
+        assert stored.output_text and client.responses.retrieve(stored.id).output_text == stored.output_text
+        assert pid_of("Server", "in-server") != pid
+    finally:
+        serve.delete("in-server", _blocking=False)
+
+
+def test_records_in_the_server_need_one_colocated_replica():
+    from deployments.app import AppConfig
+
+    assert AppConfig(colocate=True, records="server").records == "server"
+    for bad in ({"records": "server"}, {"colocate": True, "records": "server", "autoscaling": {"decoder": {}}}):
+        with pytest.raises(ValueError, match="records: 'server'"):
+            AppConfig(**bad)

@@ -297,6 +297,7 @@ def test_the_default_layout_frees_slots_left_whole_and_answers_503_while_its_eng
         # the default model's weights are float16: auto runs it as exported, and says so before Ray starts
         assert ("[raymuter] precision on this machine: as exported (auto asked): the decoder has no float32 MatMul "
                 "weights") in process.printed
+        check_a_quiet_tree(process)
         headers = {"Authorization": f"Bearer {key}"}
         check_abandoned_whole_answers_free_slots(url, "raymuter-default", count=8, leave_after=0.5,
                                                  prompt="The list type", max_tokens=480, ignore_eos=True,
@@ -307,6 +308,30 @@ def test_the_default_layout_frees_slots_left_whole_and_answers_503_while_its_eng
         assert len(engine) == 1 and len(server) == 1, [p.name() for p in tree]
         for victim in (engine[0], server[0]):
             assert_answers_503_until_it_serves(url, headers, victim)
+
+
+def check_a_quiet_tree(process, seconds: float = 10.0, most: float = 0.25) -> None:
+    """With no request, the whole process tree takes at most `most` of a core (docs/serving.md "A
+    quiet server": 0.05 on the real 135M model over 30 s in bench/peers.py; here a margin for a
+    busy CI machine): no Records replica (the Server holds the records), no idle Ray worker started
+    ahead of need, no log monitor."""
+    time.sleep(3)  # the start-up's last work settles
+    tree = process_tree(process.pid)
+    names = [" ".join(p.cmdline()) for p in tree]
+    assert not [n for n in names if "Records" in n or "ray::IDLE" in n or "log_monitor.py" in n], names
+
+    def cpu() -> float:
+        total = 0.0
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                times = p.cpu_times()
+                total += times.user + times.system
+        return total
+
+    before = cpu()
+    time.sleep(seconds)
+    used = (cpu() - before) / seconds
+    assert used <= most, f"the idle server took {used:.3f} of a core over {seconds:.0f} s"
 
 
 def test_behind_serve_s_own_proxy_clients_that_leave_whole_answers_free_their_slots():
