@@ -17,6 +17,12 @@ from ..logits.constraints import DeadEnd
 from ..params.checks import SettingError
 from .jobs import Job, Update, joined
 
+# A boundary with no row stepping (an idle loop meeting a burst) runs this many times the prompt
+# budget: a burst of 32 prompts of 32 tokens ran in 8 boundaries of 4 and took 1.15x as long as
+# one batched prefill (bench/peers.py's served load at 32 rows: the loop 0.87x generate, 0.96x at
+# this factor); arrivals meanwhile wait at most this longer boundary.
+IDLE_PREFILL_FACTOR = 8
+
 
 @dataclass
 class Seating:
@@ -34,6 +40,8 @@ class Admission:
     """Seating waiting jobs: plain rows in one batched prefill, beam searches in num_beams slots
     each, prompt-only jobs in one pass, preempted rows resumed; a job that does not fit waits at
     the head of the queue (so smaller ones behind it do not starve it)."""
+
+    idle_prefill_factor = IDLE_PREFILL_FACTOR
 
     def _admit(self, updates: list[Update]) -> None:
         """Seat the waiting jobs that fit, in arrival order; prompt-only jobs (max_new 0) take no
@@ -79,6 +87,8 @@ class Admission:
         free = [s for s in self.state.free_slots().tolist() if s not in self.filling]
         plain, beams, resumed = [], [], []
         left = self.prefill_chunk_tokens or None  # prompt tokens this boundary may still run (None: no budget)
+        if left is not None and not self.holder and not self.groups and not self.filling:
+            left *= self.idle_prefill_factor  # no row steps: no pace to keep (ChunkedPrefill's docstring)
         chunks = []  # (slot, job, tokens it runs now)
         ahead = sorted(self.filling.items(), key=lambda item: item[1].rank, reverse=True)  # part-way; the first last
         starting = False  # a prompt seated this boundary runs in chunks

@@ -21,7 +21,9 @@ class ChunkedPrefill:
     runs what is left now and a chunk at each later boundary (core/chunks.py), its row not live
     until its last chunk, whose logits choose its first token (its tokens those of the prompt
     run whole); once nothing is left, the next waiting jobs wait. So the running rows step at
-    every boundary, each boundary's prompt work bounded, whatever arrives. A preempted row
+    every boundary, each boundary's prompt work bounded, whatever arrives; a boundary with no
+    row stepping (nothing part-way either) runs up to IDLE_PREFILL_FACTOR times the budget, as
+    there is no pace to keep (a burst arriving at an idle loop runs batched). A preempted row
     resuming runs its tokens the same way. Rows whose prompt does not run in chunks are seated
     whole, in a boundary whose budget is untouched when they are longer than it: beam
     searches, prompt log-probabilities (`prompt_logprobs`), encoder-decoders and

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS
+from generation.engine.admission import IDLE_PREFILL_FACTOR
 from generation.runtime.precision import CHOICES as PRECISIONS
 
 from .reasoning import CHOICES as REASONING_PARSERS
@@ -67,8 +68,8 @@ class EngineOptions:
                                               "none)", 0, 2**46)
     prefill_chunk_tokens: int | None = option(None, "prompt tokens the decoder runs per step: a long prompt (or a "
                                                     "burst) runs in chunks between the running rows' steps, which "
-                                                    f"keep their pace (default: {DEFAULT_PREFILL_CHUNK_TOKENS}; 0: "
-                                                    "every prompt whole at once)", 0, 2**31,
+                                                    f"keep their pace (default: {DEFAULT_PREFILL_CHUNK_TOKENS}, {IDLE_PREFILL_FACTOR}x "
+                                                    "that while no row runs; 0: every prompt whole at once)", 0, 2**31,
                                               batch=(0, "every prompt whole at once, no interactive rows to keep "
                                                         "pace for"))
     fuse: bool = option(True, "run an Optimum / transformers.js Llama-family decoder as its fused rewrite "

@@ -128,7 +128,8 @@ def test_prompts_run_in_chunks_give_each_job_what_it_gets_alone(models, prompts_
 
     scheduler.step = step
     run_joining(scheduler, jobs)
-    assert {id(jobs[i]) for i in (0, 2, 5)} <= seen and sum(parts) > 3  # the long prompts ran in chunks beside rows
+    assert id(jobs[5]) in seen and sum(parts) > 3  # the long prompts that came to running rows ran in chunks
+    assert id(jobs[0]) not in seen  # it came to an idle loop: IDLE_PREFILL_FACTOR times the budget, whole
     for job, want in zip(jobs, expected):
         assert_same(job, want)
     assert not scheduler.filling and not scheduler.state.used.any()
@@ -167,6 +168,38 @@ def test_a_long_prompt_does_not_stall_the_running_rows(models, prompts_of, monke
         while scheduler.busy:
             scheduler.step()
         assert job.tokens == alone(ctx, long, 0, dict(max_new_tokens=5)).tokens
+
+
+def test_a_burst_at_an_idle_loop_runs_batched_and_a_longer_prompt_still_in_chunks(models, prompts_of, monkeypatch):
+    """No row steps: a boundary runs IDLE_PREFILL_FACTOR times the budget (no pace to keep), so 4
+    prompts of 9 tokens with a budget of 8 run in one batched prefill (one step seats them all); a
+    prompt longer than that runs the idle boundary's budget first, and its rest at the next
+    boundary under the plain budget (a prompt part-way through: the loop is not idle)."""
+    from generation.engine.admission import IDLE_PREFILL_FACTOR
+
+    model = models["llama-optimum"]
+    ctx = generation.context(model, cache_mode="append", max_new_tokens=3, eos_token_id=[])
+    counted = PromptTokens(monkeypatch, model)
+    scheduler = Scheduler(ctx, 4, CAPACITY, prefill_chunk_tokens=8)
+    burst = [scheduler.job(p) for p in prompts_of([9, 9, 9, 9], seed=7)]
+    for job in burst:
+        scheduler.add(job)
+    scheduler.step()
+    assert len(scheduler.holder) == 4 and counted.runs == [36]  # one run of the 4 prompts
+    while scheduler.busy:
+        scheduler.step()
+    counted.take()
+    long = prompts_of([8 * IDLE_PREFILL_FACTOR + 5], seed=8)[0]
+    job = scheduler.job(long)
+    scheduler.add(job)
+    scheduler.step()
+    assert counted.runs == [8 * IDLE_PREFILL_FACTOR]  # the idle boundary's larger budget, then...
+    scheduler.step()
+    assert counted.runs[1:] == [5]  # ... the rest at the next (a prompt part-way: the plain budget)
+    monkeypatch.undo()
+    while scheduler.busy:
+        scheduler.step()
+    assert job.tokens == alone(ctx, long, 0, {}).tokens
 
 
 def test_a_job_cancelled_mid_prefill_ends_and_frees_its_slot(models, prompts_of, monkeypatch):
@@ -209,6 +242,7 @@ def test_chunks_under_a_kv_budget_with_preemption_and_the_prefix_store(models, p
     expected = [alone(ctx, p, i, s) for i, (p, s) in enumerate(zip(prompts, settings))]
     budget = Scheduler(ctx, 4, CAPACITY).state.cache.footprint(4, 64)
     scheduler = Scheduler(ctx, 4, CAPACITY, kv_cache_bytes=budget, prefix_cache_bytes=1 << 30, prefill_chunk_tokens=8)
+    scheduler.idle_prefill_factor = 1  # the plain budget at every boundary: resumed rows meet it
     jobs = [scheduler.job(p, i, dict(s)) for i, (p, s) in enumerate(zip(prompts, settings))]
     resumed_in_chunks = []
     fill = scheduler._fill
@@ -270,6 +304,7 @@ def test_rows_that_do_not_run_in_chunks_are_seated_whole(models, prompts_of):
     prompts = prompts_of([30, 26, 41], seed=10)
     beam = dict(num_beams=2, max_new_tokens=10)
     scheduler = Scheduler(ctx, 4, CAPACITY, prefill_chunk_tokens=8)
+    scheduler.idle_prefill_factor = 1  # the plain budget from the first boundary on
     jobs = [scheduler.job(prompts[0], 0, beam), scheduler.job(prompts[1], 1, dict(max_new_tokens=12),
                                                                prompt_logprobs=1),
             scheduler.job(prompts[2], 2, dict(max_new_tokens=12))]
@@ -301,6 +336,7 @@ def test_the_budget_goes_by_the_queue_order_prompts_part_way_through_included(mo
     ctx = generation.context(models["llama-genai"])
     prompts = prompts_of([60, 5, 30], seed=11)
     scheduler = Scheduler(ctx, 4, CAPACITY, prefill_chunk_tokens=8)
+    scheduler.idle_prefill_factor = 1  # the plain budget from the first boundary on
     batch = scheduler.job(prompts[0], 0, dict(max_new_tokens=6), priority=1)
     scheduler.add(batch)
     scheduler.step()
