@@ -170,9 +170,11 @@ def test_a_table_of_a_format_it_does_not_read_is_one_line_before_ray_starts(tmp_
 
 
 def test_help_shows_each_default_as_a_value():
+    from generation.engine.admission import IDLE_PREFILL_FACTOR
     from generation.engine.batching import DEFAULT_PREFILL_CHUNK_TOKENS
 
-    chunks = {"serve": f"(default: {DEFAULT_PREFILL_CHUNK_TOKENS}; 0: every prompt whole at once)",
+    chunks = {"serve": f"(default: {DEFAULT_PREFILL_CHUNK_TOKENS}, {IDLE_PREFILL_FACTOR}x that while no row runs; "
+                       "0: every prompt whole at once)",
               "batch": "(default: 0: every prompt whole at once", "generate": ""}
     for command, shown in chunks.items():
         text = " ".join(raymuter(command, "--help").stdout.split())  # argparse wraps lines
