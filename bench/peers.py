@@ -573,7 +573,8 @@ class Worker:
             env = clean_env({**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}, python_path=False)
         else:
             command = [sys.executable, str(Path(__file__).resolve()), "--offline-worker", "raymuter",
-                       "--model", str(dirs["genai"]), "--precision", "fp32" if args.vllm_dtype == "float32" else "auto"]
+                       "--model", str(dirs["genai"]), "--precision",
+                       "fp32" if getattr(args, "vllm_dtype", "float32") == "float32" else "auto"]
             env = clean_env({"PYTHONPATH": str(ROOT)})
         self.kind = kind
         self.process = Managed(f"{kind} offline", command, env, logs / f"{kind}-offline.log", stdin=subprocess.PIPE)
