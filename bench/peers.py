@@ -329,7 +329,13 @@ def start_server(kind: str, args, dirs: dict, bind: str | None, logs: Path, tag:
         env = clean_env({**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}, python_path=False)
     server = Managed(f"{kind} {tag}", command, env, logs / f"{kind}-{tag}.log")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.start_timeout
+    return (server, url, *wait_ready(server, url, kind, args.start_timeout))
+
+
+def wait_ready(server: Managed, url: str, kind: str, timeout: float) -> tuple[str, float]:
+    """(the model id, start-up seconds) once `url`/v1/models lists a model; the server stopped and
+    RuntimeError with its log's tail where it exits or is not ready within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
     while True:
         if server.proc.poll() is not None:
             server.stop()
@@ -339,12 +345,12 @@ def start_server(kind: str, args, dirs: dict, bind: str | None, logs: Path, tag:
             with urllib.request.urlopen(url + "/v1/models", timeout=2) as response:
                 models = json.loads(response.read())["data"]
             if models:
-                return server, url, models[0]["id"], time.monotonic() - server.started
+                return models[0]["id"], time.monotonic() - server.started
         except (OSError, ValueError, KeyError):
             pass
         if time.monotonic() > deadline:
             server.stop()
-            raise RuntimeError(f"{kind} not ready after {args.start_timeout:.0f} s; its log ({server.log}):\n"
+            raise RuntimeError(f"{kind} not ready after {timeout:.0f} s; its log ({server.log}):\n"
                                f"{server.log_tail()}")
         time.sleep(0.5)
 

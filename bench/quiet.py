@@ -42,6 +42,7 @@ sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 import peers  # noqa: E402 - bench/peers.py's process trees
 
+START_TIMEOUT = 600.0  # seconds a server gets to start
 RAY_DEFAULTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100",
                 "RAY_enable_worker_prestart": "1", "RAY_prestart_worker_first_driver": "1"}
 
@@ -69,15 +70,7 @@ def start(setting: str, model: str | None, logs: Path, extra: list[str]) -> tupl
     env = peers.clean_env(RAY_DEFAULTS if setting == "ray" else {})
     server = peers.Managed(setting, command, env, logs / f"{setting}-{port}.log")
     url = f"http://127.0.0.1:{port}"
-    while True:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"raymuter serve exited while starting:\n{server.log_tail()}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as response:
-                name = json.loads(response.read())["data"][0]["id"]
-            return server, url, name, time.monotonic() - server.started
-        except (OSError, ValueError, KeyError, IndexError):
-            time.sleep(0.2)
+    return (server, url, *peers.wait_ready(server, url, f"raymuter serve ({setting})", START_TIMEOUT))
 
 
 def _named(server: peers.Managed, text: str) -> list[int]:

@@ -93,10 +93,10 @@ def application(cfg: AppConfig, kind: str):
     ingress, decoder = parts["ingress"], parts["decoder"]
     encoder = parts["encoder"].bind(config) if kind == "encoder-decoder" else None
     vision = parts["vision"].bind(config) if kind == "vision" else None
-    if cfg.colocate:  # records "server": the Server's replica makes its own (replicas.Server)
-        records = None if cfg.records == "server" else Records.bind(replicas.records_settings(cfg))
+    # records "server" (colocate only): the Server's replica makes its own (replicas.Server)
+    records = None if cfg.records == "server" else Records.bind(replicas.records_settings(cfg))
+    if cfg.colocate:
         return decoder.bind(config, encoder, vision, records)
-    records = Records.bind(replicas.records_settings(cfg))
     return ingress.bind(decoder.bind(config, encoder), config, encoder, vision, records)
 
 

@@ -338,10 +338,10 @@ class Server(HTTPIngress):
                        vision: DeploymentHandle | None = None, records: DeploymentHandle | None = None):
         self.model = Decoder(config, encoder)
         self.records = None
-        if records is None and AppConfig(**config).records == "server":  # the records in this replica
+        cfg = AppConfig(**config)
+        if records is None and cfg.records == "server":  # the records in this replica
             self.records = Records.__new__(Records)  # its __init__ is async: Serve awaits it, so does this
-            await self.records.__init__(records_settings(AppConfig(**config)), local_routes=self._own_line,
-                                        start=False)
+            await self.records.__init__(records_settings(cfg), local_routes=self._own_line, start=False)
             records = LocalHandle(self.records, threaded=True)
         await super().__init__(LocalHandle(self.model), config, encoder, vision, records)
         if self.records is not None:

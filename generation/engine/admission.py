@@ -19,8 +19,9 @@ from .jobs import Job, Update, joined
 
 # A boundary with no row stepping (an idle loop meeting a burst) runs this many times the prompt
 # budget: a burst of 32 prompts of 32 tokens ran in 8 boundaries of 4 and took 1.15x as long as
-# one batched prefill (bench/peers.py's served load at 32 rows: the loop 0.87x generate, 0.96x at
-# this factor); arrivals meanwhile wait at most this longer boundary.
+# one batched prefill (in process, a ContinuousBatcher of 32 slots against generate on SmolLM2-135M
+# fp32, 2 cores: 0.83-0.87x, 0.96-0.99x at this factor); arrivals meanwhile wait at most this
+# longer boundary.
 IDLE_PREFILL_FACTOR = 8
 
 
