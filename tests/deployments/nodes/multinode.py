@@ -119,8 +119,15 @@ def main(port: int) -> None:
 
     prompts, started, ended = [f"{chr(97 + i)} stream" for i in range(STREAMS)], {}, {}  # no shared prefix: spread
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        futures = [pool.submit(stream, url, p, started, ended=ended) for p in prompts]
-        deadline = time.time() + 30
+        # the first RUNNING one at a time, each sent once the one before has started: the router
+        # then knows each replica's load and fills both replicas' slots (12 sent at once could go
+        # 9/3 on stale queue lengths: 7 running, and the kill came after most had ended)
+        futures, deadline = [], time.time() + 30
+        for p in prompts[:RUNNING]:
+            futures.append(pool.submit(stream, url, p, started, ended=ended))
+            while p not in started and p not in ended and time.time() < deadline:
+                time.sleep(0.02)
+        futures += [pool.submit(stream, url, p, started, ended=ended) for p in prompts[RUNNING:]]
         # every slot running at once (a slow start can let the first streams end before the last
         # replica starts: their slots then go to the waiting ones)
         while len(set(started) - set(ended)) < RUNNING and time.time() < deadline:
