@@ -147,6 +147,12 @@ class AppendCache(BaseCache):
         if self.inputs.offsets is not None:
             self.inputs.offsets[dst] = self.inputs.offsets[src]
 
+    def read_row(self, slot: int, length: int) -> dict[str, np.ndarray] | None:
+        if length > self.width:
+            return None
+        layout = self._layout(self.current, self.width)
+        return {e.past: self._row(layout[i], slot, length) for i, e in enumerate(self.graph.cache)}
+
     def release(self, slot: int) -> None:
         """A slot's rows are hidden by its length and overwritten on insert; once every slot is
         free the layout starts again from width 0."""

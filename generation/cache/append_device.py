@@ -39,6 +39,9 @@ class DeviceAppendCache(AppendCache):
         if self.inputs.embeds is not None:
             self._embeds_on_device()
 
+    def _row(self, array, row: int, length: int) -> np.ndarray:
+        return self.device.read_row(array, row, length, self.ledger)
+
     # -- buffers ----------------------------------------------------------------------------
     def _allocate(self, room: int) -> None:
         self.room, self.block = room, self.slots * self.heads * room * self.head_dim

@@ -98,6 +98,18 @@ class BaseCache:
         inserted; a mode that can run prompts straight into its buffer overrides it (in_place)."""
         return insert_prompts(self, slots, prompts, apart(prompts))
 
+    def read_row(self, slot: int, length: int) -> dict[str, np.ndarray] | None:
+        """The first `length` cache rows `slot` holds, [heads, length, head_dim] per cache input
+        (views where the buffers are host arrays: read them before the next run), for the prefix
+        store to keep a finished row's decoded blocks; None where the mode cannot give them."""
+        return None
+
+    def _row(self, array, row: int, length: int) -> np.ndarray:
+        """array[row, :, :length] of one cache input's [rows, heads, width, head_dim] buffer, on the
+        host (a device mode reads it back: `prefix_keep`; a host one counts what would cross)."""
+        self.ledger.add("prefix_keep", array[row, :, :length].nbytes)
+        return array[row, :, :length]
+
     def _leading(self, span: int):
         """(binding, run) of the first `span` slots: the decode binding's bound arrays, their
         leading rows (`Binding.leading`), made once per span; `run` embeds first where the graph

@@ -61,6 +61,13 @@ class GrowCache(BaseCache):
             for array in group["past"].values():
                 array[into] = array[take]
 
+    def read_row(self, slot: int, length: int) -> dict[str, np.ndarray] | None:
+        for group in self.groups:
+            if slot in group["slots"] and length <= group["length"]:
+                i = group["slots"].index(slot)
+                return {name: self._row(array, i, length) for name, array in group["past"].items()}
+        return None
+
     def release(self, slot: int) -> None:
         for group in self.groups:
             if slot in group["slots"]:

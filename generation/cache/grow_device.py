@@ -30,6 +30,9 @@ class DeviceGrowCache(GrowCache):
         self._ones = self.device.zeros((size,), graph.dtype("attention_mask"))
         self.device.valid_mask(self.device.view(self._ones, 0, (1, size)), self.device.upload(np.zeros(1, np.int64)), 0)
 
+    def _row(self, array, row: int, length: int) -> np.ndarray:
+        return self.device.read_row(array, row, length, self.ledger)
+
     def insert(self, slot: int, cache: dict[str, np.ndarray], length: int) -> None:
         rows = {}
         self.ledger.add("insert", sum(a.nbytes for a in cache.values()))

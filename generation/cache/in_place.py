@@ -237,6 +237,11 @@ class InPlaceCache(BaseCache):
             out[i, :width] = self._prompt_step(slot, ids[slot:slot + 1, :width], int(lengths[slot]))[0]
         return out
 
+    def read_row(self, slot: int, length: int) -> dict[str, np.ndarray] | None:
+        if slot >= self.held or length > self.length:
+            return None
+        return {name: self._row(buffer, slot, length) for name, buffer in self.buffers.items()}
+
     def rewind(self, lengths: np.ndarray) -> None:
         """A row's valid rows are its mask's ones: the rows past its length are overwritten later."""
         self._set_lengths(self.rows, lengths)

@@ -51,6 +51,9 @@ class DeviceInPlaceCache(InPlaceCache):
             self._lay_out(slots, capacity)  # once, for good
             self.sized = False
 
+    def _row(self, array, row: int, length: int) -> np.ndarray:
+        return self.device.read_row(array, row, length, self.ledger)
+
     def _grow(self, rows: int, length: int) -> None:
         if not self.graphs:
             super()._grow(rows, length)

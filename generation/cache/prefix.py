@@ -1,5 +1,7 @@
-"""Prefix caching: the KV rows of prompts a decode state has run, kept by token blocks, so a new
-prompt that starts the same way copies them and runs only the rest.
+"""Prefix caching: the KV rows of prompts a decode state has run, and of the tokens its rows
+decoded after them (core/state.keep_decoded: a conversation's next turn starts with this turn's
+prompt and answer), kept by token blocks, so a new prompt that starts the same way copies them
+and runs only the rest.
 
 A prompt's full blocks of `block` tokens are named by a hash chain (each block's hash covers the
 blocks before it, as vLLM's block hashes), so a prefix is found whatever follows it. An entry
@@ -7,10 +9,13 @@ holds the rows [heads, length, head_dim] of every cache input for one prompt's f
 every block hash of it points into it: a prompt that shares 3 blocks of a 10-block entry takes
 its first 3. At least one token of a prompt always runs (its logits choose the first new token),
 so a prompt found whole reuses all but its last block. Entries are evicted least recently used
-first, within `max_bytes`.
+first, within `max_bytes`. An entry that a new one holds whole (a prompt's, once its row's answer
+is kept) leaves for it.
 
 The rows are those a prompt's own run computed, so a prompt with a cached prefix runs its rest
-from them as the prefill runs a prompt in pieces (`prompt_steps="pieces"`): the same tokens.
+from them as the prefill runs a prompt in pieces (`prompt_steps="pieces"`): the same tokens. A
+decoded block's rows are those the decode steps computed, one token a run: equal to a prompt
+run's up to float rounding (as a prompt run in one piece and in pieces already differ).
 Decoder-only prompts; a vision-language prompt is named by its images too (PromptImages.prefix_key).
 An encoder-decoder keeps its rows' first steps instead (cache/cross.py, FirstStepStore).
 """
@@ -64,8 +69,17 @@ class PrefixStore:
         """(length, rows) of the longest cached prefix of `prompt` that leaves at least one of
         its tokens to run; (0, None) when none is."""
         self.queries += len(prompt)
-        usable = (len(prompt) - 1) // self.block
-        chain = self.hashes(prompt[:usable * self.block])
+        length, rows = self._longest(prompt[:(len(prompt) - 1) // self.block * self.block])
+        self.hits += length
+        return length, rows
+
+    def held(self, tokens) -> tuple[int, dict[str, np.ndarray] | None]:
+        """(length, rows) of the longest cached prefix of `tokens`, all of it if held (the store's
+        own upkeep: not counted as a query)."""
+        return self._longest(tokens[:len(tokens) // self.block * self.block])
+
+    def _longest(self, tokens) -> tuple[int, dict[str, np.ndarray] | None]:
+        chain = self.hashes(tokens)
         for blocks in range(len(chain), 0, -1):
             found = self.index.get(chain[blocks - 1])
             if found is None:
@@ -74,7 +88,6 @@ class PrefixStore:
             entry = self.entries[key]
             self.entries.move_to_end(key)
             length = blocks * self.block
-            self.hits += length
             return length, {name: rows[:, :length] for name, rows in entry.rows.items()}
         return 0, None
 
@@ -94,6 +107,8 @@ class PrefixStore:
         nbytes = sum(a.nbytes for a in kept.values())
         if nbytes > self.max_bytes:
             return
+        for covered in [h for h in chain[:-1] if h in self.entries]:  # an entry this one holds whole
+            self._evict(covered)
         self.entries[key] = Entry(kept, length, chain, nbytes)
         self.bytes += nbytes
         for i, h in enumerate(chain):

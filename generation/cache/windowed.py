@@ -80,6 +80,10 @@ class WindowedAppendCache(AppendCache):
         super().release(slot)
         self._kept[slot] = 0
 
+    def read_row(self, slot: int, length: int) -> None:
+        """None: past the window a row keeps only its last rows, which a prefix cannot use."""
+        return None
+
     def rewind(self, lengths: np.ndarray) -> None:
         """Every slot keeps its first lengths[b] rows, moved to end at the width."""
         width = self.width

@@ -8,6 +8,7 @@
     chunks.py     a prompt run in chunks, then seated
     stop_strings.py  stop strings: where a row ends (its StopMatcher), and text cut at a stop
     preempt.py    `pause` and `resume`: a row out of its slot and back, its cache recomputed
+    keep.py       a finished row's answer into the prefix store: as decoded, or run again as a prompt
     warm.py       `compile`: a context sized for its batches, its session warmed up
     embed.py      text embeddings from a feature-extraction export
 

@@ -6,6 +6,7 @@
     budget.py      admission by memory: what the rows need of the KV cache, against its budget
     chunked.py     chunked prefill: a long prompt a chunk per step boundary
     preemption.py  preemption and priority: rows paused and resumed exactly, steps ended early
+    answers.py     finished rows' answers kept for a next turn (`tidy`: the idle loop's upkeep)
     jobs.py        a Job and an Update (one position of a step's tokens)
     generate.py    `generate` and `beam_search`: a Scheduler run to completion
     batching.py    ContinuousBatcher: a Scheduler on a thread, requests in and their tokens out as

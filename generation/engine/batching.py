@@ -379,7 +379,8 @@ class ContinuousBatcher:
             self._take_waiting()
             if not scheduler.busy:
                 self._count()
-                self._idle()
+                if not scheduler.tidy():  # idle work first (engine/answers.py), then a wait
+                    self._idle()
                 continue
             updates, ended = scheduler.step(admitted=self._admitted)
             self._forward(updates)

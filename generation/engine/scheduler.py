@@ -47,13 +47,14 @@ from ..runtime.device import Ledger
 from ..runtime.feeds import terminated
 from ..search.beam import Hypothesis
 from .admission import Admission
+from .answers import KeptAnswers
 from .budget import KVBudget
 from .chunked import ChunkedPrefill
 from .jobs import Job, Update, timestamp_rules
 from .preemption import Preemption
 
 
-class Scheduler(Admission, KVBudget, ChunkedPrefill, Preemption):
+class Scheduler(Admission, KVBudget, ChunkedPrefill, Preemption, KeptAnswers):
     """`slots` rows of `capacity` tokens. `lookup`: the candidate generator that verifies the
     rows of jobs with prompt_lookup_num_tokens; `assistant`: one that verifies every row's
     candidates at every step (a draft model's; generate's, where the context asks for one). `stream=False` reports no Update (the tokens come with each job's end), so runs of
@@ -94,6 +95,7 @@ class Scheduler(Admission, KVBudget, ChunkedPrefill, Preemption):
         self._interrupt_lock = threading.Lock()
         self._interruptible = None  # the RunOptions of the step running now, while another thread may end it
         self.budget = self._budget(kv_cache_bytes)
+        self._answers_init()
 
     def _budget(self, kv_cache_bytes: int | None) -> int | None:
         """The checked budget, None where admission goes by slots (no budget, or a mode or model
@@ -313,11 +315,14 @@ class Scheduler(Admission, KVBudget, ChunkedPrefill, Preemption):
         if job is None:
             job = self.groups.pop(slot)
         else:
+            if error is None:
+                self._keep_answer(slot)
             job.tokens = row_tokens(self.state, slot)
             if self.ctx.token_logprobs:
                 job.logprobs, job.top = row_logprobs(self.state, slot)
                 job.eos_logprob = row_eos_logprob(self.state, slot)
         self.state = release(self.ctx, self.state, slot)
+        self._trim_prefix()  # the row's decoded blocks went to the prefix store: within the budget
         self._close(job, reason or self._reason(job), error)
 
     def _end_beams(self, job: Job, hypotheses: list[Hypothesis]) -> None:

@@ -61,8 +61,9 @@ class EngineOptions:
                                     choices=("in_place", "append", "grow"), flag=False, serve=False)
     draft: str | Path | None = option(None, "a draft model (folder or hub id, the model's tokenizer) whose proposals "
                                             "every step verifies: speculative decoding (settings num_assistant_tokens)")
-    prefix_cache_bytes: int = option(0, "bytes of prompt prefixes kept, so a prompt that starts as one seen before "
-                                        "runs only its rest; 0: off", 0, 2**40, served=256 * 2**20)
+    prefix_cache_bytes: int = option(0, "bytes of prefixes kept (prompts, and the answers decoded after them), so a "
+                                        "prompt that starts as one seen before (a conversation's next turn) runs "
+                                        "only its rest; 0: off", 0, 2**40, served=256 * 2**20)
     kv_cache_bytes: int | None = option(None, "the KV cache's budget: requests are seated while what their rows hold "
                                               "fits it, up to slots (default: a quarter of the machine's memory; 0: "
                                               "none)", 0, 2**46)

@@ -29,10 +29,11 @@ from .device_moves import move_graph
 # read positions, the rows' lengths or new mask entries); a prompt's run (`prompt`: its ids, mask
 # and positions in, its logits out, and the rows of a run apart from the buffers out); a row
 # prefilled apart from the batch and inserted (`insert`), but the part a prefix store on the host
-# gave back (`prefix_restore`); the row indices of a move (`indices`). Relayouts and beam
-# reorders run on the device: no cause of theirs. (The prefix store keeps rows a run apart
-# already brought to the host: storing moves nothing.)
-CAUSES = ("prompt", "inputs", "logits", "insert", "prefix_restore", "indices")
+# gave back (`prefix_restore`); a finished row's cache read back for the prefix store to keep its
+# decoded blocks (`prefix_keep`); the row indices of a move (`indices`). Relayouts and beam
+# reorders run on the device: no cause of theirs. (The prefix store keeps the prompt rows a run
+# apart already brought to the host: storing those moves nothing.)
+CAUSES = ("prompt", "inputs", "logits", "insert", "prefix_restore", "prefix_keep", "indices")
 
 
 @dataclass
@@ -219,6 +220,16 @@ class Device:
         binding.bind("x", array)
         binding.bind_out("y", host)
         binding.run()
+
+    def read_row(self, array: DeviceArray, row: int, length: int, ledger: Ledger | None = None) -> np.ndarray:
+        """array[row, :, :length] on the host ([heads, length, head_dim] of a [rows, heads, width,
+        head_dim] buffer): a finished row's cache for the prefix store, counted as `prefix_keep`."""
+        one = DeviceArray(array.value, array.row_pointer(row), (1, *array.shape[1:]), array.dtype, array.device)
+        host = np.empty(one.shape, array.dtype)
+        self.read_into(one, host)
+        if ledger is not None:
+            ledger.add("prefix_keep", host[0, :, :length].nbytes)
+        return host[0, :, :length]
 
     def upload(self, values: np.ndarray, ledger: Ledger | None = None, cause: str = "indices") -> DeviceArray:
         """A host array copied to the device once (row indices several moves share)."""

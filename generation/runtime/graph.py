@@ -25,6 +25,9 @@ import numpy as np
 
 from .onnx_graph import Node, flatten, read_nodes
 
+QUANTIZED_ACTIVATIONS = ("DynamicQuantizeLinear", "QuantizedMatMul", "MatMulNBits", "DynamicQuantizeMatMul",
+                         "MatMulIntegerToFloat")
+
 CACHE_MODES = ("in_place", "append", "grow")
 
 ORT_TYPES = {
@@ -84,6 +87,10 @@ class DecoderGraph:
     # (runtime.int8_rows makes it per row), so a prompt's padding positions would enter it: prompts
     # run in groups of one length (cache/prefill.py, cache/in_place.py)
     prompts_by_length: bool = False
+    # activations quantized per token or per row (int8 precision's QuantizedMatMul, int8 and q4
+    # exports): a float rounding apart becomes a quantized step apart, which grows through the
+    # layers, so a decode step's cache rows are not a prompt run's (core/keep.py)
+    quantized_activations: bool = False
 
     @property
     def is_seq2seq(self) -> bool:
@@ -172,6 +179,7 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         hidden_size=int(hidden),
         has_logits_positions="logits_positions" in ins,
         prompts_by_length=any(n.op_type == "DynamicQuantizeLinear" for n in flatten(nodes)),
+        quantized_activations=any(n.op_type in QUANTIZED_ACTIVATIONS for n in flatten(nodes)),
     )
 
 

@@ -26,7 +26,7 @@ GRAPHS = [("llama-genai", "llama", "in_place"), ("qwen2-optimum+fused", "qwen2",
           ("llama-optimum", "llama", "append"), ("qwen2-optimum", "qwen2", "append"), ("llama-merged", "llama", "append"),
           ("gpt2-grow", "gpt2", "grow")]
 FOLDERS = [f for f, _, _ in GRAPHS]
-DATA = ("prompt", "inputs", "logits", "insert", "prefix_restore")  # what is not a move's indices
+DATA = ("prompt", "inputs", "logits", "insert", "prefix_restore", "prefix_keep")  # what is not a move's indices
 MAX_NEW = 24
 
 
@@ -128,10 +128,11 @@ def run(scheduler, prompts, settings):
 
 @pytest.mark.parametrize("folder, kind", [("llama-genai", "preempted"), ("llama-genai", "prefix cache"),
                                           ("llama-genai", "chunked prefill"), ("llama-optimum", "prefix cache"),
-                                          ("llama-optimum", "chunked prefill")])
+                                          ("llama-optimum", "chunked prefill"), ("gpt2-grow", "prefix cache")])
 def test_the_scheduler_on_device_buffers_equals_the_host_cache(models, prompts_of, folder, kind):
-    """Rows preempted and resumed by a memory budget, prompts reusing cached prefixes, prompts
-    filled in chunks: the device cache's rows are the host cache's."""
+    """Rows preempted and resumed by a memory budget, prompts reusing cached prefixes (a finished
+    row's decoded blocks too, read back from the device), prompts filled in chunks: the device
+    cache's rows are the host cache's."""
     shared = prompts_of([20], seed=9)[0]
     prompts = [shared + p for p in prompts_of(list(range(3, 15)), seed=11)]
     settings = dict(max_new_tokens=40, eos_token_id=[], do_sample=True, temperature=0.8, top_k=40)
@@ -146,6 +147,12 @@ def test_the_scheduler_on_device_buffers_equals_the_host_cache(models, prompts_o
             options["prefill_chunk_tokens"] = 8
         scheduler = Scheduler(ctx, 8, 128, **options)
         out[buffers] = run(scheduler, prompts, settings)
+        if kind == "prefix cache":  # the first row's conversation goes on: its answer's blocks were kept
+            hits = scheduler.prefix.hits
+            out[buffers] += run(scheduler, [prompts[0] + out[buffers][0][1] + [5, 6, 7]], settings)
+            assert scheduler.prefix.hits - hits == (len(prompts[0]) + 39) // 16 * 16  # its prompt and answer
+            kept = scheduler.ledger.bytes["prefix_keep"]
+            assert kept > 0 and kept == out.setdefault("kept", kept)  # finished rows' blocks read back
         if kind == "preempted":
             assert scheduler.preemptions > 0
         if kind == "prefix cache":
@@ -179,7 +186,7 @@ def test_a_decode_step_moves_the_read_logits_and_a_few_inputs(models, prompts_of
             vocab = ctx.model.vocab_size
             assert moved["logits"] == 32 * vocab * 4
             assert moved["logits"] + moved["inputs"] + moved["indices"] <= 32 * vocab * 4 + 4096, moved
-            assert all(moved[c] == 0 for c in ("prompt", "insert", "prefix_restore")), moved
+            assert all(moved[c] == 0 for c in ("prompt", "insert", "prefix_restore", "prefix_keep")), moved
         assert ledger.steps >= 3 and ledger.rows >= 96
         counted[buffers] = {c: ledger.bytes[c] for c in DATA}
     assert counted["host"] == counted["device"]

@@ -72,6 +72,84 @@ def test_the_cache_changes_no_token_and_no_logprob(test_models, load_model, fold
         assert store.queries == sum(len(p) for p in PROMPTS)
 
 
+@pytest.mark.parametrize("folder, mode", MODES, ids=[m[1] for m in MODES])
+def test_a_conversations_next_turn_finds_the_answer_before_it_cached(test_models, load_model, folder, mode):
+    """Four turns, each prompt the one before, its answer and a new message: every turn after the
+    first finds the previous prompt and answer cached but the last token (it was never fed) cut to
+    blocks, and its tokens and log-probabilities are a cold scheduler's; a prompt's own entry
+    leaves once its row's answer is kept (the longer entry holds it whole)."""
+    ctx = generation.context(load_model(test_models[folder]), cache_mode=mode, max_new_tokens=21, eos_token_id=[],
+                             token_logprobs=True)
+    messages = [SYSTEM + [11, 12, 13], [31, 32, 33, 34, 35], [41, 42], [51, 52, 53, 54, 55, 56, 57]]
+
+    def converse(prefix_cache_bytes):
+        scheduler = Scheduler(ctx, slots=4, capacity=200, isolate=False, prefix_cache_bytes=prefix_cache_bytes)
+        prompt, turns = [], []
+        for i, message in enumerate(messages):
+            prompt = prompt + (turns[-1][0].tokens if turns else []) + message
+            job = scheduler.job(prompt, seed=i, settings=dict(do_sample=i % 2 == 1, temperature=0.8))
+            scheduler.add(job)
+            while scheduler.busy:
+                scheduler.step()
+            turns.append((job, prompt))
+        return turns, scheduler.prefix
+
+    cold, _ = converse(0)
+    warm, store = converse(64 * 2**20)
+    for (job, prompt), (cold_job, _) in zip(warm, cold):
+        assert job.tokens == cold_job.tokens
+        np.testing.assert_allclose(job.logprobs, cold_job.logprobs, atol=1e-4)
+    for (job, prompt), (before, before_prompt) in zip(warm[1:], warm):
+        assert job.cached_tokens == (len(before_prompt) + len(before.tokens) - 1) // BLOCK * BLOCK
+    assert len(store.entries) == 1  # the last turn's: it holds every earlier prompt and answer
+
+
+@pytest.mark.parametrize("folder", ["llama-genai", "llama-optimum"])
+def test_under_int8_a_next_turn_finds_its_answer_recomputed_bit_for_bit(test_models, folder):
+    """Quantized activations (precision int8): a finished row's answer waits for the idle engine
+    (`tidy`), which runs it again as a prompt's rest, a piece at a time; the next turn then finds
+    the previous prompt and answer cached and its tokens and log-probabilities are a cold
+    scheduler's bit for bit. An answer not yet recomputed is not cached: only the prompt's blocks."""
+    from generation.engine import answers
+
+    model = generation.load(test_models[folder], threads=1, precision="int8")
+    assert model.graph.quantized_activations
+    ctx = generation.context(model, max_new_tokens=40, eos_token_id=[], token_logprobs=True)
+    messages = [SYSTEM + [11, 12, 13], [31, 32, 33, 34, 35], [41, 42]]
+
+    def converse(prefix_cache_bytes, tidy):
+        scheduler = Scheduler(ctx, slots=4, capacity=200, isolate=False, prefix_cache_bytes=prefix_cache_bytes)
+        prompt, turns = [], []
+        for i, message in enumerate(messages):
+            prompt = prompt + (turns[-1][0].tokens if turns else []) + message
+            job = scheduler.job(prompt, seed=i, settings=dict(do_sample=i == 1, temperature=0.8))
+            scheduler.add(job)
+            while scheduler.busy:
+                scheduler.step()
+            if prefix_cache_bytes:
+                assert len(scheduler.answers) == (1 if tidy else i + 1)  # waiting for an idle engine
+            pieces = 0
+            while tidy and scheduler.tidy():
+                pieces += 1
+            new_blocks = (len(prompt) + 39) // BLOCK * BLOCK - len(prompt) // BLOCK * BLOCK  # past the prompt's
+            assert pieces == (-(-new_blocks // 32) if tidy else 0)  # 32 tokens a piece
+            turns.append((job, prompt))
+        return turns
+
+    answers.RECOMPUTE_TOKENS, kept = 32, answers.RECOMPUTE_TOKENS  # several pieces an answer
+    try:
+        cold, warm, untidy = converse(0, False), converse(64 * 2**20, True), converse(64 * 2**20, False)
+    finally:
+        answers.RECOMPUTE_TOKENS = kept
+    for (job, prompt), (cold_job, cold_prompt) in zip(warm, cold):
+        assert prompt == cold_prompt and job.tokens == cold_job.tokens
+        np.testing.assert_array_equal(job.logprobs, cold_job.logprobs)
+    for (job, _), (before, before_prompt) in zip(warm[1:], warm):
+        assert job.cached_tokens == (len(before_prompt) + len(before.tokens) - 1) // BLOCK * BLOCK
+    for (job, _), (_, before_prompt) in zip(untidy[1:], untidy):
+        assert job.cached_tokens == len(before_prompt) // BLOCK * BLOCK  # the prompt's blocks only
+
+
 def test_the_store_finds_prefixes_by_blocks_and_keeps_its_budget():
     rows = lambda n: {"k": np.arange(2 * n * 4, dtype=np.float32).reshape(2, n, 4)}  # noqa: E731 - [heads, n, dim]
     store = PrefixStore(max_bytes=2 * 48 * 4 * 4 + 10)  # room for 48 + a few rows, not 96

@@ -105,6 +105,29 @@ def test_the_prefix_caches_counters_come_from_the_child(generators):
     assert child.batcher.prefix.queries > 0 and child.batcher.prefix.hits > 0
 
 
+def test_the_child_recomputes_a_finished_answer_while_idle_for_the_next_turn(test_models):
+    """int8 (quantized activations, generation/core/keep.py): a turn's answer is run again as a
+    prompt while the child's loop idles, so the next turn finds the prompt and answer cached (but
+    the last token, never fed) and gets the tokens of a loop without a cache."""
+    model, settings = test_models["llama-genai"], {"max_new_tokens": 40, "min_new_tokens": 40}
+    child = TextGenerator.from_model(model, slots=4, threads=1, precision="int8", engine_process=True,
+                                     prefix_cache_bytes=1 << 22)
+    cold = TextGenerator.from_model(model, slots=4, threads=1, precision="int8")
+    try:
+        prompt, turns = list(range(5, 48)), []
+        for message in ([], [31, 32, 33, 34, 35]):
+            prompt = prompt + (turns[-1][0]["tokens"] if turns else []) + message
+            warm, = asyncio.run(streamed(child, [dict(prompt=prompt, settings=settings)]))
+            expected, = asyncio.run(streamed(cold, [dict(prompt=prompt, settings=settings)]))
+            assert flat(warm) == flat(expected)
+            turns.append((flat(warm), warm[-1].cached_tokens, len(prompt)))
+            time.sleep(0.5)  # the child idles: its loop recomputes the answer (a few ms here)
+        assert turns[1][1] == (turns[0][2] + 40 - 1) // 16 * 16 == 80
+    finally:
+        child.close()
+        cold.close()
+
+
 def test_batch_rows_do_not_count_against_max_waiting(generators, monkeypatch):
     """As the loop in process: a batch's lines (priority 1) in flight beyond max_waiting are
     taken, and beside them interactive requests are taken up to max_waiting waiting, then refused."""
