@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from generation.front import EngineOptions
+from generation.front import FIXED_SLOTS, EngineOptions
 
 from .autoscaling import Autoscaling
 
@@ -36,6 +36,9 @@ class ServingConfig(BaseModel):
         if self.records == "server" and (not self.colocate or "decoder" in self.autoscaling):
             raise ValueError("records: 'server' keeps the records in the colocated Server's one replica; it needs "
                              "colocate and no autoscaling of the decoder (else 'deployment')")
+        decoder = self.autoscaling.get("decoder")
+        if self.slots == 0 and decoder is not None and decoder.policy == "occupancy":
+            self.slots = FIXED_SLOTS  # occupancy counts rows against slots: a replica's share, not the budget's
         return self
 
     model: str | None = None  # folder or hub id; None: the default model that ships with Raymuter

@@ -19,7 +19,7 @@ import time
 
 from generation import SettingError
 
-from generation.front import EngineOptions, QueueFull, Request
+from generation.front import FIXED_SLOTS, EngineOptions, QueueFull, Request
 
 EOS = ord(".")
 FAIL = 1  # a prompt holding this token fails inside the loop, as an engine bug would (a 500)
@@ -94,7 +94,7 @@ class FakeBatcher:
 
     def __init__(self, options: EngineOptions = FAKE_OPTIONS, step_seconds: float = 0.005,
                  step_seconds_per_row: float = 0.0):
-        self.slots, self.max_waiting, self.step_seconds = options.slots, options.max_waiting, step_seconds
+        self.slots, self.max_waiting, self.step_seconds = options.slots or FIXED_SLOTS, options.max_waiting, step_seconds
         self.capacity = options.capacity or CAPACITY
         self.step_seconds_per_row = step_seconds_per_row
         self.running = self.waiting = self.occupied = 0

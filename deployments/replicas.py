@@ -21,7 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from generation.cli import version
-from generation.front import Finish, Generation
+from generation.front import FIXED_SLOTS, Finish, Generation
 
 from .autoscaling import RUNNING, SLOTS, WAITING
 from .batch.requests import BatchRequest
@@ -146,7 +146,7 @@ def records_settings(cfg: AppConfig) -> dict:
     are where Serve can)."""
     return {"response_store_bytes": cfg.response_store_bytes, "response_ttl_seconds": cfg.response_ttl_seconds,
             "response_folder": cfg.response_folder, "batch_folder": cfg.batch_folder,
-            "batch_concurrency": cfg.batch_concurrency or cfg.slots, "routes": "Server" if cfg.colocate else "Ingress"}
+            "batch_concurrency": cfg.batch_concurrency or cfg.slots or FIXED_SLOTS, "routes": "Server" if cfg.colocate else "Ingress"}
 
 
 def _verb(store: str, name: str, method):

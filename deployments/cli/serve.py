@@ -40,7 +40,7 @@ def add_arguments(parser) -> None:
                         help="/v1/files: the largest file an upload may bring (default: 200 MiB)")
     parser.add_argument("--batch-concurrency", type=int, metavar="LINES",
                         help="/v1/batches: the lines the running batches keep in flight together, each at a priority "
-                             "below every interactive request (default: --slots)")
+                             "below every interactive request (default: --slots, 32 where --slots is 0)")
     parser.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (off: saves ~1 s and memory)")
     parser.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: the machine's)")
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",

@@ -198,7 +198,7 @@ def new_state(ctx: Context, slots: int | None = None, capacity: int | None = Non
         state.logprob = np.full((slots, capacity), np.nan, np.float32)
         if ctx.top_logprobs:
             state.top_ids = np.zeros((slots, capacity, ctx.top_logprobs), np.int64)
-            state.top = np.full((slots, capacity, ctx.top_logprobs), np.nan, np.float32)
+            state.top = np.zeros((slots, capacity, ctx.top_logprobs), np.float32)  # read where written only
     if prefix is not None and ctx.model.is_seq2seq == isinstance(prefix, FirstStepStore):
         state.prefix = prefix
     state.next_input[:] = ctx.settings.pad_token_id

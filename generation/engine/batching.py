@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from generation.assisted import verify as assisted
 from generation.params import limits
-from .budget import default_kv_cache_bytes
+from .budget import default_kv_cache_bytes, resolved_slots
 from .scheduler import Scheduler
 from generation.params.checks import SettingError
 
@@ -264,8 +264,9 @@ class ContinuousBatcher:
         from generation.assisted.budget import CostAware
         from generation.assisted.prompt_lookup import PromptLookup
 
-        self.ctx, self.slots = ctx, slots
         self.capacity = capacity or min(ctx.model.max_context or 4096, 4096)
+        self.ctx, self.slots = ctx, resolved_slots(ctx, slots, self.capacity, kv_cache_bytes)
+        slots = self.slots
         self.max_waiting = max_waiting
         # rows with prompt_lookup_num_tokens verify their candidates, where they pay for the wider run;
         # a context with a draft model verifies the draft's for every row

@@ -37,6 +37,32 @@ def default_kv_cache_bytes(share: float = DEFAULT_SHARE) -> int:
     return int(share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+AUTO_SLOTS = 256  # the most rows `slots=0` seats (vLLM's max_num_seqs default)
+FIXED_SLOTS = 32  # `slots=0` where every row may grow to the capacity: at least these (the old default)
+
+
+def resolved_slots(ctx, slots: int, capacity: int, budget_bytes: int | None) -> int:
+    """`slots`, or for 0 what the KV budget seats. Where admission goes by memory (the in_place
+    cache sized by classes, a budget that holds a row of the capacity) a row costs what it holds,
+    so the budget decides how many run: AUTO_SLOTS, as vLLM's max_num_seqs with its KV blocks.
+    Elsewhere (append, grow, seq2seq, vision, CUDA graphs' whole layout, or no budget) each row
+    may grow to the capacity: the rows the budget holds so, at least FIXED_SLOTS, at most
+    AUTO_SLOTS. The engine process's parent and child resolve it alike (same model, options and
+    machine)."""
+    if slots:
+        return slots
+    from ..cache.base import token_bytes
+
+    model = ctx.model
+    budget = default_kv_cache_bytes() if budget_bytes is None else budget_bytes
+    row = token_bytes(model.graph) * capacity
+    by_memory = (ctx.cache_mode == "in_place" and not model.is_seq2seq and not model.graph.has_inputs_embeds
+                 and not model.cuda_graphs)
+    if by_memory and budget >= row:
+        return AUTO_SLOTS
+    return max(FIXED_SLOTS, min(AUTO_SLOTS, budget // row if budget else 0))
+
+
 @dataclass
 class Needs:
     """What the rows of a state need of its cache for the next step: the slots [0, top) and

@@ -43,6 +43,7 @@ from generation.logits.constraints import Grammars
 
 from . import batching
 from .batching import Completion, QueueFull, Request
+from .budget import resolved_slots
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ class EngineProcess:
     def __init__(self, ctx, options, load: dict, start_timeout: float = 600.0, *, loader):
         from generation.engine.scheduler import Scheduler
 
-        self.ctx, self.slots = ctx, options.slots
         self.capacity = options.capacity or min(ctx.model.max_context or 4096, 4096)
+        self.ctx, self.slots = ctx, resolved_slots(ctx, options.slots, self.capacity, options.kv_cache_bytes)
         self.max_waiting = options.max_waiting
         self._checks = Scheduler(ctx, self.slots, self.capacity, state=False)  # job() reads the context only
         self.prefix = _PrefixStats() if options.prefix_cache_bytes else None

@@ -28,6 +28,7 @@ as they are (deployments/: the Ray hop), adding none of its own.
 """
 
 from generation.engine.batching import QueueFull, Request
+from generation.engine.budget import FIXED_SLOTS
 from generation.logits.constraints import GrammarBudget
 from generation.logits.prompt_logprobs import from_lists as prompt_logprobs_from_lists
 from generation.params import limits
@@ -46,10 +47,11 @@ from .speech import SpeechRequest, transcribe
 
 # The front's own names, and beside them what a server needs of the engine's edges: the limits its
 # request shapes state, a constraint's budget, a tool's schema check, where its processes compute
-# (`cores`), and the batching loop's contract a test's fake batcher keeps (Request, QueueFull).
+# (`cores`), and the batching loop's contract a test's fake batcher keeps (Request, QueueFull), and
+# the slots `slots=0` gives where no budget decides (FIXED_SLOTS: the fake's, decoder autoscaling's).
 __all__ = [
     "Delta", "Echo", "EmbeddingFront", "EncoderFront", "EngineFront", "EngineOptions", "EngineRequest", "Finish", "Generation",
     "Overloaded", "REASONING_PARSERS", "Refused", "ModelFolder", "SpeechRequest", "rejected", "transcribe",
     "GrammarBudget", "QueueFull", "Request", "ToolError", "check_tools", "cores",
-    "limits", "prompt_logprobs_from_lists",
+    "limits", "prompt_logprobs_from_lists", "FIXED_SLOTS",
 ]

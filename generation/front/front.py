@@ -25,7 +25,7 @@ from generation.engine.batching import ContinuousBatcher, QueueFull
 from generation.params.checks import SettingError
 
 from .errors import Overloaded, Refused, refused, request_field
-from .loading import batcher_from_model, load_model, model_context
+from .loading import batcher_from_model, load_model, model_context, warm_rows
 from .output import TextDeltas, TokenText, TokenTexts, tool_calls
 from .options import EngineOptions
 from .prompts import InputProcessor, Row
@@ -408,4 +408,4 @@ def _engine_process(source, options: EngineOptions, settings: dict):
     model.session = None  # never run here: its weights go (the child loads its own)
     # the child's batcher_from_model's arguments (the parent's own queue bounds its requests)
     load = {**settings, "source": str(source), "options": options, "cores": _placed(options)}
-    return EngineProcess(parent_context(ctx, options.slots), options, load, loader=batcher_from_model)
+    return EngineProcess(parent_context(ctx, warm_rows(options.slots)), options, load, loader=batcher_from_model)

@@ -50,5 +50,13 @@ def batcher_from_model(cls, source, options, cores: tuple[int, ...] | None = Non
     draft = None
     if options.draft is not None:
         draft = load_model(options.draft, replace(options, variant=None, spin=False))  # as exported, its threads asleep
-    ctx = generation.compile(model_context(model, options, settings, draft), batch_size=options.slots)
+    ctx = generation.compile(model_context(model, options, settings, draft), batch_size=warm_rows(options.slots))
     return cls(ctx, **options.loop_arguments())
+
+
+WARM_ROWS = 32  # the most rows the warm-up runs: onnxruntime's arena keeps what a run took
+
+
+def warm_rows(slots: int) -> int:
+    """The rows a loop of `slots` (0: what the KV budget seats) is warmed up for."""
+    return min(slots or WARM_ROWS, WARM_ROWS)

@@ -43,7 +43,8 @@ class EngineOptions:
     its range is a ValueError naming it."""
 
     slots: int = option(8, "rows the decoder steps together at most; as many run as the KV budget "
-                           "(kv_cache_bytes) holds", 1, 1024, served=32)
+                           "(kv_cache_bytes) holds; 0: as many as the budget seats (256 where a row costs what it "
+                           "holds, else the rows it holds at the capacity, at least 32)", 0, 1024, served=0)
     capacity: int | None = option(None, "tokens a slot holds, prompt and new tokens (default: the model's context, "
                                         "at most 4096)", 2, 2**31)
     max_waiting: int = option(256, "interactive requests queued before a new one is refused (a server's 503)", 0, 2**31)

@@ -34,7 +34,7 @@ def test_bad_app_arguments_fail_with_the_field():
     from deployments.app import AppConfig
 
     with pytest.raises(ValidationError, match="slots"):
-        AppConfig(slots=0)
+        AppConfig(slots=-1)
     with pytest.raises(ValidationError, match="modle"):
         AppConfig(modle="x")
 
@@ -80,13 +80,16 @@ def test_the_engine_options_are_written_once_and_the_config_flags_and_chart_sche
             assert flag.help.startswith(meta["off"] if meta["served"] is True else meta["help"]), option.name
             assert flag.option_strings == ["--" + ("no-" if meta["served"] is True else "") +
                                            option.name.replace("_", "-")], option.name
-    assert AppConfig().slots == 32 and EngineOptions().slots == 8  # a server's default beside a library caller's
+    assert AppConfig().slots == 0 and EngineOptions().slots == 8  # a server's default beside a library caller's
+    # decoder autoscaling by occupancy counts rows against a replica's slots: slots=0 gives 32 there
+    assert AppConfig(autoscaling={"decoder": {"min_replicas": 1, "max_replicas": 2}}).slots == 32
+    assert AppConfig(slots=64, autoscaling={"decoder": {"min_replicas": 1, "max_replicas": 2}}).slots == 64
     assert AppConfig(slots=4, spin=False).options == EngineOptions(slots=4, spin=False, prefix_cache_bytes=256 * 2**20,
                                                                    grammar_budget={})
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"slots": 0}, "slots: an integer from 1 to 1024"), ({"max_logprobs": 21}, "max_logprobs: an integer from -1"),
+    ({"slots": -1}, "slots: an integer from 0 to 1024"), ({"max_logprobs": 21}, "max_logprobs: an integer from -1"),
     ({"provider": "tpu"}, "provider: one of cpu, cuda"), ({"reasoning_parser": "x"}, "reasoning_parser: one of"),
     ({"reserve_cores": 1}, "they need engine_process"), ({"kv_cache_bytes": -1}, "kv_cache_bytes: an integer"),
 ])

@@ -191,7 +191,7 @@ BAD = [
     ({"deployments": {"decoder": {"gpus": 1}}}, "/workers/gpu/enabled"),
     ({"model": {"kind": "audio", "source": "bundled"}}, "/model/kind"),
     ({"model": {"kind": "text", "source": "hub", "hub": {"id": ""}}}, "/model/hub/id"),
-    ({"app": {"args": {"slots": 0}}}, "/app/args/slots"),
+    ({"app": {"args": {"slots": -1}}}, "/app/args/slots"),
     ({"app": {"args": {"slotz": 4}}}, "slotz"),
     ({"workers": {"cpu": {"enabled": True, "resources": {"cpu": "4", "memory": "lots"}}}}, "/workers/cpu/resources/memory"),
 ]

@@ -10,6 +10,8 @@ what they get alone; a budget that holds no row of the capacity is refused, nami
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -213,3 +215,35 @@ def test_a_scheduler_that_does_not_stream_steps_within_the_budget(models, prompt
     run(scheduler, jobs, budget)
     assert scheduler.preemptions > 0
     assert [(j.reason, j.tokens) for j in jobs] == [(j.reason, j.tokens) for j in expected]
+
+
+def test_slots_0_seats_what_the_budget_holds(models, prompts_of):
+    """`slots=0` (a server's default): where admission goes by memory, 256 slots and the budget
+    decides, so 64 requests sent at once all run at once (and each gets what a loop of fixed slots
+    gives it); where each row may grow to the capacity, the rows the budget holds so, at least 32;
+    no budget, 32."""
+    from generation.cache.base import token_bytes
+    from generation.engine.batching import ContinuousBatcher
+    from generation.engine.budget import AUTO_SLOTS, FIXED_SLOTS, resolved_slots
+
+    ctx = generation.context(models["llama-genai"], max_new_tokens=24, eos_token_id=[])
+    row = token_bytes(ctx.model.graph) * CAPACITY
+    assert resolved_slots(ctx, 0, CAPACITY, 64 * row) == AUTO_SLOTS and resolved_slots(ctx, 5, CAPACITY, None) == 5
+    assert resolved_slots(ctx, 0, CAPACITY, 0) == FIXED_SLOTS  # no budget: rows grow to the capacity
+    append = generation.context(models["llama-optimum"])
+    assert append.cache_mode == "append"
+    assert resolved_slots(append, 0, CAPACITY, 40 * row) == 40 and resolved_slots(append, 0, CAPACITY, 8 * row) == 32
+    prompts = prompts_of([int(n) for n in np.random.default_rng(3).integers(4, 40, 64)], seed=21)
+    batcher = ContinuousBatcher(ctx, slots=0, capacity=CAPACITY, kv_cache_bytes=64 * row)
+    most = 0
+    try:
+        assert batcher.slots == AUTO_SLOTS
+        requests = [batcher.submit(p, seed=i, priority=0, logprobs=False) for i, p in enumerate(prompts)]
+        while not all(r.done for r in requests):
+            most = max(most, batcher.running)
+            time.sleep(0.001)
+        got = [r.result(timeout=120).tokens for r in requests]
+    finally:
+        batcher.close()
+    assert most == 64  # every request seated at once
+    assert got == generation.generate(ctx, prompts, seeds=list(range(64)))
