@@ -52,6 +52,9 @@ class ServingConfig(BaseModel):
     # (the first at once; the tokens made meanwhile travel together: fewer messages through Ray
     # when a fast model streams to many clients; stretched while many rows run, about 200 chunks a
     # second in all, at most one every 100 ms: generator.CHUNKS_PER_SECOND; 0: a chunk per token)
+    # about this many chunks a second from all of a replica's streams together while many rows run
+    # (docs/performance.md "Stream pacing": the measured trade of fewer chunks against later tokens)
+    stream_chunks_per_second: float = Field(default=200.0, gt=0, le=100_000)
     step_seconds: float = Field(default=0.005, gt=0)  # fake engine only: a step's cost, plus
     step_seconds_per_row: float = Field(default=0.0, ge=0)  # this for each row in it (bench/fleet.py)
     gpu: str = Field(default="auto", pattern="^(auto|yes|no)$")  # the decoder asks for num_gpus=1

@@ -41,6 +41,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-concurrency", type=int, metavar="LINES",
                         help="/v1/batches: the lines the running batches keep in flight together, each at a priority "
                              "below every interactive request (default: --slots, 32 where --slots is 0)")
+    parser.add_argument("--stream-interval-ms", type=float, default=10.0, metavar="MS",
+                        help="a stream's chunks at most this often (the first at once; the tokens made meanwhile "
+                             "travel together; 0: a chunk per token; default: 10)")
+    parser.add_argument("--stream-chunks-per-second", type=float, default=200.0, metavar="N",
+                        help="about this many chunks a second from all streams together while many rows run, each "
+                             "stream's at most every 100 ms (default: 200; docs/performance.md, Stream pacing)")
     parser.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (off: saves ~1 s and memory)")
     parser.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: the machine's)")
     parser.add_argument("--proxy", choices=["haproxy", "ray"], default="haproxy",
@@ -81,6 +87,7 @@ def app_config(args) -> dict:
                 response_folder=args.response_folder and os.path.abspath(args.response_folder),
                 batch_folder=args.batch_folder and os.path.abspath(args.batch_folder),
                 file_size_limit=args.file_size_limit, batch_concurrency=args.batch_concurrency,
+                stream_interval_ms=args.stream_interval_ms, stream_chunks_per_second=args.stream_chunks_per_second,
                 engine_cores=None if args.engine_cores is None else list(cores.parse(args.engine_cores,
                                                                                      "--engine-cores")),
                 reserve_cores=args.reserve_cores, **where)

@@ -74,6 +74,7 @@ class TextGenerator:
     def __init__(self, name: str, front: EngineFront, kind: str = "decoder", stream_interval: float = 0.0):
         self.name, self.front, self.kind = name, front, kind
         self.stream_interval = stream_interval  # seconds between a stream's chunks (the first goes at once)
+        self.chunks_per_second = CHUNKS_PER_SECOND  # all streams' chunks a second while many rows run
         self.metrics = DecoderMetrics(name, front.batcher)
         self.fingerprint = fingerprint(name, front.context_length, kind)
 
@@ -144,7 +145,7 @@ class TextGenerator:
         0: a chunk per token."""
         if self.stream_interval <= 0:
             return 0.0
-        return max(self.stream_interval, min(self.batcher.running / CHUNKS_PER_SECOND, MAX_INTERVAL))
+        return max(self.stream_interval, min(self.batcher.running / self.chunks_per_second, MAX_INTERVAL))
 
     async def stream(self, request: GenerateRequest, encoder=None, images=()):
         """The front's events as the tokens come (Echo first where echo asked, Deltas, one

@@ -14,6 +14,7 @@ def decoder_service(cfg, default_name: str):
         name = cfg.name or (default_name if cfg.model is None else "fake")
         service = fake_generator(cfg.options, cfg.step_seconds, name, cfg.step_seconds_per_row)
         service.stream_interval = cfg.stream_interval_ms / 1000
+        service.chunks_per_second = cfg.stream_chunks_per_second
         return service
     from generation.front import ModelFolder
 
@@ -27,9 +28,11 @@ def decoder_service(cfg, default_name: str):
         model = str(default_model_path())
     if ModelFolder.embeds(model, cfg.variant):
         return EmbeddingService.from_model(model, cfg.name, cfg.options)
-    return TextGenerator.from_model(model, name=cfg.name or (default_name if cfg.model is None else None),
-                                    stream_interval=cfg.stream_interval_ms / 1000, options=cfg.options,
-                                    **cfg.settings)
+    service = TextGenerator.from_model(model, name=cfg.name or (default_name if cfg.model is None else None),
+                                       stream_interval=cfg.stream_interval_ms / 1000, options=cfg.options,
+                                       **cfg.settings)
+    service.chunks_per_second = cfg.stream_chunks_per_second
+    return service
 
 
 def encoding_service(kind: str, cfg):

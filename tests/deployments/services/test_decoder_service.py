@@ -277,8 +277,33 @@ def test_many_running_rows_stretch_the_stream_interval():
         assert generator._interval() == 0.0
         generator.stream_interval = 0.5  # a longer one asked for stays
         assert generator._interval() == 0.5
+        generator.stream_interval, generator.chunks_per_second = 0.01, 800.0  # the app's stream_chunks_per_second
+        generator.batcher.running = 32
+        assert generator._interval() == pytest.approx(32 / 800)
     finally:
         generator.close()
+
+
+def test_the_app_s_stream_pacing_reaches_the_decoder_s_service():
+    from deployments.app import AppConfig
+    from deployments.cli.serve import app_config
+    from deployments.services.loading import decoder_service
+
+    cfg = AppConfig(engine="fake", stream_interval_ms=25, stream_chunks_per_second=60)
+    service = decoder_service(cfg, "fake")
+    try:
+        assert service.stream_interval == 0.025 and service.chunks_per_second == 60
+    finally:
+        service.close()
+    import argparse
+
+    from deployments.cli.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--stream-interval-ms", "0", "--stream-chunks-per-second", "1000"])
+    config = app_config(args)
+    assert config["stream_interval_ms"] == 0 and config["stream_chunks_per_second"] == 1000
 
 
 def test_concurrent_streams_send_fewer_chunks_per_token_than_one_alone():
