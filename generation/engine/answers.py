@@ -15,7 +15,9 @@ from ..core.keep import answer_tokens, keep_decoded, recompute_answer
 
 log = logging.getLogger(__name__)
 
-RECOMPUTE_TOKENS = 128  # a prompt run of SmolLM2-135M int8 on 2 cores: ~40 ms
+# a call's prompt run: 64 tokens of SmolLM2-135M int8 after a 64-token prefix took 80-130 ms on 2
+# busy cores (128: 200-240 ms), what a request arriving meanwhile may wait
+RECOMPUTE_TOKENS = 64
 ANSWERS_KEPT = 64
 
 
