@@ -505,7 +505,7 @@ def test_help_shows_the_defaults_and_no_secret():
     serve = raymuter("serve", "--help", env={**environment(), "RAYMUTER_API_KEY": "sk-secret"})
     assert serve.returncode == 0
     text = " ".join(serve.stdout.split())  # argparse wraps lines
-    for shown in ("port of the HTTP API (default: 8000)", "(default: 127.0.0.1)", "(default: 32)", "(default: 256)",
+    for shown in ("port of the HTTP API (default: 8000)", "(default: 127.0.0.1)", "at least 32) (default: 0)", "(default: 256)",
                   "(default: haproxy)", "(default: $RAYMUTER_API_KEY, else none)"):
         assert shown in text
     assert "sk-secret" not in text and "(default: None)" not in text and "--engine " not in text  # hidden (--engine-process is not)
