@@ -28,13 +28,35 @@ from ..params import limits
 
 # A quarter of the machine's memory for the KV cache of one decoder, by default, as vLLM sets a KV
 # space aside (what gpu_memory_utilization leaves of a GPU past the weights; VLLM_CPU_KVCACHE_SPACE
-# on CPUs). Several replicas on one machine each take their own: give them less.
+# on CPUs). Several replicas on one machine each take their own: give them less. In a container
+# the machine is what its cgroup's memory limit leaves (a pod's limits.memory), as the cores are
+# what its CPU quota leaves (runtime/cores.py).
 DEFAULT_SHARE = 0.25
 
 
-def default_kv_cache_bytes(share: float = DEFAULT_SHARE) -> int:
-    """`share` of the machine's physical memory, in bytes."""
-    return int(share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+def default_kv_cache_bytes(share: float = DEFAULT_SHARE, cgroup: str | os.PathLike | None = None) -> int:
+    """`share` of the machine's physical memory, or of the cgroup's memory limit where lower, in
+    bytes."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = memory_limit(cgroup)
+    return int(share * (physical if limit is None else min(physical, limit)))
+
+
+def memory_limit(cgroup: str | os.PathLike | None = None) -> int | None:
+    """The bytes the cgroup at `cgroup` may use (cgroup v2's memory.max, or v1's
+    memory/memory.limit_in_bytes; default: this process's, runtime.cores.CGROUP); None: no limit."""
+    from pathlib import Path
+
+    from ..runtime.cores import CGROUP
+
+    root = Path(cgroup or CGROUP)
+    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() and int(text) < 1 << 60 else None  # "max", v1's page-rounded 2^63
+    return None
 
 
 AUTO_SLOTS = 256  # the most rows `slots=0` seats (vLLM's max_num_seqs default)

@@ -66,7 +66,8 @@ class EngineOptions:
                                         "prompt that starts as one seen before (a conversation's next turn) runs "
                                         "only its rest; 0: off", 0, 2**40, served=256 * 2**20)
     kv_cache_bytes: int | None = option(None, "the KV cache's budget: requests are seated while what their rows hold "
-                                              "fits it, up to slots (default: a quarter of the machine's memory; 0: "
+                                              "fits it, up to slots (default: a quarter of the machine's memory, or of a "
+                                              "container's limit; 0: "
                                               "none)", 0, 2**46)
     prefill_chunk_tokens: int | None = option(None, "prompt tokens the decoder runs per step: a long prompt (or a "
                                                     "burst) runs in chunks between the running rows' steps, which "

@@ -108,3 +108,25 @@ def test_a_cgroup_cpu_quota_cuts_the_cores_and_the_default_threads(tmp_path, mon
     assert default_threads() == 1 and cores.placement() == Placement(affinity[:1], affinity[:1])
     (v2 / "cpu.max").write_text("max 100000")
     assert default_threads() == len(affinity)
+
+
+def test_a_cgroup_memory_limit_cuts_the_default_kv_budget(tmp_path):
+    """A container limited in memory (Kubernetes limits.memory) sees its host's memory in sysconf:
+    the default KV budget is a quarter of the limit where that is lower (cgroup v2 and v1)."""
+    import os
+
+    from generation.engine.budget import default_kv_cache_bytes, memory_limit
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    (v1 / "memory").mkdir(parents=True)
+    assert memory_limit(tmp_path / "none") is None and default_kv_cache_bytes(cgroup=tmp_path / "none") == physical // 4
+    (v2 / "memory.max").write_text("max\n")
+    assert memory_limit(v2) is None and default_kv_cache_bytes(cgroup=v2) == physical // 4
+    (v2 / "memory.max").write_text(f"{2 * 2**30}\n")
+    assert memory_limit(v2) == 2 * 2**30 and default_kv_cache_bytes(cgroup=v2) == 2**29
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert memory_limit(v1) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{4 * 2**30}\n")
+    assert default_kv_cache_bytes(cgroup=v1) == min(physical, 4 * 2**30) // 4
