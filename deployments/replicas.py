@@ -177,6 +177,8 @@ class Decoder:
         cfg = AppConfig(**config)
         self.encoder = encoder
         self.generator = decoder_service(cfg, DEFAULT_MODEL_NAME)
+        # occupancy counts rows against a replica's share: its slots, or 32 where they follow the budget
+        self.occupancy_slots = cfg.slots or FIXED_SLOTS
         self.replica = replica_id()  # a stored response's next turn asks for it (GenerateRequest.affinity)
         self.generator.metrics.started(time.perf_counter() - started)
 
@@ -251,7 +253,8 @@ class Decoder:
         batcher = getattr(self.generator, "batcher", None)
         if batcher is None:  # an embedding model: Ray's own rule (ongoing requests)
             return {}
-        return {RUNNING: float(batcher.running), WAITING: float(batcher.waiting), SLOTS: float(batcher.slots)}
+        return {RUNNING: float(batcher.running), WAITING: float(batcher.waiting),
+                SLOTS: float(min(batcher.slots, self.occupancy_slots))}
 
     def check_health(self) -> None:
         batcher = getattr(self.generator, "batcher", None)

@@ -159,3 +159,20 @@ def test_a_burst_grows_the_decoder_and_every_request_is_answered_whole(serve_app
         assert _replicas("scaled", "Decoder") == 1
     finally:
         serve.delete("scaled", _blocking=False)
+
+
+def test_a_replica_seating_by_its_budget_reports_32_slots_to_the_occupancy_policy(test_models):
+    """slots 0 seats what the KV budget holds (256 slots on the in_place cache), but a replica's
+    share of the work under DecoderPolicy stays 32 slots, wherever its autoscaling is configured
+    (a Serve config's autoscaling_config never reaches AppConfig); given slots are reported as
+    they are."""
+    from deployments.autoscaling import SLOTS
+    from deployments.replicas import Decoder
+
+    for slots, seated, reported in [(0, 256, 32), (6, 6, 6)]:
+        replica = Decoder({"model": str(test_models["llama-genai"]), "slots": slots, "gpu": "no"})
+        try:
+            assert replica.generator.batcher.slots == seated
+            assert replica.record_autoscaling_stats()[SLOTS] == reported
+        finally:
+            replica.generator.close()
