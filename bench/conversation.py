@@ -69,14 +69,17 @@ def chat_turn(url: str, name: str, messages: list[dict], max_tokens: int) -> dic
             "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-def responses_turn(url: str, name: str, text: str, previous: str | None, max_tokens: int) -> dict:
-    body = {"model": name, "input": text, "max_output_tokens": max_tokens, "temperature": 0,
-            "instructions": INSTRUCTIONS}
+def responses_turn(url: str, name: str, request_input, max_tokens: int, previous: str | None = None,
+                   store: bool = True) -> dict:
+    """One streamed /v1/responses turn: `request_input` a text (with `previous` the response it
+    continues) or the conversation's input items; its result, and its id."""
+    body = {"model": name, "input": request_input, "max_output_tokens": max_tokens, "temperature": 0,
+            "instructions": INSTRUCTIONS, "store": store}
     if previous:
         body["previous_response_id"] = previous
     ttft, events = stream(url, "/v1/responses", body)
-    done = next(e["response"] for e in reversed(events) if e.get("type", "").startswith("response.")
-                and isinstance(e.get("response"), dict) and e["response"].get("usage"))
+    done = next(e["response"] for e in reversed(events) if isinstance(e.get("response"), dict)
+                and e["response"].get("usage"))
     usage = done["usage"]
     answer = "".join(e.get("delta", "") for e in events if e.get("type") == "response.output_text.delta")
     return {"ttft": ttft, "text": answer, "prompt": usage["input_tokens"], "answer": usage["output_tokens"],
@@ -96,7 +99,7 @@ def converse(url: str, name: str, max_tokens: int, think: float) -> dict[str, li
         time.sleep(think)
     responses, previous = [], None
     for question in QUESTIONS:
-        turn = responses_turn(url, name, question, previous, max_tokens)
+        turn = responses_turn(url, name, question, max_tokens, previous)
         responses.append(turn)
         previous = turn["id"]
         time.sleep(think)
@@ -111,20 +114,9 @@ def cold(url: str, name: str, warm: dict, max_tokens: int) -> dict[str, list[dic
     for question, turn in zip(QUESTIONS, warm["responses"]):
         items.append({"role": "user", "content": question})
         body_input = list(items)
-        responses.append(responses_turn_items(url, name, body_input, max_tokens))
+        responses.append(responses_turn(url, name, body_input, max_tokens, store=False))
         items.append({"role": "assistant", "content": turn["text"]})
     return {"chat": chat, "responses": responses}
-
-
-def responses_turn_items(url: str, name: str, items: list[dict], max_tokens: int) -> dict:
-    ttft, events = stream(url, "/v1/responses", {"model": name, "input": items, "max_output_tokens": max_tokens,
-                                                 "temperature": 0, "store": False, "instructions": INSTRUCTIONS})
-    done = next(e["response"] for e in reversed(events) if isinstance(e.get("response"), dict)
-                and e["response"].get("usage"))
-    answer = "".join(e.get("delta", "") for e in events if e.get("type") == "response.output_text.delta")
-    usage = done["usage"]
-    return {"ttft": ttft, "text": answer, "prompt": usage["input_tokens"], "answer": usage["output_tokens"],
-            "cached": usage["input_tokens_details"]["cached_tokens"]}
 
 
 def start(model: str, logs: Path, extra: list[str]) -> tuple[peers.Managed, str, str]:

@@ -1,5 +1,5 @@
 """Prefix caching: the KV rows of prompts a decode state has run, and of the tokens its rows
-decoded after them (core/state.keep_decoded: a conversation's next turn starts with this turn's
+decoded after them (core/keep.py: a conversation's next turn starts with this turn's
 prompt and answer), kept by token blocks, so a new prompt that starts the same way copies them
 and runs only the rest.
 

@@ -215,19 +215,27 @@ def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]], 
             rows[j], last[j] = fresh.rows[i], fresh.last_logits[i]
     for j, (length, cached) in enumerate(found):
         if length:
-            past = {name: np.ascontiguousarray(array[None]) for name, array in cached.items()}
             row_images = None if images is None else images.take([j])
-            row_last, presents = run_from(model.session, model.graph, prompts[j], length, past, ctx.prompt_steps,
-                                          ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(
-                                              model, [prompts[j]], row_images))
-            rows[j] = {name: array[0, :, :len(prompts[j])] for name, array in presents.items()}
+            last[j], rows[j] = rest_after_prefix(ctx, prompts[j], length, cached, row_images)
             if row_images is not None and row_images.positions[0] is not None:
                 rows[j]["position_delta"] = row_images.deltas([len(prompts[j])])[0]
-            last[j] = row_last[0]
     for j, key in enumerate(keyed):
         store.store(key, rows[j])
     return PromptCache(rows, np.array([len(p) for p in prompts]), last,
                        cached=np.array([length for length, _ in found], np.int64))
+
+
+def rest_after_prefix(ctx: Context, prompt: list[int], length: int, cached: dict, images=None
+                      ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """One prompt's tokens from `length` on, run after `cached` (its first `length` tokens' rows
+    from a prefix store, [heads, length, head_dim] per input) as a prompt's later piece runs:
+    (its last logits [V], its rows [heads, len(prompt), head_dim] per cache input). `images`:
+    a vision-language prompt's inputs (one row)."""
+    model = ctx.model
+    past = {name: np.ascontiguousarray(array[None]) for name, array in cached.items()}
+    last, presents = run_from(model.session, model.graph, prompt, length, past, ctx.prompt_steps,
+                              ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, [prompt], images))
+    return last[0], {name: array[0, :, :len(prompt)] for name, array in presents.items()}
 
 
 def admit_beams(ctx: Context, state: DecodeState, slots, prompt: list[int], seed: int, settings: Settings,

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache.prefill import run_from
 from ..cache.prefix import PrefixStore
 from .context import Context
-from .insert import prompt_cache_of
-from .rows import prompt_inputs
+from .insert import prompt_cache_of, rest_after_prefix
 from .state import DecodeState
 
 
@@ -60,14 +58,7 @@ def recompute_answer(ctx: Context, store: PrefixStore, tokens: np.ndarray, most:
     if have >= full:
         return True
     end = min(full, have + max(most // store.block, 1) * store.block)
-    part = [int(t) for t in tokens[:end]]
-    model = ctx.model
-    if have:
-        past = {name: np.ascontiguousarray(array[None]) for name, array in past.items()}
-        _, presents = run_from(model.session, model.graph, part, have, past, ctx.prompt_steps,
-                               ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, [part], None))
-        rows = {name: array[0, :, :end] for name, array in presents.items()}
-    else:
-        rows = prompt_cache_of(ctx, [part]).rows[0]
+    part = tokens[:end].tolist()
+    rows = rest_after_prefix(ctx, part, have, past)[1] if have else prompt_cache_of(ctx, [part]).rows[0]
     store.store(part, rows)
     return end >= full
