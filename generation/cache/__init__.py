@@ -58,6 +58,7 @@ from .cross_device import DeviceSeq2SeqCache
 from .grow_device import DeviceGrowCache
 from ..runtime.device import Ledger
 from .windowed import WindowedAppendCache
+from .lora import lora_rows
 
 CACHES = {"in_place": InPlaceCache, "append": AppendCache, "grow": GrowCache, "seq2seq": Seq2SeqCache}
 DEVICE_MODES = ("in_place", "append", "grow", "seq2seq")  # the modes whose buffers may live on the session's device
@@ -104,6 +105,10 @@ def new_cache(model, mode: str, slots: int, capacity: int, max_position: int, bu
     if missing:
         raise TypeError(f"cache mode {mode!r} ({type(cache).__name__}) does not implement {', '.join(missing)}: "
                         f"every mode implements {', '.join(STEP_VERBS)} (cache/base.py)")
+    cache.lora = lora_rows(model, slots)
+    if cache.lora is not None and type(cache) not in (InPlaceCache, AppendCache):
+        raise ValueError(f"max_loras: LoRA adapters run in the in_place and append cache modes on host buffers, "
+                         f"not {type(cache).__name__} (cache mode {mode!r}, buffers {buffers!r})")
     return cache
 
 

@@ -53,6 +53,7 @@ class AppendCache(BaseCache):
         self._mask_pointer = self._mask.ctypes.data
         self._dtype = np.dtype(graph.cache_dtype)
         self.ledger.rate(self.inputs.step_rates())
+        self.lora = None  # cache/lora.LoraRows of a model with adapters (new_cache sets it)
 
     def _allocate(self, room: int) -> None:
         """Both buffers at `room` cache rows per slot (their contents zeros)."""
@@ -146,6 +147,8 @@ class AppendCache(BaseCache):
         layout[:, dst, :, :length] = layout[:, src, :, :length]
         if self.inputs.offsets is not None:
             self.inputs.offsets[dst] = self.inputs.offsets[src]
+        if self.lora is not None:
+            self.lora.copy(dst, src)
 
     def read_row(self, slot: int, length: int) -> dict[str, np.ndarray] | None:
         if length > self.width:
@@ -157,6 +160,8 @@ class AppendCache(BaseCache):
         """A slot's rows are hidden by its length and overwritten on insert; once every slot is
         free the layout starts again from width 0."""
         self._used.discard(slot)
+        if self.lora is not None:
+            self.lora.set([slot], 0)
         if not self._used:
             self.width = 0
 
@@ -178,7 +183,7 @@ class AppendCache(BaseCache):
         width (one prompt length, or batch 1) stay so: their mask is all ones and no new row
         moves, so a step is the binds of the new width and the run; other batches step as
         `decode` does."""
-        if not (lengths == self.width).all() or self.width + count > self.room:
+        if not (lengths == self.width).all() or self.width + count > self.room or self.lora is not None:
             yield from BaseCache.decode_steps(self, lengths, count)
             return
         self._mask[:] = 1
@@ -221,6 +226,8 @@ class AppendCache(BaseCache):
         self.ledger.add("inputs", lengths.nbytes)  # on a device the mask is made there from the lengths
         binding.input_at("attention_mask", self._mask_pointer, mask.shape, mask.dtype)
         self._bind_cache(width, binding=binding, rows=rows)
+        if self.lora is not None:
+            self.lora.bind(binding, rows)
         run()
         self.ledger.step(rows)
         self.current, self.width = 1 - self.current, width + 1
@@ -259,6 +266,8 @@ class AppendCache(BaseCache):
         embeds = self.inputs._embed(ids) if self.inputs.embeds is not None else None
         feeds = step_inputs(graph, ids, mask, positions, width, embeds)
         feeds.pop("use_cache_branch", None)  # bound once by CacheInputs
+        if self.lora is not None:
+            self.lora.bind(self.binding, self.slots)
         logits = np.empty((self.slots, count, graph.vocab_size), graph.logits_dtype)
         for name, array in feeds.items():
             self.binding.input(name, array)

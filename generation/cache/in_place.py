@@ -63,6 +63,7 @@ class InPlaceCache(BaseCache):
         self._least_rows = 1 if self.inputs.offsets is None and self.inputs.embeds is None else slots
         self.held, self.length, self.buffers = 0, 0, {}
         self.mask = None
+        self.lora = None  # cache/lora.LoraRows of a model with adapters (new_cache sets it)
         self._own_inputs()
         self._lay_out(self._least_rows, size_class(1, capacity))
         # prompts bind their own shapes, apart from decode's
@@ -205,6 +206,8 @@ class InPlaceCache(BaseCache):
         read = read if self.graph.has_logits_positions else None
         feeds = step_inputs(self.graph, ids, np.ones((rows, offset + width), np.int64), positions, offset, read=read)
         feeds["use_cache_branch"] = np.array([True])  # the shared buffer is the past, even when empty
+        if self.lora is not None:
+            feeds.update(self.lora.feeds(self.lora.places[slot:slot + rows]))
         for name, array in feeds.items():
             if name in self.graph.input_dtypes:
                 binding.input(name, array)
@@ -251,10 +254,14 @@ class InPlaceCache(BaseCache):
         few hundred tokens, where gathering whole buffers would copy them all."""
         self._grow(int(max(dst)) + 1, length + 1)
         self._move_rows(dst, src, length)
+        if self.lora is not None:
+            self.lora.copy(dst, src)
 
     def release(self, slot: int) -> None:
         """The slot's rows stay until a new row is inserted; its mask becomes a padding row's."""
         self._set_lengths([slot], [0])
+        if self.lora is not None:
+            self.lora.set([slot], 0)
 
     def decode(self, lengths: np.ndarray, span: int | None = None) -> np.ndarray:
         """See the package docstring; a row at the buffer's end first lays it out longer."""
@@ -278,12 +285,12 @@ class InPlaceCache(BaseCache):
             mask[rows, lengths] = 1  # the new token's row: GroupQueryAttention writes it at the row's length
             if inputs.positions is not None:
                 inputs.set_positions(lengths)
-            if span is None or span >= held or not partial:
-                run()
-                step(held)
-            else:
-                self._leading(span)[1]()
-                step(span)
+            rows_run = held if span is None or span >= held or not partial else span
+            binding, go = (self.binding, run) if rows_run == held else self._leading(span)
+            if self.lora is not None:
+                self.lora.bind(binding, rows_run)
+            go()
+            step(rows_run)
             return logits
         return decode
 
@@ -291,7 +298,7 @@ class InPlaceCache(BaseCache):
         """Up to `count` decodes from `lengths` on; see `BaseCache.decode_steps`. The mask entries
         of all steps are indexed up front, so a step is one numpy write and the run: on the
         tiny models a step's Python work is a tenth of the step, and every microsecond shows."""
-        if self.inputs.positions is not None:
+        if self.inputs.positions is not None or self.lora is not None:
             yield from BaseCache.decode_steps(self, lengths, count)
             return
         self._grow(self.held, int(lengths.max()) + count)

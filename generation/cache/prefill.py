@@ -40,13 +40,14 @@ class PromptCache:
 
 def run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: list[int], pad: int,
               max_position: int, past: dict[str, np.ndarray] | None = None, offset: int = 0,
-              embed=None, images=None, on_logits=None):
+              embed=None, images=None, on_logits=None, lora: dict | None = None):
     """Run `prompts` from token `offset` in steps of `widths`; past holds the first `offset`
     tokens of each row. Returns (last logits [n, V] of rows whose prompt ended here, presents).
     A graph that takes inputs_embeds embeds each piece with `embed`, the image features of
     `images` (vision.PromptImages, one row per prompt) in place of its image tokens.
     `on_logits(logits [n, width, V], offset)` sees every piece's logits before they go (prompt
-    log-probabilities read them: logits/prompt_logprobs.py)."""
+    log-probabilities read them: logits/prompt_logprobs.py). `lora`: the rows' adapter inputs
+    (runtime.lora.bank.LoraBank.feeds), for a model with adapters."""
     n = len(prompts)
     lengths = np.array([len(p) for p in prompts])
     if past is None:
@@ -70,6 +71,7 @@ def run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: lis
         read = last_read(lengths, offset, width) if graph.has_logits_positions and on_logits is None else None
         feeds = step_inputs(graph, ids, mask, positions, offset, embeds, read)
         feeds.update(past)
+        feeds.update(lora or graph.no_adapter(n))
         logits, *presents = session.run(names, feeds)
         ends = np.flatnonzero((lengths > offset) & (lengths <= offset + width))
         last[ends] = logits[ends, 0] if read is not None else logits[ends, lengths[ends] - offset - 1]
@@ -82,22 +84,24 @@ def run_rows(session, graph: DecoderGraph, prompts: list[list[int]], widths: lis
 
 
 def run_from(session, graph: DecoderGraph, prompt: list[int], offset: int, past: dict[str, np.ndarray], steps: str,
-             pad: int, max_position: int, embed=None, images=None):
+             pad: int, max_position: int, embed=None, images=None, lora: dict | None = None):
     """One prompt's tokens from `offset` on, after `past` (its first `offset` tokens' cache,
     [1, heads, offset, head_dim] per input: a cached prefix), in `steps`: (last logits [1, V],
     presents [1, heads, len(prompt), head_dim] per cache input). embed, images: as run_prompts'
     (a vision-language prompt's embedding and its PromptImages, one row)."""
     return run_rows(session, graph, [prompt], prompt_widths(len(prompt) - offset, steps), pad, max_position,
-                     past, offset, embed=embed, images=images)
+                     past, offset, embed=embed, images=images, lora=lora)
 
 
 def run_prompts(session, graph: DecoderGraph, mode: str, steps: str, prompts: list[list[int]],
-                pad: int, max_position: int, embed=None, images=None) -> PromptCache:
+                pad: int, max_position: int, embed=None, images=None, lora=None) -> PromptCache:
     """Prefill non-empty `prompts` for cache `mode` with `steps` ('whole' or 'pieces').
     embed: ids -> embeddings, for a graph that takes inputs_embeds; images: their PromptImages
     (features and positions per prompt). A row with positions of its own keeps its delta (its
-    largest position + 1 - its length) as "position_delta" beside its cache."""
+    largest position + 1 - its length) as "position_delta" beside its cache. lora: the LoRA inputs
+    of prompts by their indices (indices -> feeds), for a model with adapters."""
     n = len(prompts)
+    lora = lora or (lambda indices: None)
     lengths = np.array([len(p) for p in prompts])
     last = np.zeros((n, graph.vocab_size), np.float32)
     rows: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
@@ -120,17 +124,18 @@ def run_prompts(session, graph: DecoderGraph, mode: str, steps: str, prompts: li
         if graph.has_group_query_attention and len(group) > 1 and len(widths) > 1:
             # GroupQueryAttention: the first piece batched, the later ones row by row
             first = widths[0]
-            group_last, presents = run_rows(session, graph, group_prompts, [first], pad, max_position)
+            group_last, presents = run_rows(session, graph, group_prompts, [first], pad, max_position,
+                                             lora=lora(group))
             keep(group, group_last, presents)
             for j, b in enumerate(group):
                 if lengths[b] > first:
                     row_past = {name: np.ascontiguousarray(array[j:j + 1]) for name, array in presents.items()}
                     row_last, row_presents = run_rows(session, graph, [prompts[b]], pieces(int(lengths[b]) - first),
-                                                       pad, max_position, row_past, first)
+                                                       pad, max_position, row_past, first, lora=lora([b]))
                     keep([b], row_last, row_presents)
         else:
             group_images = None if images is None else images.take(group)
             group_last, presents = run_rows(session, graph, group_prompts, widths, pad, max_position,
-                                             embed=embed, images=group_images)
+                                             embed=embed, images=group_images, lora=lora(group))
             keep(group, group_last, presents)
     return PromptCache(rows, lengths, last)

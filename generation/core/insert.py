@@ -57,6 +57,9 @@ def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settin
     row per prompt (the prompts are then the decoder's: decoder_start_token_id, ...), or a
     vision-language model's vision.PromptImages (each prompt's image features and positions).
     """
+    if any(s.adapter for s in settings or ()):
+        raise SettingError("adapter", "adapter: rows with LoRA adapters are admitted into a state (`admit`), which "
+                                      "gives them their places")
     encoder_ids = encoder_ids_of(ctx, prompts, encoder)
     cache = prompt_cache_of(ctx, prompts, encoder)
     prefix = first_tokens_of(ctx, prompts, seeds, settings, max_new, cache.last_logits, encoder_ids)
@@ -64,15 +67,45 @@ def prefill(ctx: Context, prompts: list[list[int]], seeds, settings: list[Settin
     return prefix
 
 
-def prompt_cache_of(ctx: Context, prompts: list[list[int]], encoder=None) -> PromptCache:
+def prompt_cache_of(ctx: Context, prompts: list[list[int]], encoder=None, places=None) -> PromptCache:
     """The prompts' caches and last logits, run apart from any state (an encoder-decoder's
-    first decoder steps, or the decoder over the prompts)."""
+    first decoder steps, or the decoder over the prompts). places: each prompt's adapter place
+    (`adapter_places`; None: no adapter)."""
     model = ctx.model
     if model.is_seq2seq:
         last, rows = run_first_steps(model, prompts, encoder)
         return PromptCache(rows, np.array([len(p) for p in prompts]), last)
+    lora = None
+    if places is not None and np.any(places):
+        bank = model.lora.bank
+        lora = lambda indices: bank.feeds(np.asarray(places)[np.asarray(indices)])  # noqa: E731
     return run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
-                       ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, prompts, encoder))
+                       ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, prompts, encoder), lora=lora)
+
+
+def adapter_places(ctx: Context, state: DecodeState, settings: list[Settings] | None) -> np.ndarray | None:
+    """Each row's place in the model's adapter bank (0: none), its adapter loaded into one where
+    it has none (runtime.lora.registry); None where no row names an adapter. SettingError naming
+    `adapter` for a model without adapters, an adapter it does not know, or no free place."""
+    names = [s.adapter for s in settings or ()]
+    if not any(names):
+        return None
+    adapters = ctx.model.lora
+    if adapters is None:
+        raise SettingError("adapter", f"adapter {next(n for n in names if n)!r}: this model was loaded without "
+                                      "LoRA adapters (max_loras)")
+    places = np.zeros(len(names), np.int64)
+    for j, name in enumerate(names):
+        if name:
+            busy = getattr(state.cache, "lora").busy() | set(places[:j].tolist())
+            try:
+                places[j] = adapters.place(name, busy)
+            except KeyError:
+                raise SettingError("adapter", f"adapter {name!r} is not one this model knows "
+                                              f"({', '.join(sorted(adapters.known)) or 'none loaded'})") from None
+            except ValueError as e:
+                raise SettingError("adapter", str(e)) from None
+    return places
 
 
 def _check_slots(state: DecodeState, prompts: list[list[int]], slots: list[int]) -> None:
@@ -147,8 +180,9 @@ def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], see
     slots = [int(s) for s in slots]
     _check_slots(state, prompts, slots)
     encoder_ids = encoder_ids_of(ctx, prompts, encoder)
+    places = adapter_places(ctx, state, settings)
     with undone_on_error(ctx, state, slots):
-        last = fill_prompts(ctx, state, slots, prompts, encoder)
+        last = fill_prompts(ctx, state, slots, prompts, encoder, places)
         prefix = first_tokens_of(ctx, prompts, seeds, settings, max_new, last, encoder_ids)
         for j, slot in enumerate(slots):
             if prefix.first.finished[j]:
@@ -159,10 +193,19 @@ def admit(ctx: Context, state: DecodeState, slots, prompts: list[list[int]], see
     return state, prefix.first
 
 
-def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: list[list[int]], encoder=None
-                 ) -> np.ndarray:
+def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: list[list[int]], encoder=None,
+                 places=None) -> np.ndarray:
     """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
-    token is chosen (the caller's search does that). Sets `state.cached` of the slots."""
+    token is chosen (the caller's search does that). Sets `state.cached` of the slots. places:
+    the rows' adapter places (`adapter_places`): rows with adapters skip the prefix store."""
+    rows = getattr(state.cache, "lora", None)
+    if rows is not None:
+        rows.set(slots, 0 if places is None else places)
+    adapted = places is not None and bool(np.any(places))
+    if adapted:
+        state.cached[slots] = 0
+        return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
+                                   lambda rows: prompt_cache_of(ctx, rows, encoder, places))
     if isinstance(state.prefix, FirstStepStore) and isinstance(encoder, EncoderOutputs):
         found = _cached_first_steps(ctx, state.prefix, prompts, encoder)
     elif isinstance(state.prefix, PrefixStore) and (encoder is None
@@ -253,8 +296,9 @@ def admit_beams(ctx: Context, state: DecodeState, slots, prompt: list[int], seed
     length = len(prompt)
     limit = min(length + max_new, ctx.max_position, state.capacity)
     encoder_ids = encoder_ids_of(ctx, [prompt], encoder)[0]
+    places = adapter_places(ctx, state, [settings])
     with undone_on_error(ctx, state, slots):
-        last = fill_prompts(ctx, state, slots[:1], [prompt], encoder)
+        last = fill_prompts(ctx, state, slots[:1], [prompt], encoder, places)
         if len(slots) > 1:
             state.cache.copy_rows(slots[1:], slots[:1] * (len(slots) - 1), length)
         for slot in slots:

@@ -36,6 +36,9 @@ def answer_tokens(ctx: Context, state: DecodeState, slot: int) -> np.ndarray | N
     store = state.prefix
     if not isinstance(store, PrefixStore) or not store.max_bytes or ctx.model.graph.has_inputs_embeds:
         return None
+    rows = getattr(state.cache, "lora", None)
+    if rows is not None and rows.places[slot]:  # a row with an adapter: its blocks are not the base model's
+        return None
     length = int(state.lengths[slot])
     if length // store.block <= int(state.prompt_length[slot]) // store.block:
         return None

@@ -33,10 +33,11 @@ class ChunkedPrefill:
 
     def _chunked(self, job: Job) -> bool:
         """Whether the job's prompt may run in chunks: a plain row of a decoder-only text model
-        (or a preempted one resuming) whose prompt log-probabilities nobody asked for."""
+        (or a preempted one resuming) whose prompt log-probabilities nobody asked for, without a
+        LoRA adapter (its chunks would run apart from its slot's place)."""
         model = self.ctx.model
         return (job.beams == 1 and job.prompt_top is None and not model.is_seq2seq
-                and not model.graph.has_inputs_embeds)
+                and not model.graph.has_inputs_embeds and job.settings.adapter is None)
 
     def _give(self, filling: tuple[int, Job], left: int, chunks: list) -> int:
         """A chunk of what is `left` of the boundary's prompt budget to a prompt part-way through

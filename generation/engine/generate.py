@@ -16,6 +16,7 @@ from ..assisted.verify import candidates_for
 from ..core.context import Context
 from ..core.state import StepTokens, new_state
 from ..params.inputs import check_prompts, check_seeds
+from ..params.checks import SettingError
 from ..params.settings import Settings
 from ..search.beam import Hypothesis, check_beam_settings
 from .jobs import Job, spread
@@ -35,7 +36,8 @@ class Generated:
 
 
 def generate(ctx: Context, prompts, seeds=None,
-             on_token: Callable[[StepTokens], None] | None = None, encoder=None) -> list[list[int]] | list[Generated]:
+             on_token: Callable[[StepTokens], None] | None = None, encoder=None,
+             adapters=None) -> list[list[int]] | list[Generated]:
     """The new tokens of each prompt, without the eos token (with `token_logprobs` in the
     context: a `Generated` per prompt, the tokens with their log-probabilities). With
     num_beams > 1, each prompt's best hypothesis (`beam_search` gives them all).
@@ -48,9 +50,12 @@ def generate(ctx: Context, prompts, seeds=None,
     encoder: for an encoder-decoder model, the EncoderOutputs of each prompt's source (the
     prompts are the decoder's; `generation.tasks` builds both); for a vision-language model,
     the vision.PromptImages of the prompts (`generation.tasks.image_text_to_text` builds them).
+    adapters: one LoRA adapter name (or None) per prompt, for a model loaded with adapters
+    (`generation.load(..., lora=LoraSpec(...))`).
     """
     prompts = check_prompts(ctx, prompts)
     seeds = check_seeds(seeds, len(prompts))
+    settings = settings_with_adapters(ctx, adapters, len(prompts))
     if ctx.model.is_seq2seq and (encoder is None or len(encoder) != len(prompts)):
         raise ValueError("an encoder-decoder model needs encoder= outputs with one row per prompt "
                          "(generation.runtime.encoders.encode_text / encode_audio, or generation.tasks)")
@@ -59,12 +64,23 @@ def generate(ctx: Context, prompts, seeds=None,
         if on_token is not None:
             raise ValueError("on_token streams one token per step; beam search (num_beams > 1) settles its "
                              "tokens only at the end: call generate without on_token")
-        return [_best(ctx, h) for h in beam_search(ctx, prompts, seeds, encoder=encoder)]
-    jobs = _run(ctx, prompts, seeds, [ctx.settings] * len(prompts), encoder, assistant, on_token)
+        return [_best(ctx, h) for h in beam_search(ctx, prompts, seeds, settings, encoder=encoder)]
+    jobs = _run(ctx, prompts, seeds, settings, encoder, assistant, on_token)
     if not ctx.token_logprobs:
         return [job.tokens if job else [] for job in jobs]
     empty = [] if ctx.top_logprobs else None
     return [Generated(job.tokens, job.logprobs, job.top) if job else Generated([], [], empty) for job in jobs]
+
+
+def settings_with_adapters(ctx: Context, adapters, count: int) -> list[Settings]:
+    """The context's settings for each of `count` prompts, with its adapter (SettingError naming
+    `adapters` where the list does not fit)."""
+    if adapters is None:
+        return [ctx.settings] * count
+    if not isinstance(adapters, (list, tuple)) or len(adapters) != count:
+        raise SettingError("adapters", f"adapters must be a list of one adapter name (or None) per prompt, "
+                                       f"{count} of them")
+    return [ctx.settings if a is None else ctx.with_settings(adapter=a) for a in adapters]
 
 
 def beam_search(ctx: Context, prompts: list[list[int]], seeds: list[int],

@@ -69,12 +69,13 @@ def detect(config: dict, files) -> str:
 
 
 def load(source, *, variant: str | None = None, provider: str | None = None, threads: int | None = None,
-         spin_wait: bool = True, fuse: bool = True, precision: str | None = None, cuda_graphs: bool = False) -> Model:
+         spin_wait: bool = True, fuse: bool = True, precision: str | None = None, cuda_graphs: bool = False,
+         lora=None) -> Model:
     """`generation.load`: the decoder of `source` (a folder or a hub id) loaded as
     `runtime.model.load` does (its options), with its family (`model.family`, by `detect`) and
     that family's hooks (`model.hooks`, the module's HOOKS) on it."""
     model = load_folder(source, variant=variant, provider=provider, threads=threads, spin_wait=spin_wait, fuse=fuse,
-                        precision=precision, cuda_graphs=cuda_graphs)
+                        precision=precision, cuda_graphs=cuda_graphs, lora=lora)
     model.family = detect(model.config, folder_files(model.folder))
     model.hooks = module(model.family).HOOKS
     model.loader = load

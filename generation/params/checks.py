@@ -240,6 +240,12 @@ def _boolean(name: str, value, bounds: dict) -> None:
         raise SettingError(name, f"{name} must be true or false, not {shown(value)}")
 
 
+def _adapter(name: str, value, bounds: dict) -> None:
+    if value is not None and not (isinstance(value, str) and 0 < len(value) <= 256):
+        raise SettingError(name, f"{name} must be an adapter's name (a string of 1 to 256 characters) or null, "
+                                 f"not {shown(value)}")
+
+
 def _integer_in(low, high, note: str = "", null: bool = False):
     """The check of an integer in [low, high] (a bound VOCAB or CONTEXT: the model's, its note
     added), or None with `null`."""
@@ -342,6 +348,7 @@ CHECKS = (
     ("max_new_tokens", _integer_in(0, CONTEXT, null=True)),
     ("max_length", _integer_in(0, CONTEXT, null=True)),
     ("pad_token_id", _token_id()),  # ids above the vocabulary: check_vocabulary
+    ("adapter", _adapter),
 )
 
 

@@ -92,6 +92,9 @@ class Settings:
     # a draft model (context(draft=...)) proposes this many tokens per step, under this schedule
     num_assistant_tokens: int = 20
     num_assistant_tokens_schedule: str = "constant"
+    # the LoRA adapter the row runs with (generation.runtime.lora: a name the model's adapters know;
+    # None: the base model alone)
+    adapter: str | None = None
     # the timestamp rules of this row (Whisper's: no_timestamps_token_id, eos, max_initial_timestamp_index
     # or -1), as the model's family gives them (its hooks' timestamp_rules) and its `timestamps` processor
     # applies them: set by the engine for a timestamped window, never by a request

@@ -93,6 +93,8 @@ class Model:
     cuda_graphs: bool = False
     precision: str | None = None  # what load ran it at (runtime.precision: None, as exported) ...
     precision_reason: str = ""  # ... and why (an 'auto' choice's reasoning)
+    # LoRA adapters per row (load's lora): runtime.lora.registry.Adapters, the bank and its places
+    lora: object = None
 
     @property
     def is_seq2seq(self) -> bool:
@@ -220,6 +222,8 @@ def _genai_decoder(folder: Path, genai: dict) -> tuple[Path, dict, dict]:
     config = {
         "vocab_size": model.get("vocab_size"),
         "num_key_value_heads": decoder.get("num_key_value_heads"),
+        "num_attention_heads": decoder.get("num_attention_heads"),
+        "hidden_size": decoder.get("hidden_size"),
         "head_dim": decoder.get("head_size"),
         "num_hidden_layers": layers,
         "context_length": model.get("context_length"),
@@ -257,7 +261,7 @@ def default_threads() -> int:
 
 def load(source: str | os.PathLike, *, variant: str | None = None, provider: str | None = None,
          threads: int | None = None, spin_wait: bool = True, fuse: bool = True, precision: str | None = None,
-         cuda_graphs: bool = False) -> Model:
+         cuda_graphs: bool = False, lora=None) -> Model:
     """Load the decoder of `source` (a folder or a hub id).
 
     variant: dtype variant of a transformers.js export (fp16, q4, quantized, ...), None for fp32.
@@ -276,6 +280,9 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
     cuda_graphs: the decoder session captures CUDA graphs, its in_place cache on device buffers
     replaying one per class (CUDA only; off by default; where onnxruntime refuses the graph, the
     session runs without them and the log says why).
+    lora: a runtime.lora.registry.LoraSpec: each projection of the decoder takes a LoRA adapter per
+    batch row (runtime.lora: `model.lora`, the adapters by name; float weights only, so 'auto'
+    precision picks fp32); None: no adapter path in the graph, nothing to pay.
 
     The model's family is not looked at here: `generation.load` (generation.families.load) loads
     through this and then gives the model its family and that family's hooks.
@@ -288,11 +295,11 @@ def load(source: str | os.PathLike, *, variant: str | None = None, provider: str
         raise ModelError(f"cuda_graphs must be true or false, not {cuda_graphs!r}")
     if cuda_graphs and chosen_provider(provider) != "cuda":
         raise ModelError(f"cuda_graphs needs the CUDA provider; this session runs on {chosen_provider(provider)}")
-    return _load(source, variant, provider, threads, spin_wait, fuse, precision, cuda_graphs)
+    return _load(source, variant, provider, threads, spin_wait, fuse, precision, cuda_graphs, lora)
 
 
 def _load(source, variant: str | None, provider: str | None, threads: int | None, spin_wait: bool,
-          fuse: bool, precision: str | None = None, cuda_graphs: bool = False) -> Model:
+          fuse: bool, precision: str | None = None, cuda_graphs: bool = False, lora=None) -> Model:
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ModelError(f"threads must be a positive integer, not {threads!r}")
     folder = resolve_folder(source, variant)
@@ -305,8 +312,15 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
     if config.get("is_encoder_decoder"):
         if precision not in (None, "auto", "fp32"):
             raise ModelError(f"precision {precision!r} applies to decoder-only models; an encoder-decoder runs as exported")
+        if lora is not None:
+            raise ModelError("lora: adapters apply to decoder-only models; an encoder-decoder runs without them")
         return _load_seq2seq(folder, variant, provider, threads, config, generation_config, tokenizer_path)
     choice = planned_precision(decoder_path, config, precision, provider)
+    if lora is not None and choice.precision == "int8":
+        if precision == "int8":
+            raise ModelError("precision 'int8' quantizes the projections LoRA adapters add to: run adapters at "
+                             "fp32 (or 'auto', which picks it for them)")
+        choice = Choice("fp32", "LoRA adapters apply to float projections (the 'auto' choice was int8)")
     if choice.precision == "int8" and chosen_provider(provider) != "cpu":
         raise ModelError("precision 'int8' runs on the CPU provider only (its int8 kernels are MLAS's)")
     fused, source = None, None
@@ -324,12 +338,12 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
                               "runs as exported")
     if choice.precision == "int8":
         path, source = _int8_decoder(path, config, present_names, tokenizer_path), None
-    if fused is None and source is not None:  # refused just now: the source is loaded already
+    if fused is None and source is not None and lora is None:  # refused just now: the source is loaded already
         session, used, graph = source
     else:
         source = None  # the source's weights are not kept beside the fused graph's
         session, used = open_session(path, provider, threads, spin_wait, head=True, int8_rows=True,
-                                     cuda_graphs=cuda_graphs)
+                                     cuda_graphs=cuda_graphs, lora=config if lora is not None else None)
         graph = read_graph(path, session, _config_dims(config), present_names)
     graph = _placed(graph, config, path)
     model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,
@@ -337,6 +351,10 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
                   fused_from=decoder_path if fused else None,
                   cuda_graphs=cuda_graphs and used == "cuda" and captures_graphs(session),
                   precision=choice.precision, precision_reason=choice.reason)
+    if lora is not None:
+        from .lora.registry import adapters_for
+
+        model.lora = adapters_for(path, config, lora, graph)
     log.info("%s runs at %s: %s", model.folder, choice.name, choice.reason)
     if graph.has_inputs_embeds:
         _load_vision_parts(model, variant, provider, threads)

@@ -24,11 +24,13 @@ def chosen_provider(provider: str | None) -> str:
 
 
 def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool = True, head: bool = False,
-                 int8_rows: bool = False, cuda_graphs: bool = False):
+                 int8_rows: bool = False, cuda_graphs: bool = False, lora: dict | None = None):
     """An onnxruntime session of `path` and the provider it got. head: a decoder's LM head runs
     only at the positions its `logits_positions` input names, where the graph allows
     (runtime.head; the reason logged where not). int8_rows: int8 dynamic quantization takes each
-    batch row's own scale (runtime.int8_rows; the reason logged where it cannot)."""
+    batch row's own scale (runtime.int8_rows; the reason logged where it cannot). lora: the
+    model's config.json, where each projection takes a LoRA path per row (runtime.lora.rewrite;
+    AdapterError where the graph's projections cannot be read)."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -50,8 +52,8 @@ def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool
         raise ModelError("provider 'cuda' asked for, but this onnxruntime has no CUDA provider "
                          "(install raymuter[gpu] on a CUDA node)")
     source = str(path)
-    if head or int8_rows:
-        source = _rewritten_source(path, options, head, int8_rows)
+    if head or int8_rows or lora is not None:
+        source = _rewritten_source(path, options, head, int8_rows, lora)
     providers = names[provider]
     if cuda_graphs and provider == "cuda":
         providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"]
@@ -60,7 +62,7 @@ def open_session(path: Path, provider: str | None, threads: int, spin_wait: bool
     except Exception as e:
         if providers is not names[provider]:  # a graph CUDA graphs cannot capture (nodes on the CPU, ...)
             log.warning("%s: CUDA graphs refused (%s); running without them", path.name, e)
-            return open_session(path, provider, threads, spin_wait, head, int8_rows)
+            return open_session(path, provider, threads, spin_wait, head, int8_rows, lora=lora)
         raise ModelError(f"onnxruntime cannot load {path}: {e}") from None
     used = "cuda" if session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
     if used != provider:
@@ -74,9 +76,10 @@ def captures_graphs(session) -> bool:
     return options.get("enable_cuda_graph") in ("1", "True", "true")
 
 
-def _rewritten_source(path: Path, options, head: bool, int8_rows: bool):
-    """The decoder at `path` rewritten in memory (runtime.int8_rows, then runtime.head) as bytes whose
-    weights onnxruntime reads from `path`'s folder; `path` itself where neither rewrite applies."""
+def _rewritten_source(path: Path, options, head: bool, int8_rows: bool, lora: dict | None = None):
+    """The decoder at `path` rewritten in memory (runtime.int8_rows, runtime.lora, then runtime.head)
+    as bytes whose weights onnxruntime reads from `path`'s folder; `path` itself where no rewrite
+    applies."""
     import onnx
 
     from .head import head_positions
@@ -95,6 +98,12 @@ def _rewritten_source(path: Path, options, head: bool, int8_rows: bool):
         elif count:
             log.info("%s quantizes its activations per batch row (%d DynamicQuantizeLinear)", path.name, count)
         changed = count > 0
+    if lora is not None:
+        from .lora.rewrite import add_lora
+
+        projections, _ = add_lora(model, lora)
+        log.info("%s takes a LoRA adapter per row on %d projections", path.name, len(projections))
+        changed = True
     if head:
         try:
             rewritten, reason = head_positions(model)

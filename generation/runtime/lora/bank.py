@@ -1,0 +1,117 @@
+"""The resident adapters: each projection's stacked A and B, the places adapters sit in, a run's feeds.
+
+Place p (1..places; 0 is "no adapter") holds, in each projection's buffers, the rows
+[(p - 1) * W, p * W) with W = blocks * max_rank (rewrite.py): block j is the j-th adapter module
+that reaches the projection, its lora_A [r, in] in A and its lora_B's columns of the projection's
+atoms, times its scaling, in B (zeros elsewhere: an adapter of smaller rank, or one that leaves
+the projection alone, adds exact zeros). A run of rows at places P feeds rows
+[(min(P) - 1) * W, max(P) * W) of each buffer: views, no copy.
+
+Example (one projection q|k|v, max_rank 8, an adapter at place 2 targeting q_proj and v_proj):
+its A rows 8..15 hold q_proj's lora_A, rows 16..23 v_proj's; its B rows 8..15 hold q_proj's
+lora_B^T * scaling in the q columns, rows 16..23 v_proj's in the v columns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .adapter import Adapter, AdapterError
+from .projections import Projection, module_place
+from .rewrite import MASK, input_names
+
+
+class LoraBank:
+    """Buffers for `places` adapters of rank up to `max_rank` on `projections`."""
+
+    def __init__(self, projections: list[Projection], places: int, max_rank: int, dtype=np.float32):
+        if places < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be at least 1, not {places} and {max_rank}")
+        self.projections = {p.key: p for p in projections}
+        self.by_place = {(p.layer, atom): p for p in projections for atom in p.atoms}
+        self.places, self.max_rank, self.dtype = places, max_rank, np.dtype(dtype)
+        self.a = {p.key: np.zeros((places * self._width(p), p.in_features), dtype) for p in projections}
+        self.b = {p.key: np.zeros((places * self._width(p), p.out_features), dtype) for p in projections}
+        self.adapters: dict[int, Adapter] = {}
+
+    def _width(self, projection: Projection) -> int:
+        return len(projection.atoms) * self.max_rank
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.a.values()) + sum(x.nbytes for x in self.b.values())
+
+    def check(self, adapter: Adapter) -> dict[str, list]:
+        """Where each of the adapter's modules goes: projection key -> [(block, module, weights)];
+        AdapterError naming what does not fit."""
+        if adapter.rank > self.max_rank:
+            raise AdapterError(f"r: adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank "
+                               f"{self.max_rank}")
+        placed: dict[str, list] = {}
+        for module, weights in sorted(adapter.modules.items()):
+            layer, atoms = module_place(module)
+            targets = {self.by_place.get((layer, atom)) for atom in atoms}
+            if None in targets:
+                raise AdapterError(f"target_modules: {module} is not in the base model's graph (layer {layer} of "
+                                   f"{1 + max(p.layer for p in self.projections.values())})")
+            size = sum(self.by_place[(layer, atom)].sizes[self.by_place[(layer, atom)].atoms.index(atom)]
+                       for atom in atoms)
+            projection = next(iter(targets))
+            if weights.a.shape[1] != projection.in_features or weights.b.shape[0] != size:
+                raise AdapterError(f"target_modules: {module} maps {weights.a.shape[1]} -> {weights.b.shape[0]} "
+                                   f"features, where the base model's maps {projection.in_features} -> {size}")
+            for target in sorted(targets, key=lambda p: p.key):
+                blocks = placed.setdefault(target.key, [])
+                blocks.append((len(blocks), module, weights))
+        return placed
+
+    def load(self, adapter: Adapter, place: int) -> None:
+        """Write `adapter` into `place` (1..places), replacing what was there."""
+        if not 1 <= place <= self.places:
+            raise ValueError(f"place must be 1..{self.places}, not {place}")
+        placed = self.check(adapter)
+        self.unload(place)
+        for key, blocks in placed.items():
+            projection, width = self.projections[key], self._width(self.projections[key])
+            start = (place - 1) * width
+            offsets = np.cumsum((0,) + projection.sizes)
+            for block, module, weights in blocks:
+                rows = slice(start + block * self.max_rank, start + block * self.max_rank + weights.rank)
+                self.a[key][rows] = weights.a
+                _, atoms = module_place(module)
+                column = 0
+                for atom in atoms:  # the module's output, atom by atom (a packed module: several)
+                    size = self.by_place[(projection.layer, atom)].sizes[
+                        self.by_place[(projection.layer, atom)].atoms.index(atom)]
+                    if atom in projection.atoms:
+                        j = projection.atoms.index(atom)
+                        self.b[key][rows, offsets[j]:offsets[j + 1]] = (weights.b[column:column + size] *
+                                                                          np.float32(weights.scale)).T
+                    column += size
+        self.adapters[place] = adapter
+
+    def unload(self, place: int) -> None:
+        for key, projection in self.projections.items():
+            width = self._width(projection)
+            self.a[key][(place - 1) * width:place * width] = 0
+            self.b[key][(place - 1) * width:place * width] = 0
+        self.adapters.pop(place, None)
+
+    def feeds(self, places: np.ndarray) -> dict[str, np.ndarray]:
+        """The inputs of a run whose rows sit at `places` [n] (0: no adapter)."""
+        places = np.asarray(places)
+        used = places[places > 0]
+        low, high = (int(used.min()), int(used.max()) + 1) if used.size else (1, 1)
+        out = {}
+        for key, projection in self.projections.items():
+            width = self._width(projection)
+            a, b = input_names(projection)
+            out[a] = self.a[key][(low - 1) * width:(high - 1) * width]
+            out[b] = self.b[key][(low - 1) * width:(high - 1) * width]
+        for blocks in {len(p.atoms) for p in self.projections.values()}:
+            # [n, places fed, W] -> [n, R]: 1 where a row's place is the block's
+            chosen = places[:, None] == np.arange(low, high)[None, :]
+            mask = np.repeat(chosen, blocks * self.max_rank, axis=1).astype(self.dtype)
+            out[MASK.format(blocks)] = mask
+        return out
+
