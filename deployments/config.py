@@ -99,6 +99,7 @@ JSON_TYPES = {
     "draft": str | None,
     "engine_cores": list[Annotated[int, Field(ge=0)]] | None,
     "grammar_budget": dict[str, int | float],
+    "lora_modules": dict[str, str],
 }
 
 

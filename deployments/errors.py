@@ -33,4 +33,5 @@ def refusal(error: RequestError | Overloaded) -> Finish:
     an exception (which a replica would log as its own failure)."""
     if isinstance(error, Overloaded):
         return rejected(str(error), 503)
-    return rejected(str(error), 400, error.field, getattr(error, "predicate", None))
+    return rejected(str(error), 404 if isinstance(error, NotFound) else 400, error.field,
+                    getattr(error, "predicate", None))

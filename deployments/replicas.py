@@ -242,6 +242,24 @@ class Decoder:
     def card(self):
         return self.generator.card()
 
+    def load_adapter(self, name: str, path: str):
+        """A LoRA adapter known from now on (its refusal: 400 naming lora_name or lora_path)."""
+        return self._adapter_call("load_adapter", name, path)
+
+    def unload_adapter(self, name: str):
+        """A LoRA adapter forgotten (its refusal: 404 naming lora_name where it is not known)."""
+        return self._adapter_call("unload_adapter", name)
+
+    def _adapter_call(self, verb: str, *args):
+        call = getattr(self.generator, verb, None)
+        if call is None:  # an embedding model
+            return refusal(RequestError("this model takes no LoRA adapters", "lora_name"))
+        try:
+            call(*args)
+        except RequestError as e:
+            return refusal(e)
+        return None
+
     def metrics(self) -> str:
         return self.generator.metrics.text()
 

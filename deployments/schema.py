@@ -67,6 +67,7 @@ class ModelCard(BaseModel):
     kind: str  # "decoder", "encoder-decoder" or "embedding"
     has_chat_template: bool
     fingerprint: str = ""  # OpenAI's system_fingerprint: the version and the model's configuration
+    adapters: list[str] = Field(default_factory=list)  # the LoRA adapters a request's `model` may name
 
 
 class Tokenized(BaseModel):

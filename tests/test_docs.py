@@ -180,6 +180,8 @@ MAPPED = {
     "docs/batch.md: import time": (
         "tests/deployments/app/test_serve_batches.py::test_each_output_line_is_the_same_request_sent_directly",),
     "docs/cluster.md: import ray": (APP + "test_python_handles_typed_and_streaming",),
+    "docs/lora.md: import generation": (
+        "tests/generation/engine/test_lora_rows.py::test_a_mixed_batch_gives_each_row_peft_alone",),
     "docs/models.md: from generation.tasks import image_text_to_text": (
         "tests/generation/families/test_vision.py::test_more_rows_than_slots",
         "tests/deployments/app/test_serve_vision.py::test_chat_with_images_equals_image_text_to_text"),

@@ -160,6 +160,13 @@ class DecoderCalls:
     async def detokenize(self, ids: list[int], request_id_: str) -> str:
         return await self.answer(self.decoder.detokenize.remote(ids), request_id_)
 
+    async def load_adapter(self, name: str, path: str, request_id_: str) -> None:
+        """A LoRA adapter known to the decoder from now on (its refusal: the ApiError naming lora_name or lora_path)."""
+        await self.answer(self.decoder.load_adapter.remote(name, path), request_id_)
+
+    async def unload_adapter(self, name: str, request_id_: str) -> None:
+        await self.answer(self.decoder.unload_adapter.remote(name), request_id_)
+
     async def metrics(self, timeout: float = 5.0) -> list[str]:
         """The decoder's metrics and the encoder's or vision encoder's where the application has
         one, each in Prometheus' text format; a part that does not answer in `timeout` seconds

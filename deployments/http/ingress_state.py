@@ -55,8 +55,30 @@ class IngressState:
             card = await self.calls.call(self.calls.decoder.card.remote(), request_id())
             self._card = {"id": card.id, "object": "model", "created": int(time.time()), "owned_by": "raymuter",
                           "context_length": card.context_length, "slots": card.slots, "kind": card.kind,
-                          "fingerprint": card.fingerprint}
+                          "fingerprint": card.fingerprint, "adapters": list(card.adapters)}
         return {k: v for k, v in self._card.items() if k != "fingerprint"}
+
+    def forget_card(self) -> None:
+        """The card is asked again at its next use (its adapters changed)."""
+        self._card = None
+
+    async def served_as(self, model, param: str = "model") -> dict:
+        """The card of what a request's `model` names: the base model's, or a LoRA adapter's (its
+        id the adapter's name, `adapter` set, `parent` the base); 404 naming `param` for anything
+        else. An adapter loaded since the card was asked is found by asking again."""
+        card = await self.model_card()
+        if model != card["id"] and model not in card["adapters"]:
+            self.forget_card()
+            card = await self.model_card()
+        self.check_model(model, card, param)
+        if model == card["id"]:
+            return card
+        return {**card, "id": model, "adapter": model, "parent": card["id"], "root": card["id"]}
+
+    def adapter_cards(self, card: dict) -> list[dict]:
+        """/v1/models' entries of the LoRA adapters beside the base model's `card`."""
+        return [{**{k: v for k, v in card.items() if k != "adapters"}, "id": name, "parent": card["id"],
+                 "root": card["id"]} for name in card["adapters"]]
 
     @property
     def fingerprint(self) -> str:
@@ -65,9 +87,10 @@ class IngressState:
 
     @staticmethod
     def check_model(model, card: dict, param: str = "model") -> None:
-        if model != card["id"]:
-            raise ApiError(404, f"{param}: '{model!s:.200}' is not served here; this server serves '{card['id']}'",
-                           param=param, kind="invalid_request_error", code="model_not_found")
+        if model != card["id"] and model not in card.get("adapters", ()):
+            also = f" and the LoRA adapters {', '.join(card['adapters'])}" if card.get("adapters") else ""
+            raise ApiError(404, f"{param}: '{model!s:.200}' is not served here; this server serves '{card['id']}'"
+                                f"{also}", param=param, kind="invalid_request_error", code="model_not_found")
 
     async def route(self, request: Request, kind, run, prefix: str = "req-"):
         """A JSON route's work (authorized and counted by its dependency, `guarded`): its body
@@ -75,7 +98,7 @@ class IngressState:
         body = parse(kind, await read_json(request, self.max_body))
         card = await self.model_card()
         if getattr(body, "model", None) is not None:
-            self.check_model(body.model, card)
+            card = await self.served_as(body.model)
         return await run(body, card, request_id(prefix))
 
     @contextmanager

@@ -364,6 +364,21 @@ def checked_tools(value: list | None) -> list | None:
     return value
 
 
+class LoadLoraRequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's): an adapter's name, which a request's `model` then
+    names, and its PEFT folder (on the decoder's machine) or hub id."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraRequest(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # vLLM's, accepted and not read
+
+
 class TokenizeRequest(_Strict):
     """POST /tokenize (vLLM's): a prompt, or messages through the chat template (with `tools`
     given to it as a chat gives them)."""

@@ -112,6 +112,8 @@ class ModelInfo(BaseModel):
     context_length: int | None
     slots: int
     kind: str
+    root: str | None = None  # vLLM's: a LoRA adapter's folder; the base model's id
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

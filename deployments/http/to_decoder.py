@@ -95,7 +95,7 @@ def settings_of(request: OpenAIRequest) -> dict:
 
 # the request field each engine setting comes from, where the names differ
 _FIELDS = {"max_new_tokens": "max_tokens", "do_sample": "temperature", "stop_strings": "stop",
-           "sequence_bias": "logit_bias", "min_new_tokens": "min_tokens"}
+           "sequence_bias": "logit_bias", "min_new_tokens": "min_tokens", "adapter": "model"}
 
 
 def field_of(request: OpenAIRequest, setting: str | None) -> str | None:
@@ -128,6 +128,8 @@ def for_request(error: ApiError, request: OpenAIRequest, prompt_index: int | Non
     if param is None:
         return error
     field, spoken = openai_field(param, request, prompt_index)
+    if field == "model":  # its adapter, unloaded meanwhile
+        return ApiError(404, error.message, param="model", kind="invalid_request_error", code="model_not_found")
     message = error.message
     if error.predicate is not None and spoken != param.removeprefix("settings."):
         message = spoken + error.predicate
@@ -165,10 +167,14 @@ def wants_logprobs(request: OpenAIRequest) -> int | None:
     return request.top_logprobs or 0
 
 
-def generate_request(request: OpenAIRequest, prompt=None, index: int = 0) -> dict:
+def generate_request(request: OpenAIRequest, prompt=None, index: int = 0, adapter: str | None = None) -> dict:
     """The decoder's GenerateRequest fields for choice `index` of `prompt` (one of the
-    request's prompts; chat: its messages). Choice j of a seeded request takes seed + j."""
-    body: dict = {"settings": settings_of(request), "logprobs": wants_logprobs(request),
+    request's prompts; chat: its messages). Choice j of a seeded request takes seed + j.
+    `adapter`: the LoRA adapter the request's `model` names (the engine's `adapter` setting)."""
+    settings = settings_of(request)
+    if adapter is not None:
+        settings["adapter"] = adapter
+    body: dict = {"settings": settings, "logprobs": wants_logprobs(request),
                   "stop_token_ids": request.stop_token_ids, "priority": request.priority}
     if request.seed is not None:
         body["seed"] = (request.seed + index) % 2**63

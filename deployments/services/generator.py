@@ -28,7 +28,7 @@ from generation.front import (
     transcribe,
 )
 
-from ..errors import Overloaded, RequestError
+from ..errors import NotFound, Overloaded, RequestError
 from ..metrics import DecoderMetrics
 from ..schema import (
     GenerateRequest,
@@ -117,8 +117,36 @@ class TextGenerator:
         return self.kind == "encoder-decoder"
 
     def card(self) -> ModelCard:
+        names = getattr(self.batcher, "adapter_names", None)
         return ModelCard(id=self.name, context_length=self.context_length, slots=self.batcher.slots, kind=self.kind,
-                         has_chat_template=self.front.inputs.template is not None, fingerprint=self.fingerprint)
+                         has_chat_template=self.front.inputs.template is not None, fingerprint=self.fingerprint,
+                         adapters=names() if names else [])
+
+    # -- LoRA adapters (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -----------------
+    def load_adapter(self, name: str, path: str) -> None:
+        """Know adapter `name` at `path` from now on (its first request loads it into a place);
+        RequestError naming lora_name or lora_path (the adapter's own setting in the message)."""
+        load = getattr(self.batcher, "load_adapter", None)
+        if load is None:
+            raise RequestError("max_loras: this engine takes no LoRA adapters", "lora_name")
+        try:
+            load(name, path)
+        except (ValueError, OSError) as e:
+            raise RequestError(str(e), "lora_name" if str(e).startswith(("lora_name", "max_loras")) else "lora_path") \
+                from None
+        self.metrics.adapter_loads.inc()
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name` (rows running with it finish); NotFound naming lora_name."""
+        unload = getattr(self.batcher, "unload_adapter", None)
+        if unload is None:
+            raise NotFound(f"lora_name: '{name!s:.200}' is not loaded (this engine takes no LoRA adapters)", "lora_name")
+        try:
+            unload(name)
+        except KeyError:
+            raise NotFound(f"lora_name: '{name!s:.200}' is not loaded", "lora_name") from None
+        except ValueError as e:
+            raise RequestError(str(e), "lora_name") from None
 
     def close(self) -> None:
         self.front.close()
@@ -165,7 +193,7 @@ class TextGenerator:
                         last = token.at
                 elif isinstance(event, Finish):
                     self.metrics.finished(event.completion, event.prompt_tokens, time.perf_counter() - arrived,
-                                          None if first is None else last - first)
+                                          None if first is None else last - first, request.settings.get("adapter"))
                 yield event
         except (Refused, Overloaded) as e:
             raise self._refusal(e) from None

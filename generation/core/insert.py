@@ -83,6 +83,18 @@ def prompt_cache_of(ctx: Context, prompts: list[list[int]], encoder=None, places
                        ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, prompts, encoder), lora=lora)
 
 
+def check_adapter(model, name: str | None) -> None:
+    """SettingError naming `adapter` where `model` does not know adapter `name` (None: the base)."""
+    if name is None:
+        return
+    known = getattr(model, "lora", None)
+    if known is None:
+        raise SettingError("adapter", f"adapter {name!r}: this model was loaded without LoRA adapters (max_loras)")
+    if name not in known.known:
+        raise SettingError("adapter", f"adapter {name!r} is not one this model knows "
+                                      f"({', '.join(sorted(known.known)) or 'none loaded'})")
+
+
 def adapter_places(ctx: Context, state: DecodeState, settings: list[Settings] | None) -> np.ndarray | None:
     """Each row's place in the model's adapter bank (0: none), its adapter loaded into one where
     it has none (runtime.lora.registry); None where no row names an adapter. SettingError naming
@@ -90,21 +102,15 @@ def adapter_places(ctx: Context, state: DecodeState, settings: list[Settings] | 
     names = [s.adapter for s in settings or ()]
     if not any(names):
         return None
-    adapters = ctx.model.lora
-    if adapters is None:
-        raise SettingError("adapter", f"adapter {next(n for n in names if n)!r}: this model was loaded without "
-                                      "LoRA adapters (max_loras)")
     places = np.zeros(len(names), np.int64)
     for j, name in enumerate(names):
         if name:
+            check_adapter(ctx.model, name)
             busy = getattr(state.cache, "lora").busy() | set(places[:j].tolist())
             try:
-                places[j] = adapters.place(name, busy)
-            except KeyError:
-                raise SettingError("adapter", f"adapter {name!r} is not one this model knows "
-                                              f"({', '.join(sorted(adapters.known)) or 'none loaded'})") from None
-            except ValueError as e:
-                raise SettingError("adapter", str(e)) from None
+                places[j] = ctx.model.lora.place(name, busy)
+            except (KeyError, ValueError) as e:  # unloaded meanwhile; no free place
+                raise SettingError("adapter", f"adapter {name!r}: {e}") from None
     return places
 
 

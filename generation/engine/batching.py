@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from generation.assisted import verify as assisted
 from generation.params import limits
+from .adapters import AdapterCalls
 from .budget import default_kv_cache_bytes, resolved_slots
 from .scheduler import Scheduler
 from generation.params.checks import SettingError
@@ -244,7 +245,7 @@ class Request:
                      field=getattr(error, "setting", None) if fault else None)
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(AdapterCalls):
     """The generation loop of one decoder: a `generation.engine.scheduler.Scheduler` of `slots` rows
     of `capacity` tokens (default: the model's context, at most 4096) run on a thread of its
     own. `max_waiting` bounds the queue of interactive requests (priority 0): `submit` raises

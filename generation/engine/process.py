@@ -42,6 +42,7 @@ from dataclasses import replace
 from generation.logits.constraints import Grammars
 
 from . import batching
+from .adapters import AdapterCalls
 from .batching import Completion, QueueFull, Request
 from .budget import resolved_slots
 
@@ -57,7 +58,7 @@ class EngineRestarting(QueueFull):
     (HTTP 503 with Retry-After, as a full queue)."""
 
 
-class EngineProcess:
+class EngineProcess(AdapterCalls):
     """ContinuousBatcher's interface over a child process that runs one. `ctx`: the model's
     context in this process (settings and checks only); `options`: the front's EngineOptions
     (its slots, capacity, queue bound and prefix budget are read here; the child's loop takes
@@ -162,6 +163,22 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.kill()
         self._thread.join(timeout=5)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Checked here (this process's model has the adapter path too), then loaded in the child."""
+        super().load_adapter(name, path)
+        self._send(("lora_load", name, path))
+        self._restart_with_adapters()
+
+    def unload_adapter(self, name: str) -> None:
+        super().unload_adapter(name)
+        self._send(("lora_unload", name))
+        self._restart_with_adapters()
+
+    def _restart_with_adapters(self) -> None:
+        """A child started after this one loads the adapters known now."""
+        known = {name: str(path) for name, path in self.ctx.model.lora.known.items()}
+        self.load = {**self.load, "options": self.load["options"].with_adapters(known)}
 
     # -- the pipe --------------------------------------------------------------------------------
     def _send(self, message) -> None:
@@ -353,6 +370,13 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
                 request.cancel()
             elif command[1] in self._compiling:  # it joins the batch cancelled, and ends at once
                 self._compiling[command[1]].cancelled = True
+        elif command[0] == "lora_load":  # checked by the parent already
+            try:
+                self.load_adapter(command[1], command[2])
+            except (ValueError, OSError):
+                log.exception("adapter %r could not be loaded in the engine process", command[1])
+        elif command[0] == "lora_unload":
+            self.unload_adapter(command[1])
         elif command[0] == "close":
             self._stop.set()
 

@@ -19,7 +19,7 @@ def load_model(source, options, parent: bool = False, loader=None):
         return loader(source, variant=options.variant, provider=provider, threads=threads)
     spin_wait = options.spin and options.draft is None and not parent  # a draft's runs come between the model's
     return generation.load(source, variant=options.variant, provider=provider, threads=threads, spin_wait=spin_wait,
-                           fuse=options.fuse, precision=options.precision)
+                           fuse=options.fuse, precision=options.precision, lora=options.lora())
 
 
 def model_context(model, options, settings: dict, draft=None):
@@ -48,8 +48,8 @@ def batcher_from_model(cls, source, options, cores: tuple[int, ...] | None = Non
         options = replace(options, threads=options.threads or len(cores))
     model = load_model(source, options)
     draft = None
-    if options.draft is not None:
-        draft = load_model(options.draft, replace(options, variant=None, spin=False))  # as exported, its threads asleep
+    if options.draft is not None:  # as exported, its threads asleep, without adapters
+        draft = load_model(options.draft, replace(options, variant=None, spin=False).with_adapters(None))
     ctx = generation.compile(model_context(model, options, settings, draft), batch_size=warm_rows(options.slots))
     return cls(ctx, **options.loop_arguments())
 

@@ -26,15 +26,16 @@ from .request import own_fields
 
 
 def option(default, help: str, low=None, high=None, choices=None, served=None, flag: bool = True,
-           off: str | None = None, serve: bool = True, batch: tuple | None = None):
+           off: str | None = None, serve: bool = True, batch: tuple | None = None, pairs: bool = False):
     """A field of EngineOptions: its default, a sentence of help, its integer range or its
     choices; `served`: a server's default where it differs from a library caller's (a server
     runs many rows, and keeps prefixes); `batch`: (`raymuter batch`'s default, why) where it
     differs from a server's; `flag`: whether the CLI makes it a flag (`off`: a true default's
-    --no- flag's help); `serve`: whether a server's configuration takes it."""
+    --no- flag's help); `serve`: whether a server's configuration takes it; `pairs`: a dict of
+    names to strings, the flag's NAME=VALUE words (vLLM's --lora-modules)."""
     return field(default=default, metadata={"help": help, "low": low, "high": high, "choices": choices,
                                             "served": default if served is None else served, "flag": flag,
-                                            "off": off, "serve": serve, "batch": batch})
+                                            "off": off, "serve": serve, "batch": batch, "pairs": pairs})
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,13 @@ class EngineOptions:
                                           "step_max_items, max_items_in_row, max_lexer_states; default: 1 s, 4096 "
                                           "symbols, 50000 fuel, llguidance's for the rest)",
                                     served={})
+    lora_modules: dict | None = option(None, "LoRA adapters by name (PEFT folders or hub ids), each request's "
+                                             "`model` naming one or the base model", served={}, pairs=True)
+    max_loras: int = option(0, "LoRA adapters resident at once (the least recently used idle one leaves for a new "
+                               "one); 0: as many as lora_modules names, at least 4, where it names any, else no "
+                               "adapter path at all", 0, 1024)
+    max_lora_rank: int = option(16, "the largest rank of a LoRA adapter (each resident one holds this rank for "
+                                    "each module it changes)", 1, 1024)
     reasoning_parser: str = option("auto", "how a chat's reasoning is told from its answer: auto (from the chat "
                                            "template), none, or a parser by name (think: <think>...</think>; "
                                            "mistral: [THINK]...[/THINK])", choices=REASONING_PARSERS)
@@ -109,6 +117,12 @@ class EngineOptions:
                 raise ValueError(f"{f.name}: one of {', '.join(meta['choices'])}, not {value!r}")
             if meta["low"] is not None and not (isinstance(value, int) and meta["low"] <= value <= meta["high"]):
                 raise ValueError(f"{f.name}: an integer from {meta['low']} to {meta['high']}, not {value!r}")
+        modules = self.lora_modules or {}
+        if not (isinstance(modules, dict) and all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                  for k, v in modules.items())):
+            raise ValueError(f"lora_modules: an object of adapter names to folders or hub ids, not {modules!r}")
+        if self.max_loras and len(modules) > self.max_loras:
+            raise ValueError(f"max_loras: {self.max_loras} places for the {len(modules)} adapters lora_modules names")
         if not self.engine_process and (self.engine_cores is not None or self.reserve_cores is not None):
             raise ValueError("engine_cores and reserve_cores place the batching loop's child process: they need "
                              "engine_process")
@@ -137,6 +151,9 @@ class EngineOptions:
             flag = "--" + option.name.replace("_", "-")
             if default is True:
                 parser.add_argument("--no-" + flag[2:], dest=option.name, action="store_false", help=meta["off"])
+            elif meta["pairs"]:
+                parser.add_argument(flag, action=_Pairs, nargs="+", default=dict(default or {}),
+                                    metavar="NAME=PATH", help=f"{help}; e.g. {flag} sql=./sql-lora chat=org/chat-lora")
             elif isinstance(meta["served"], dict):  # grammar_budget: its fields, parsed and checked here
                 parser.add_argument(flag, action=_FieldValues, default=dict(default or {}), metavar="FIELD=VALUE[,FIELD=VALUE]",
                                     help=f"{help}; e.g. {flag} seconds=2,max_grammar_size=8192")
@@ -149,6 +166,26 @@ class EngineOptions:
                 parser.add_argument(flag, type=int if meta["low"] is not None else str, default=default,
                                     choices=meta["choices"], help=help)
 
+    def lora(self):
+        """The LoRA adapters `generation.load` builds for (runtime.lora.registry.LoraSpec), or None
+        for no adapter path."""
+        modules = dict(self.lora_modules or {})
+        if not modules and not self.max_loras:
+            return None
+        from generation.runtime.lora.registry import LoraSpec
+
+        return LoraSpec(self.max_loras or max(len(modules), 4), self.max_lora_rank, tuple(modules.items()))
+
+    def with_adapters(self, modules: dict | None) -> "EngineOptions":
+        """These options with `modules` (name -> folder) the adapters known at start, the places as
+        many as now; None: no adapter path (a draft model's)."""
+        from dataclasses import replace
+
+        if modules is None:
+            return replace(self, lora_modules=None, max_loras=0)
+        spec = self.lora()
+        return replace(self, lora_modules=dict(modules), max_loras=spec.max_loras if spec else max(len(modules), 4))
+
     def context_arguments(self) -> dict:
         """The context's arguments (generation.context's) these options give: log-probabilities, the
         KV cache mode, the constraint budget."""
@@ -158,6 +195,19 @@ class EngineOptions:
     def loop_arguments(self) -> dict:
         """The batching loop's arguments (ContinuousBatcher's: its slots, queue and budgets)."""
         return {name: getattr(self, name) for name in LOOP_OPTIONS}
+
+
+class _Pairs(argparse.Action):
+    """NAME=VALUE words, repeated -> one dict of strings (a later name wins)."""
+
+    def __call__(self, parser, namespace, words, option_string=None):
+        values = dict(getattr(namespace, self.dest) or {})
+        for word in words:
+            name, sep, value = word.partition("=")
+            if not sep or not name.strip() or not value.strip():
+                raise argparse.ArgumentError(self, f"takes NAME=PATH words, not {word!r}")
+            values[name.strip()] = value.strip()
+        setattr(namespace, self.dest, values)
 
 
 class _FieldValues(argparse.Action):

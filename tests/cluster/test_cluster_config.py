@@ -85,7 +85,7 @@ def test_the_engine_options_are_written_once_and_the_config_flags_and_chart_sche
     assert AppConfig(autoscaling={"decoder": {"min_replicas": 1, "max_replicas": 2}}).slots == 32
     assert AppConfig(slots=64, autoscaling={"decoder": {"min_replicas": 1, "max_replicas": 2}}).slots == 64
     assert AppConfig(slots=4, spin=False).options == EngineOptions(slots=4, spin=False, prefix_cache_bytes=256 * 2**20,
-                                                                   grammar_budget={})
+                                                                   grammar_budget={}, lora_modules={})
 
 
 @pytest.mark.parametrize("values, message", [

@@ -5,6 +5,7 @@ when a new one needs a place: the least recently used one that no running row us
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,36 +45,41 @@ class Adapters:
     loads: int = 0
     evictions: int = 0
     _tick: int = 0
+    # add / remove come from a server's threads, place from the batching loop's
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, path) -> Adapter:
         """Know adapter `name` at `path`, read and checked now (AdapterError naming what is wrong);
-        it takes a place at its first use (`place`)."""
+        it takes a place at its first use (`place`). A name known already is refused: unload it
+        first (its rows may be running)."""
         if not isinstance(name, str) or not name:
             raise AdapterError(f"lora_name must be a non-empty string, not {name!r}")
+        if name in self.known:
+            raise AdapterError(f"lora_name {name!r} is loaded already (unload it first)")
         adapter = read_adapter(name, path)
         self.bank.check(adapter)
-        if name in self.places:  # a new folder under a known name: its place is written again
-            self.bank.load(adapter, self.places[name])
-        self.known[name] = Path(path)
+        with self._lock:
+            self.known[name] = Path(path)
         return adapter
 
-    def remove(self, name: str, busy: set[int] = frozenset()) -> None:
-        """Forget adapter `name`; KeyError where it is not known, AdapterError while rows use it."""
-        if name not in self.known:
-            raise KeyError(name)
-        place = self.places.get(name)
-        if place in busy:
-            raise AdapterError(f"lora_name {name!r} is in use by running requests")
-        if place is not None:
-            self.bank.unload(place)
-            del self.places[name]
-        del self.known[name]
-        self.used.pop(name, None)
+    def remove(self, name: str) -> None:
+        """Forget adapter `name` (KeyError where it is not known). Rows running with it finish
+        with it: its place is taken again only once no row sits at it (`place`'s `busy`)."""
+        with self._lock:
+            if name not in self.known:
+                raise KeyError(name)
+            self.places.pop(name, None)
+            del self.known[name]
+            self.used.pop(name, None)
 
     def place(self, name: str, busy: set[int] = frozenset()) -> int:
         """The bank place of adapter `name`, loaded now if it has none: into a free place, or the
         least recently used one no running row uses (`busy`: the places rows sit at). KeyError for
         an unknown name; AdapterError where every place is busy."""
+        with self._lock:
+            return self._place(name, busy)
+
+    def _place(self, name: str, busy: set[int]) -> int:
         if name not in self.known:
             raise KeyError(name)
         self._tick += 1
@@ -81,7 +87,7 @@ class Adapters:
         if name in self.places:
             return self.places[name]
         taken = set(self.places.values())
-        free = [p for p in range(1, self.bank.places + 1) if p not in taken]
+        free = [p for p in range(1, self.bank.places + 1) if p not in taken and p not in busy]
         if not free:
             idle = [n for n, p in self.places.items() if p not in busy]
             if not idle:
