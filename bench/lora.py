@@ -16,8 +16,12 @@ once untimed, then --repeats times in alternating order, the median kept; tok/s 
 `load` is what writing a rank-16 adapter into a place takes (read from disk and into the
 bank's buffers): a run-time load does it between two steps, so it is the running rows' stall.
 
+`--check N` first runs N prompts (English text through the chat template) per adapter, and the
+base, as one mixed batch and compares each row's greedy tokens with transformers + PEFT on the
+prompt alone (the real model's 30 layers, tokenizer and template: what the tiny fixtures miss).
+
     PYTHONPATH=. .venv/bin/python bench/lora.py                  # ~6 min on 2 cores
-    PYTHONPATH=. .venv/bin/python bench/lora.py --batch 1,32 --repeats 5
+    PYTHONPATH=. .venv/bin/python bench/lora.py --batch 1,32 --repeats 5 --check 4
 """
 from __future__ import annotations
 
@@ -57,10 +61,46 @@ def timed(ctx, prompts, names) -> float:
     return len(prompts) * NEW / seconds
 
 
+def check(model, hf: Path, found: dict, count: int) -> None:
+    """Each adapter's (and the base's) rows of one mixed batch against transformers + PEFT alone."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import generation
+    from model_builders.lora import peft_model
+
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    texts = ["Write a haiku about the sea.", "What is the capital of France?", "List three prime numbers.",
+             "Explain what a compiler does.", "Say hello in Spanish.", "Why is the sky blue?"]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+               for t in texts[:count]]
+    names = [None] + list(found)
+    rows = [(p, a) for a in names for p in prompts]
+    ctx = generation.context(model, max_new_tokens=32, do_sample=False)
+    ours = generation.generate(ctx, [p for p, _ in rows], adapters=[a for _, a in rows])
+    oracle = peft_model(hf, found)
+    equal = 0
+    for (prompt, adapter), got in zip(rows, ours):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            if adapter is None:
+                with oracle.disable_adapter():
+                    want = oracle.generate(ids, max_new_tokens=32, do_sample=False)
+            else:
+                oracle.set_adapter(adapter)
+                want = oracle.generate(ids, max_new_tokens=32, do_sample=False)
+        want = [t for t in want[0, len(prompt):].tolist() if t not in (tokenizer.eos_token_id,)]
+        equal += got == want[:len(got)] and len(got) == len(want)
+        if got != want[:len(got)]:
+            print(f"  differs: adapter {adapter}: {tokenizer.decode(got)!r} vs {tokenizer.decode(want)!r}")
+    print(f"greedy rows equal to transformers + PEFT: {equal} of {len(rows)} (adapters {', '.join(found)} and the base)")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="1,32")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--check", type=int, default=0, help="prompts per adapter compared with PEFT first")
     args = parser.parse_args(argv)
 
     import generation
@@ -76,6 +116,8 @@ def main(argv=None) -> None:
     base = generation.load(dirs["genai"])
     lora = generation.load(dirs["genai"], lora=spec)
     print(f"# {machine.cpu()}; SmolLM2-135M genai fp32, in_place; LoRA bank {lora.lora.bank.nbytes / 1e6:.1f} MB")
+    if args.check:
+        check(lora, dirs["hf"], found, args.check)
     rng = np.random.default_rng(0)
     for batch in [int(b) for b in args.batch.split(",")]:
         prompts = rng.integers(100, 40000, (batch, PROMPT)).tolist()

@@ -128,7 +128,7 @@ def for_request(error: ApiError, request: OpenAIRequest, prompt_index: int | Non
     if param is None:
         return error
     field, spoken = openai_field(param, request, prompt_index)
-    if field == "model":  # its adapter, unloaded meanwhile
+    if param == "settings.adapter":  # the adapter its model names, unloaded meanwhile
         return ApiError(404, error.message, param="model", kind="invalid_request_error", code="model_not_found")
     message = error.message
     if error.predicate is not None and spoken != param.removeprefix("settings."):

@@ -50,13 +50,19 @@ from .state import DecodeState, StepTokens
 class Partial:
     """A prompt part-way through its prefill: `past` holds the cache of `tokens[:done]` (per
     cache input [1, heads, done, head_dim]; None before the first chunk), `last` the logits [V]
-    after token done - 1. `cached`: its first tokens that came from the prefix store."""
+    after token done - 1. `cached`: its first tokens that came from the prefix store. `place`: its
+    LoRA adapter's place in the model's bank (0: none), which its slot holds meanwhile."""
 
     tokens: list[int]
     done: int = 0
     past: dict | None = None
     last: np.ndarray | None = None
     cached: int = 0
+    place: int = 0
+
+    def key(self, ctx: Context, tokens) -> list[int]:
+        """`tokens` as the prefix store names them for this row (by its adapter too)."""
+        return ctx.model.lora.bank.prefix_key(tokens, self.place) if self.place else tokens
 
     @property
     def left(self) -> int:
@@ -68,16 +74,18 @@ class Partial:
         return {name: array[0] for name, array in self.past.items()}
 
 
-def begin(ctx: Context, tokens: list[int], store: PrefixStore | None = None) -> Partial:
+def begin(ctx: Context, tokens: list[int], store: PrefixStore | None = None, place: int = 0) -> Partial:
     """A prompt about to run in chunks, from the longest start of it that `store` holds (as
-    `state._cached_prompts` looks it up; nothing when `store` is None)."""
+    `state._cached_prompts` looks it up; nothing when `store` is None); `place`: its LoRA
+    adapter's place (0: none)."""
+    fresh = Partial(list(tokens), place=place)
     if store is None:
-        return Partial(list(tokens))
-    length, rows = store.lookup(tokens)
+        return fresh
+    length, rows = store.lookup(fresh.key(ctx, tokens))
     if not length:
-        return Partial(list(tokens))
+        return fresh
     past = {name: np.ascontiguousarray(array[None]) for name, array in rows.items()}
-    return Partial(list(tokens), length, past, cached=length)
+    return Partial(list(tokens), length, past, cached=length, place=place)
 
 
 def extend(ctx: Context, partial: Partial, count: int) -> Partial:
@@ -85,9 +93,10 @@ def extend(ctx: Context, partial: Partial, count: int) -> Partial:
     if not 0 < count <= partial.left:
         raise ValueError(f"count: {count} tokens; the prompt has {partial.left} left to run")
     model, end = ctx.model, partial.done + count
+    lora = model.lora.bank.feeds(np.array([partial.place])) if partial.place else None
     last, presents = run_rows(model.session, model.graph, [partial.tokens[:end]],
                               prompt_widths(count, ctx.prompt_steps), ctx.settings.pad_token_id, ctx.max_position,
-                              partial.past, partial.done)
+                              partial.past, partial.done, lora=lora)
     past = {name: array if array.shape[2] == end else np.ascontiguousarray(array[:, :, :end])
             for name, array in presents.items()}
     return replace(partial, done=end, past=past, last=last[0])
@@ -109,6 +118,6 @@ def seat(ctx: Context, state: DecodeState, slots, partials: list[Partial], seeds
     state = insert(ctx, prefix, state, slots)
     state.cached[list(slots)] = [p.cached for p in partials]
     if isinstance(state.prefix, PrefixStore):
-        for prompt, row in zip(prompts, rows):
-            state.prefix.store(prompt, row)
+        for partial, row in zip(partials, rows):
+            state.prefix.store(partial.key(ctx, partial.tokens), row)
     return state, prefix.first

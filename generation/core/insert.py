@@ -95,6 +95,16 @@ def check_adapter(model, name: str | None) -> None:
                                       f"({', '.join(sorted(known.known)) or 'none loaded'})")
 
 
+def hold_place(ctx: Context, state: DecodeState, slot: int, settings: Settings) -> int:
+    """The adapter place of a row whose prompt runs apart from its slot (in chunks), held by the
+    slot meanwhile (so no other adapter takes it); 0 for a row without one."""
+    places = adapter_places(ctx, state, [settings])
+    if places is None:
+        return 0
+    state.cache.lora.set([slot], places)
+    return int(places[0])
+
+
 def adapter_places(ctx: Context, state: DecodeState, settings: list[Settings] | None) -> np.ndarray | None:
     """Each row's place in the model's adapter bank (0: none), its adapter loaded into one where
     it has none (runtime.lora.registry); None where no row names an adapter. SettingError naming
@@ -208,7 +218,7 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
     if rows is not None:
         rows.set(slots, 0 if places is None else places)
     adapted = places is not None and bool(np.any(places))
-    if adapted:
+    if adapted and not isinstance(state.prefix, PrefixStore):
         state.cached[slots] = 0
         return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
                                    lambda rows: prompt_cache_of(ctx, rows, encoder, places))
@@ -216,7 +226,7 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
         found = _cached_first_steps(ctx, state.prefix, prompts, encoder)
     elif isinstance(state.prefix, PrefixStore) and (encoder is None
                                                     or isinstance(encoder, ctx.model.hooks.prompt_types)):
-        found = _cached_prompts(ctx, state.prefix, prompts, encoder)
+        found = _cached_prompts(ctx, state.prefix, prompts, encoder, places if adapted else None)
     else:
         state.cached[slots] = 0
         return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
@@ -246,26 +256,32 @@ def _cached_first_steps(ctx: Context, store: FirstStepStore, prompts: list[list[
                        cached=np.array([0 if f is None else len(p) for f, p in zip(found, prompts)], np.int64))
 
 
-def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]], images=None) -> PromptCache:
+def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]], images=None, places=None
+                    ) -> PromptCache:
     """`prompt_cache_of` of decoder-only prompts through `store`: a prompt with a cached prefix runs
     only the rest of it from the prefix's rows (as a later piece of the prompt runs), the others
     run together as always; every prompt's full blocks are then kept. A vision-language prompt
     is named by its images too (`images`: its family's prompt inputs, one of `hooks.prompt_types`,
-    by their `prefix_key`), and its rows keep its M-RoPE delta."""
+    by their `prefix_key`), and its rows keep its M-RoPE delta; a row with a LoRA adapter (`places`)
+    by its adapter too (LoraBank.prefix_key)."""
     model = ctx.model
     keyed = prompts if images is None else [images.take([j]).prefix_key(p) for j, p in enumerate(prompts)]
+    if places is not None:
+        keyed = [model.lora.bank.prefix_key(k, int(place)) for k, place in zip(keyed, places)]
     found = [store.lookup(k) for k in keyed]
     cold = [j for j, (length, _) in enumerate(found) if not length]
     rows: list = [None] * len(prompts)
     last = np.zeros((len(prompts), model.vocab_size), np.float32)
     if cold:
-        fresh = prompt_cache_of(ctx, [prompts[j] for j in cold], None if images is None else images.take(cold))
+        fresh = prompt_cache_of(ctx, [prompts[j] for j in cold], None if images is None else images.take(cold),
+                                None if places is None else np.asarray(places)[cold])
         for i, j in enumerate(cold):
             rows[j], last[j] = fresh.rows[i], fresh.last_logits[i]
     for j, (length, cached) in enumerate(found):
         if length:
             row_images = None if images is None else images.take([j])
-            last[j], rows[j] = rest_after_prefix(ctx, prompts[j], length, cached, row_images)
+            lora = model.lora.bank.feeds(np.asarray(places)[j:j + 1]) if places is not None and places[j] else None
+            last[j], rows[j] = rest_after_prefix(ctx, prompts[j], length, cached, row_images, lora)
             if row_images is not None and row_images.positions[0] is not None:
                 rows[j]["position_delta"] = row_images.deltas([len(prompts[j])])[0]
     for j, key in enumerate(keyed):
@@ -274,16 +290,17 @@ def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]], 
                        cached=np.array([length for length, _ in found], np.int64))
 
 
-def rest_after_prefix(ctx: Context, prompt: list[int], length: int, cached: dict, images=None
+def rest_after_prefix(ctx: Context, prompt: list[int], length: int, cached: dict, images=None, lora=None
                       ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """One prompt's tokens from `length` on, run after `cached` (its first `length` tokens' rows
     from a prefix store, [heads, length, head_dim] per input) as a prompt's later piece runs:
     (its last logits [V], its rows [heads, len(prompt), head_dim] per cache input). `images`:
-    a vision-language prompt's inputs (one row)."""
+    a vision-language prompt's inputs (one row); `lora`: its LoRA adapter's inputs (LoraBank.feeds)."""
     model = ctx.model
     past = {name: np.ascontiguousarray(array[None]) for name, array in cached.items()}
     last, presents = run_from(model.session, model.graph, prompt, length, past, ctx.prompt_steps,
-                              ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, [prompt], images))
+                              ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, [prompt], images),
+                              lora=lora)
     return last[0], {name: array[0, :, :len(prompt)] for name, array in presents.items()}
 
 

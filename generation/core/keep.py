@@ -37,8 +37,9 @@ def answer_tokens(ctx: Context, state: DecodeState, slot: int) -> np.ndarray | N
     if not isinstance(store, PrefixStore) or not store.max_bytes or ctx.model.graph.has_inputs_embeds:
         return None
     rows = getattr(state.cache, "lora", None)
-    if rows is not None and rows.places[slot]:  # a row with an adapter: its blocks are not the base model's
-        return None
+    if rows is not None and rows.places[slot] and ctx.model.graph.quantized_activations:
+        return None  # its recompute would run without its adapter
+
     length = int(state.lengths[slot])
     if length // store.block <= int(state.prompt_length[slot]) // store.block:
         return None
@@ -46,10 +47,14 @@ def answer_tokens(ctx: Context, state: DecodeState, slot: int) -> np.ndarray | N
 
 
 def keep_decoded(state: DecodeState, slot: int, tokens: np.ndarray) -> None:
-    """`slot`'s cache rows of `tokens`, as the decode steps wrote them, into the prefix store."""
+    """`slot`'s cache rows of `tokens`, as the decode steps wrote them, into the prefix store (a
+    row with a LoRA adapter under its adapter's key: LoraBank.prefix_key)."""
     rows = state.cache.read_row(slot, len(tokens))
-    if rows is not None:
-        state.prefix.store(tokens, rows)
+    if rows is None:
+        return
+    lora = getattr(state.cache, "lora", None)
+    place = int(lora.places[slot]) if lora is not None else 0
+    state.prefix.store(lora.bank.prefix_key(tokens, place) if place else tokens, rows)
 
 
 def recompute_answer(ctx: Context, store: PrefixStore, tokens: np.ndarray, most: int) -> bool:

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..params.settings import Settings
 from .context import Context
-from .insert import prompt_cache_of, undone_on_error
+from .insert import adapter_places, prompt_cache_of, undone_on_error
 from .state import DecodeState, free_slot
 
 
@@ -81,10 +81,13 @@ def resume(ctx: Context, state: DecodeState, slots, rows: list[Paused], settings
     for j, slot in enumerate(slots):
         if not 0 <= slot < state.slots or state.used[slot] or slot in slots[:j]:
             raise ValueError(f"slots[{j}] = {slot} is not a free slot of this state")
+    places = adapter_places(ctx, state, settings)
+    if getattr(state.cache, "lora", None) is not None:
+        state.cache.lora.set(slots, 0 if places is None else places)
     with undone_on_error(ctx, state, slots):
         if caches is None:
             state.cache.prefill(slots, [row.tokens[:row.length].tolist() for row in rows], ctx.prompt_steps,
-                                ctx.settings.pad_token_id, lambda prompts: prompt_cache_of(ctx, prompts))
+                                ctx.settings.pad_token_id, lambda prompts: prompt_cache_of(ctx, prompts, None, places))
         else:
             for slot, row, cache in zip(slots, rows, caches):
                 state.cache.insert(slot, cache, row.length)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..cache.prefix import PrefixStore
 from ..core.chunks import begin, extend, seat
+from ..core.insert import hold_place
 from ..core.state import StepTokens
 from .jobs import Job, Update
 
@@ -33,11 +34,10 @@ class ChunkedPrefill:
 
     def _chunked(self, job: Job) -> bool:
         """Whether the job's prompt may run in chunks: a plain row of a decoder-only text model
-        (or a preempted one resuming) whose prompt log-probabilities nobody asked for, without a
-        LoRA adapter (its chunks would run apart from its slot's place)."""
+        (or a preempted one resuming) whose prompt log-probabilities nobody asked for."""
         model = self.ctx.model
         return (job.beams == 1 and job.prompt_top is None and not model.is_seq2seq
-                and not model.graph.has_inputs_embeds and job.settings.adapter is None)
+                and not model.graph.has_inputs_embeds)
 
     def _give(self, filling: tuple[int, Job], left: int, chunks: list) -> int:
         """A chunk of what is `left` of the boundary's prompt budget to a prompt part-way through
@@ -62,7 +62,8 @@ class ChunkedPrefill:
             try:
                 if job.partial is None:  # a resumed row's tokens are nobody's prompt: not looked up
                     tokens = job.prompt if job.paused is None else job.paused.tokens[:job.paused.length].tolist()
-                    job.partial = begin(self.ctx, tokens, store if job.paused is None else None)
+                    job.partial = begin(self.ctx, tokens, store if job.paused is None else None,
+                                        hold_place(self.ctx, self.state, slot, job.settings))
                 job.partial = extend(self.ctx, job.partial, min(count, job.partial.left))
             except Exception as e:  # noqa: BLE001 - its own prompt, or the run: it ends alone
                 if not self.isolate:

@@ -51,14 +51,12 @@ class Preemption:
         """Make room for the waiting `job`: preempt the running plain row that is last in the
         order of preemption among those of a higher priority value than its own, its slot into
         `free`. False where none is (or the model's rows are not preempted: encoder-decoders,
-        vision-language models; beam searches and rows with adapters are never preempted)."""
+        vision-language models; beam searches are never preempted)."""
         model = self.ctx.model
         if model.is_seq2seq or model.graph.has_inputs_embeds:
             return False
         rows = {**self.holder, **self.filling}  # a prompt part-way through its chunks gives its slot up too
-        # a row with a LoRA adapter keeps its slot: its resumed prompt would run without its place
-        later = [slot for slot, running in rows.items()
-                 if running.priority > job.priority and running.settings.adapter is None]
+        later = [slot for slot, running in rows.items() if running.priority > job.priority]
         if not later:
             return False
         slot = max(later, key=lambda s: rows[s].rank)

@@ -346,6 +346,8 @@ def _load(source, variant: str | None, provider: str | None, threads: int | None
                                      cuda_graphs=cuda_graphs, lora=config if lora is not None else None)
         graph = read_graph(path, session, _config_dims(config), present_names)
     graph = _placed(graph, config, path)
+    if lora is not None and graph.has_inputs_embeds:
+        raise ModelError("lora: adapters apply to decoder-only text models; a vision-language model runs without them")
     model = Model(folder=folder, decoder_path=path, session=session, graph=graph, config=config,
                   generation_config=generation_config, provider=used, threads=threads, tokenizer_path=tokenizer_path,
                   fused_from=decoder_path if fused else None,

@@ -14,6 +14,7 @@ changes are read from its tensors, the ground truth of what `target_modules`,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -70,6 +71,8 @@ class Adapter:
     path: Path
     modules: dict[str, LoraWeights]
     base_model: str | None = None
+    # names these weights (the file, as of its last change): a prefix cache's key of the rows it made
+    serial: int = 0
 
     @property
     def rank(self) -> int:
@@ -92,7 +95,10 @@ def read_adapter(name: str, path: str | Path) -> Adapter:
     modules = _modules(tensors, config)
     if not modules:
         raise AdapterError(f"lora_path {str(path)!r}: {WEIGHTS} holds no lora_A / lora_B weights")
-    return Adapter(name, folder, modules, config.get("base_model_name_or_path"))
+    stat = (folder / WEIGHTS).stat()
+    seen = f"{(folder / WEIGHTS).resolve()}|{stat.st_mtime_ns}|{stat.st_size}|{sorted(config.items())}"
+    serial = int.from_bytes(hashlib.blake2b(seen.encode(), digest_size=7).digest(), "little")
+    return Adapter(name, folder, modules, config.get("base_model_name_or_path"), serial)
 
 
 def _check_config(config: dict) -> None:

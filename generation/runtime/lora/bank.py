@@ -97,6 +97,15 @@ class LoraBank:
             self.b[key][(place - 1) * width:place * width] = 0
         self.adapters.pop(place, None)
 
+    def prefix_key(self, prompt, place: int) -> list[int]:
+        """`prompt` as a prefix store names it for a row at `place`: its first token replaced by a
+        value no token id takes, made of the adapter's serial and that token, so the rows an adapter
+        computed are found by its rows only (place 0: the prompt as it is)."""
+        out = [int(t) for t in prompt]
+        if place and out:
+            out[0] = (1 << 61) | ((self.adapters[place].serial * 1_000_003 + out[0]) % (1 << 60))
+        return out
+
     def feeds(self, places: np.ndarray) -> dict[str, np.ndarray]:
         """The inputs of a run whose rows sit at `places` [n] (0: no adapter)."""
         places = np.asarray(places)

@@ -102,6 +102,10 @@ def test_adapters_are_served_listed_loaded_and_unloaded(test_models, adapters, p
                 chat = await api.chat.completions.create(model="a2", messages=[{"role": "user", "content": "hi"}],
                                                          max_tokens=4)
                 assert chat.model == "a2" and chat.choices[0].message.content is not None
+                decoder.unload_adapter("a2")  # as another ingress replica would: this one's card still lists it
+                with pytest.raises(openai.NotFoundError) as e:
+                    await tokens("a2", prompts[0])
+                assert e.value.body["param"] == "model" and "a2" in e.value.body["message"]
 
         asyncio.run(run())
         metrics = decoder.metrics()

@@ -176,3 +176,100 @@ def edited(folder, out, edit):
     tensors = dict(edit(k, v) for k, v in read_safetensors(out / "adapter_model.safetensors").items())
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, out / "adapter_model.safetensors")
     return out
+
+
+def batcher_of(model, **kw):
+    from generation.engine.batching import ContinuousBatcher
+
+    ctx = generation.context(model, do_sample=False, eos_token_id=None)
+    return ContinuousBatcher(ctx, **{"slots": 4, "kv_cache_bytes": 0, "prefill_chunk_tokens": 0, **kw})
+
+
+def test_the_prefix_cache_names_an_adapters_rows_by_the_adapter(folders, adapters, peft, prompts_of):
+    """A prompt's blocks computed with an adapter are found again by that adapter's rows only; a
+    conversation's next turn with an adapter finds its previous answer too."""
+    model = load(folders, LAYOUTS[0], adapters["llama"])
+    batcher = batcher_of(model, prefix_cache_bytes=1 << 24)
+    try:
+        prompt = prompts_of((40,), seed=21)[0]
+
+        def run(adapter, tokens=prompt):
+            settings = {"max_new_tokens": MAX_NEW} | ({"adapter": adapter} if adapter else {})
+            done = batcher.submit(tokens, settings=settings).result(timeout=60)
+            assert done.tokens == peft_greedy(peft["llama"], tokens, adapter)[0], adapter
+            return done
+
+        assert [run(a).cached_tokens for a in ("a1", "a1", "a2", None, None, "a2")] == [0, 32, 0, 0, 32, 32]
+        first = run("a3")
+        turn = prompt + first.tokens + prompts_of((5,), seed=22)[0]
+        assert run("a3", turn).cached_tokens >= len(prompt) + MAX_NEW - 16  # its answer's blocks too
+        assert run("a1", turn).cached_tokens == 32  # a1's prompt blocks, not a3's answer
+    finally:
+        batcher.close()
+
+
+def test_loads_unloads_and_evictions_while_rows_run_leave_their_tokens(folders, adapters, peft, prompts_of):
+    model = load(folders, LAYOUTS[0], {"a1": adapters["llama"]["a1"], "a2": adapters["llama"]["a2"]}, max_loras=2)
+    batcher = batcher_of(model)
+    long = 40
+    try:
+        prompts = prompts_of((6, 9, 4, 7), seed=31)
+        running = [batcher.submit(prompts[0], settings={"max_new_tokens": long, "adapter": "a1"}),
+                   batcher.submit(prompts[1], settings={"max_new_tokens": long})]
+        next(iter(running[0].events(timeout=60)))  # a1's row is running
+        assert batcher.submit(prompts[2], settings={"max_new_tokens": 2, "adapter": "a2"}).result(timeout=60)
+        batcher.load_adapter("a3", str(adapters["llama"]["a3"]))  # a2 is idle: a3 takes its place
+        third = batcher.submit(prompts[3], settings={"max_new_tokens": MAX_NEW, "adapter": "a3"}).result(timeout=60)
+        assert third.tokens == peft_greedy(peft["llama"], prompts[3], "a3")[0]
+        batcher.unload_adapter("a1")  # its running row finishes with it
+        with pytest.raises(SettingError, match="adapter 'a1' is not one this model knows"):
+            batcher.submit(prompts[3], settings={"adapter": "a1"})
+        import torch
+
+        for request, prompt, adapter in zip(running, prompts, ("a1", None)):
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                if adapter:
+                    peft["llama"].set_adapter(adapter)
+                    want = peft["llama"].generate(ids, max_new_tokens=long, do_sample=False, eos_token_id=None,
+                                                  pad_token_id=0)
+                else:
+                    with peft["llama"].disable_adapter():
+                        want = peft["llama"].generate(ids, max_new_tokens=long, do_sample=False, eos_token_id=None,
+                                                      pad_token_id=0)
+            assert request.result(timeout=60).tokens == want[0, len(prompt):].tolist(), adapter
+        assert model.lora.evictions == 1 and batcher.adapter_names() == ["a2", "a3"]
+        with pytest.raises(AdapterError, match="lora_name 'a2' is loaded already"):
+            batcher.load_adapter("a2", str(adapters["llama"]["a2"]))
+    finally:
+        batcher.close()
+
+
+@pytest.mark.parametrize("chunk", [4, 0], ids=["in-chunks", "whole"])
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[1]], ids=["in_place", "append"])
+def test_chunked_prompts_and_preempted_rows_keep_their_adapters(folders, adapters, peft, prompts_of, chunk, layout):
+    """A prompt run in chunks between the running rows' steps, and a row preempted for an
+    interactive one and resumed (in chunks, or whole), each with its adapter, get PEFT's tokens."""
+    model = load(folders, layout, adapters["llama"])
+    batcher = batcher_of(model, slots=2, prefill_chunk_tokens=chunk, prefix_cache_bytes=1 << 24)
+    try:
+        prompts = prompts_of((21, 5, 6, 13), seed=41)
+        names = ("a2", "a1", "a3", None)
+        batch = [batcher.submit(p, settings={"max_new_tokens": 24, "adapter": a} if a else {"max_new_tokens": 24},
+                                priority=1) for p, a in zip(prompts[:2], names)]
+        next(iter(batch[0].events(timeout=60)))
+        urgent = [batcher.submit(p, settings={"max_new_tokens": MAX_NEW} | ({"adapter": a} if a else {}))
+                  for p, a in zip(prompts[2:], names[2:])]
+        for request, prompt, adapter in zip(urgent, prompts[2:], names[2:]):
+            assert request.result(timeout=60).tokens == peft_greedy(peft["llama"], prompt, adapter)[0]
+        import torch
+
+        for request, prompt, adapter in zip(batch, prompts, names):
+            peft["llama"].set_adapter(adapter)
+            with torch.no_grad():
+                want = peft["llama"].generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                              eos_token_id=None, pad_token_id=0)
+            assert request.result(timeout=60).tokens == want[0, len(prompt):].tolist(), adapter
+        assert batcher.preemptions >= 1
+    finally:
+        batcher.close()
