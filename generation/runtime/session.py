@@ -88,6 +88,8 @@ def _rewritten_source(path: Path, options, head: bool, int8_rows: bool, lora: di
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # noqa: BLE001 - an unreadable graph fails below, with onnxruntime's own message
+        if lora is not None:
+            raise ModelError(f"lora: {path.name} cannot be read to give it the adapters' path ({e})") from None
         log.info("%s is not rewritten: %s: %s", path.name, type(e).__name__, e)
         return str(path)
     changed = False
