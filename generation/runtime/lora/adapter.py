@@ -79,9 +79,24 @@ class Adapter:
         return max(m.rank for m in self.modules.values())
 
 
+def adapter_folder(path: str | Path) -> Path:
+    """The local folder of an adapter: `path` itself, or a hub id's download of its two files."""
+    folder = Path(path).expanduser()
+    parts = str(path).split("/")
+    if folder.exists() or len(parts) != 2 or not all(parts) or str(path).startswith((".", "~", "/")):
+        return folder
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path), allow_patterns=[CONFIG, WEIGHTS]))
+    except Exception as e:  # noqa: BLE001 - offline, no such repository, the network
+        raise AdapterError(f"lora_path {str(path)!r} is not a local folder, and downloading it from the Hugging "
+                           f"Face hub failed: {type(e).__name__}: {e}") from None
+
+
 def read_adapter(name: str, path: str | Path) -> Adapter:
-    """The adapter in folder `path`, checked; AdapterError naming what cannot be applied."""
-    folder = Path(path)
+    """The adapter in folder `path` (or a hub id's), checked; AdapterError naming what cannot be applied."""
+    folder = adapter_folder(path)
     if not (folder / CONFIG).is_file():
         raise AdapterError(f"lora_path {str(path)!r} has no {CONFIG}: not a PEFT adapter folder")
     try:

@@ -125,3 +125,9 @@ def test_rows_without_an_adapter_run_the_graph_as_it_was(test_models, prompts_of
     base = plain.run(["logits"], feeds)[0]
     bank = LoraBank(projections, 2, 4)
     np.testing.assert_array_equal(rewritten.run(["logits"], {**feeds, **bank.feeds(np.zeros(2, np.int64))})[0], base)
+
+
+def test_a_hub_id_that_cannot_be_fetched_names_lora_path(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(AdapterError, match="^lora_path 'org/no-such-adapter' is not a local folder, and downloading"):
+        read_adapter("x", "org/no-such-adapter")
