@@ -32,8 +32,15 @@ ROUTERS = {
 
 
 def prompt_text(request) -> str | None:
-    """The text a GenerateRequest's prompt starts with, as far as routing needs it; None for a
-    call that is not a generation."""
+    """The text a GenerateRequest's prompt starts with, as far as routing needs it, after its LoRA
+    adapter's name where it names one (its cached blocks are that adapter's: the same text with
+    another adapter, or none, is another prefix); None for a call that is not a generation."""
+    text = _prompt_text(request)
+    adapter = (getattr(request, "settings", None) or {}).get("adapter") if text is not None else None
+    return text if adapter is None else f"\x1dlora\x1f{adapter}\x1d{text}"
+
+
+def _prompt_text(request) -> str | None:
     prompt, messages = getattr(request, "prompt", None), getattr(request, "messages", None)
     if isinstance(prompt, str):
         return prompt

@@ -31,6 +31,10 @@ def test_a_longer_conversation_extends_the_chain_of_a_shorter_one():
     assert prompt_text(GenerateRequest(prompt=[1, 2, 3])) == "1 2 3"
     assert prompt_text(GenerateRequest(prompt="abc")) == "abc" and prompt_text(object()) is None
     assert len(block_chain("a" * 10_000, 64, 8)) == 8  # the first blocks only
+    # a LoRA adapter's rows are its own prefixes: the same text under another adapter is a new chain
+    adapted = [block_chain(prompt_text(GenerateRequest(prompt="x" * 150, settings={"adapter": a})), 64, 256)
+               for a in ("sql", "sql", "chat")]
+    assert adapted[0] == adapted[1] and adapted[0][0] != adapted[2][0] != a[0]
 
 
 CHAIN = [b"a", b"b", b"c", b"d"]
