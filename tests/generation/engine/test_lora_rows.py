@@ -273,3 +273,19 @@ def test_chunked_prompts_and_preempted_rows_keep_their_adapters(folders, adapter
         assert batcher.preemptions >= 1
     finally:
         batcher.close()
+
+
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[1]], ids=["in_place", "append"])
+def test_assisted_rows_verify_with_their_adapter(folders, adapters, peft, prompts, layout):
+    """Prompt lookup's candidates and a draft model's (the draft runs without adapters) are
+    verified by the model with each row's adapter: PEFT's greedy tokens."""
+    model = load(folders, layout, adapters["llama"])
+    lookup = generation.context(model, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                                prompt_lookup_num_tokens=3)
+    drafted = generation.context(model, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                                 draft=str(folders["llama-optimum"]), num_assistant_tokens=3)
+    for ctx in (lookup, drafted):
+        repeated = [p + p for p in prompts[:4]]  # something for prompt lookup to find
+        rows = generation.generate(ctx, repeated, adapters=ADAPTERS[:4])
+        for prompt, adapter, row in zip(repeated, ADAPTERS, rows):
+            assert row == peft_greedy(peft["llama"], prompt, adapter)[0], adapter
