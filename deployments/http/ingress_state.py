@@ -71,14 +71,13 @@ class IngressState:
             self.forget_card()
             card = await self.model_card()
         self.check_model(model, card, param)
-        if model == card["id"]:
-            return card
-        return {**card, "id": model, "adapter": model, "parent": card["id"], "root": card["id"]}
+        return card if model == card["id"] else self.adapter_card(card, model)
 
-    def adapter_cards(self, card: dict) -> list[dict]:
-        """/v1/models' entries of the LoRA adapters beside the base model's `card`."""
-        return [{**{k: v for k, v in card.items() if k != "adapters"}, "id": name, "parent": card["id"],
-                 "root": card["id"]} for name in card["adapters"]]
+    @staticmethod
+    def adapter_card(card: dict, name: str) -> dict:
+        """The card of LoRA adapter `name` of the base model's `card`: its id the adapter's name,
+        `adapter` set (the engine's setting), `parent` and `root` the base."""
+        return {**card, "id": name, "adapter": name, "parent": card["id"], "root": card["id"]}
 
     @property
     def fingerprint(self) -> str:

@@ -42,7 +42,7 @@ from ..cache.prefix import PrefixStore
 from ..params.settings import Settings
 from ..runtime.feeds import prompt_widths
 from .context import Context
-from .insert import first_tokens_of, insert
+from .insert import first_tokens_of, insert, lora_feeds
 from .state import DecodeState, StepTokens
 
 
@@ -93,7 +93,7 @@ def extend(ctx: Context, partial: Partial, count: int) -> Partial:
     if not 0 < count <= partial.left:
         raise ValueError(f"count: {count} tokens; the prompt has {partial.left} left to run")
     model, end = ctx.model, partial.done + count
-    lora = model.lora.bank.feeds(np.array([partial.place])) if partial.place else None
+    lora = lora_feeds(model, [partial.place]) if partial.place else None
     last, presents = run_rows(model.session, model.graph, [partial.tokens[:end]],
                               prompt_widths(count, ctx.prompt_steps), ctx.settings.pad_token_id, ctx.max_position,
                               partial.past, partial.done, lora=lora)

@@ -75,12 +75,24 @@ def prompt_cache_of(ctx: Context, prompts: list[list[int]], encoder=None, places
     if model.is_seq2seq:
         last, rows = run_first_steps(model, prompts, encoder)
         return PromptCache(rows, np.array([len(p) for p in prompts]), last)
-    lora = None
-    if places is not None and np.any(places):
-        bank = model.lora.bank
-        lora = lambda indices: bank.feeds(np.asarray(places)[np.asarray(indices)])  # noqa: E731
+    lora = None if places is None else (lambda indices: lora_feeds(model, np.asarray(places)[np.asarray(indices)]))
     return run_prompts(model.session, model.graph, ctx.cache_mode, ctx.prompt_steps, prompts,
                        ctx.settings.pad_token_id, ctx.max_position, *prompt_inputs(model, prompts, encoder), lora=lora)
+
+
+def lora_feeds(model, places) -> dict | None:
+    """The LoRA inputs of a run apart from the slots whose rows sit at `places` (runtime.lora.bank);
+    None where no row has an adapter (the run feeds the graph's empty ones)."""
+    places = np.asarray(places, np.int64)
+    return model.lora.bank.feeds(places) if places.any() else None
+
+
+def set_places(state: DecodeState, slots, places) -> None:
+    """The adapter places of the rows about to sit in `slots` (None: no adapter), where the cache
+    keeps them (cache/lora.py: a model with adapters)."""
+    rows = getattr(state.cache, "lora", None)
+    if rows is not None:
+        rows.set(slots, 0 if places is None else places)
 
 
 def check_adapter(model, name: str | None) -> None:
@@ -101,7 +113,7 @@ def hold_place(ctx: Context, state: DecodeState, slot: int, settings: Settings) 
     places = adapter_places(ctx, state, [settings])
     if places is None:
         return 0
-    state.cache.lora.set([slot], places)
+    set_places(state, [slot], places)
     return int(places[0])
 
 
@@ -116,7 +128,7 @@ def adapter_places(ctx: Context, state: DecodeState, settings: list[Settings] | 
     for j, name in enumerate(names):
         if name:
             check_adapter(ctx.model, name)
-            busy = getattr(state.cache, "lora").busy() | set(places[:j].tolist())
+            busy = state.cache.lora.busy() | set(places[:j].tolist())
             try:
                 places[j] = ctx.model.lora.place(name, busy)
             except (KeyError, ValueError) as e:  # unloaded meanwhile; no free place
@@ -213,24 +225,18 @@ def fill_prompts(ctx: Context, state: DecodeState, slots: list[int], prompts: li
                  places=None) -> np.ndarray:
     """Run `prompts` into the caches of free `slots` and return their last logits [n, V]; no
     token is chosen (the caller's search does that). Sets `state.cached` of the slots. places:
-    the rows' adapter places (`adapter_places`): rows with adapters skip the prefix store."""
-    rows = getattr(state.cache, "lora", None)
-    if rows is not None:
-        rows.set(slots, 0 if places is None else places)
-    adapted = places is not None and bool(np.any(places))
-    if adapted and not isinstance(state.prefix, PrefixStore):
-        state.cached[slots] = 0
-        return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
-                                   lambda rows: prompt_cache_of(ctx, rows, encoder, places))
+    the rows' adapter places (`adapter_places`; None: no row has one), which the prefix store
+    names them by."""
+    set_places(state, slots, places)
     if isinstance(state.prefix, FirstStepStore) and isinstance(encoder, EncoderOutputs):
         found = _cached_first_steps(ctx, state.prefix, prompts, encoder)
     elif isinstance(state.prefix, PrefixStore) and (encoder is None
                                                     or isinstance(encoder, ctx.model.hooks.prompt_types)):
-        found = _cached_prompts(ctx, state.prefix, prompts, encoder, places if adapted else None)
+        found = _cached_prompts(ctx, state.prefix, prompts, encoder, places)
     else:
         state.cached[slots] = 0
         return state.cache.prefill(slots, prompts, ctx.prompt_steps, ctx.settings.pad_token_id,
-                                   lambda rows: prompt_cache_of(ctx, rows, encoder))
+                                   lambda rows: prompt_cache_of(ctx, rows, encoder, places))
     state.cached[slots] = found.cached
     return insert_prompts(state.cache, slots, prompts, found)
 
@@ -280,7 +286,7 @@ def _cached_prompts(ctx: Context, store: PrefixStore, prompts: list[list[int]], 
     for j, (length, cached) in enumerate(found):
         if length:
             row_images = None if images is None else images.take([j])
-            lora = model.lora.bank.feeds(np.asarray(places)[j:j + 1]) if places is not None and places[j] else None
+            lora = None if places is None else lora_feeds(model, np.asarray(places)[j:j + 1])
             last[j], rows[j] = rest_after_prefix(ctx, prompts[j], length, cached, row_images, lora)
             if row_images is not None and row_images.positions[0] is not None:
                 rows[j]["position_delta"] = row_images.deltas([len(prompts[j])])[0]

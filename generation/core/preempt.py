@@ -25,7 +25,7 @@ import numpy as np
 
 from ..params.settings import Settings
 from .context import Context
-from .insert import adapter_places, prompt_cache_of, undone_on_error
+from .insert import adapter_places, prompt_cache_of, set_places, undone_on_error
 from .state import DecodeState, free_slot
 
 
@@ -82,8 +82,7 @@ def resume(ctx: Context, state: DecodeState, slots, rows: list[Paused], settings
         if not 0 <= slot < state.slots or state.used[slot] or slot in slots[:j]:
             raise ValueError(f"slots[{j}] = {slot} is not a free slot of this state")
     places = adapter_places(ctx, state, settings)
-    if getattr(state.cache, "lora", None) is not None:
-        state.cache.lora.set(slots, 0 if places is None else places)
+    set_places(state, slots, places)
     with undone_on_error(ctx, state, slots):
         if caches is None:
             state.cache.prefill(slots, [row.tokens[:row.length].tolist() for row in rows], ctx.prompt_steps,

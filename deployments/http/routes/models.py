@@ -20,7 +20,8 @@ router = APIRouter()
 async def list_models(state: IngressState = Depends(authorized)):
     state.forget_card()  # adapters come and go
     card = await state.model_card()
-    return {"object": "list", "data": [_listed(card)] + [_listed(c) for c in state.adapter_cards(card)]}
+    return {"object": "list", "data": [_listed(card)] + [_listed(state.adapter_card(card, name))
+                                                          for name in card["adapters"]]}
 
 
 @router.get("/v1/models/{model_id:path}", responses=answers(ModelInfo, 401, 404))

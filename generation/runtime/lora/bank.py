@@ -37,6 +37,11 @@ class LoraBank:
     def _width(self, projection: Projection) -> int:
         return len(projection.atoms) * self.max_rank
 
+    def _size(self, layer: int, atom: str) -> int:
+        """The columns of `atom` (q, k, v, gate, ...) in layer `layer`, whatever projection packs it."""
+        projection = self.by_place[(layer, atom)]
+        return projection.sizes[projection.atoms.index(atom)]
+
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.a.values()) + sum(x.nbytes for x in self.b.values())
@@ -54,8 +59,7 @@ class LoraBank:
             if None in targets:
                 raise AdapterError(f"target_modules: {module} is not in the base model's graph (layer {layer} of "
                                    f"{1 + max(p.layer for p in self.projections.values())})")
-            size = sum(self.by_place[(layer, atom)].sizes[self.by_place[(layer, atom)].atoms.index(atom)]
-                       for atom in atoms)
+            size = sum(self._size(layer, atom) for atom in atoms)
             projection = next(iter(targets))
             if weights.a.shape[1] != projection.in_features or weights.b.shape[0] != size:
                 raise AdapterError(f"target_modules: {module} maps {weights.a.shape[1]} -> {weights.b.shape[0]} "
@@ -81,8 +85,7 @@ class LoraBank:
                 _, atoms = module_place(module)
                 column = 0
                 for atom in atoms:  # the module's output, atom by atom (a packed module: several)
-                    size = self.by_place[(projection.layer, atom)].sizes[
-                        self.by_place[(projection.layer, atom)].atoms.index(atom)]
+                    size = self._size(projection.layer, atom)
                     if atom in projection.atoms:
                         j = projection.atoms.index(atom)
                         self.b[key][rows, offsets[j]:offsets[j + 1]] = (weights.b[column:column + size] *

@@ -92,6 +92,32 @@ def find_projections(model, config: dict) -> list[tuple[object, list[tuple[objec
     return out
 
 
+def distinct(found: list) -> list[Projection]:
+    """find_projections' projections, each once (a merged decoder's branches have the same)."""
+    return list({p.key: p for _, nodes in found for _, p in nodes}.values())
+
+
+def from_inputs(lora_inputs, config: dict) -> list[Projection]:
+    """The projections of a graph rewrite.add_lora gave LoRA inputs, read back off those inputs
+    (DecoderGraph.lora_inputs: `lora.<layer>.<atoms>.a` [rows, in], `.b` [rows, out]) and config.json
+    (how a packed q|k|v splits its columns): no second read of the graph's file."""
+    widths = dict(lora_inputs)
+    d = dims(config)
+    out = []
+    for name in widths:
+        if not (name.startswith("lora.") and name.endswith(".a")):
+            continue
+        layer, _, joined = name[len("lora."):-len(".a")].partition(".")
+        atoms, columns = tuple(joined.split("_")), widths[name[:-len(".a")] + ".b"]
+        sizes = {("q", "k", "v"): (d["q"], d["kv"], d["kv"]), ("gate", "up"): (columns // 2, columns // 2)}.get(
+            atoms, (columns,))
+        if sum(sizes) != columns:
+            raise AdapterError(f"the decoder graph's {joined} projection of layer {layer} gives {columns} columns, "
+                               f"where config.json's heads give {sum(sizes)}")
+        out.append(Projection(int(layer), atoms, sizes, widths[name]))
+    return out
+
+
 def _as_layers(found: list, d: dict) -> list:
     h, q, kv, i = d["h"], d["q"], d["kv"], d["i"]
     want = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, i), "up": (h, i), "down": (i, h)}

@@ -105,14 +105,13 @@ class Adapters:
 
 def adapters_for(path: Path, config: dict, spec: LoraSpec, graph) -> Adapters:
     """The adapters of a decoder loaded with `spec` (runtime.lora.registry.LoraSpec): its bank over
-    the graph's projections, its modules read and checked (AdapterError naming what is wrong)."""
-    import onnx
+    the projections its graph takes LoRA inputs for, its modules read and checked (AdapterError
+    naming what is wrong)."""
     import numpy as np
 
-    from .projections import find_projections
+    from .projections import from_inputs
 
-    found = find_projections(onnx.load(str(path), load_external_data=False), config)
-    projections = list({p.key: p for _, nodes in found for _, p in nodes}.values())
+    projections = from_inputs(graph.lora_inputs, config)
     dtype = graph.input_dtypes.get(f"lora.{projections[0].key}.a", np.float32)
     adapters = Adapters(LoraBank(projections, spec.max_loras, spec.max_lora_rank, dtype))
     for name, folder in spec.modules:

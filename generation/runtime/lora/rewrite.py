@@ -18,7 +18,7 @@ This is PEFT's `base(x) + lora_B(lora_A(x)) * scaling` with the scaling folded i
 
 from __future__ import annotations
 
-from .projections import Projection, find_projections
+from .projections import Projection, distinct, find_projections
 
 MASK = "lora.mask.{}"  # [n, R]: R = places fed * blocks * max_rank
 DTYPES = {1: "float32", 10: "float16"}
@@ -54,7 +54,7 @@ def add_lora(model, config: dict) -> tuple[list[Projection], int]:
                 helper.make_node("MatMul", [f"{p}/masked", b], [f"{p}/delta"], name=f"{p}/b"),
                 helper.make_node("Add", [f"{p}/base", f"{p}/delta"], [base], name=f"{p}/add")]))
         _insert_after(graph, added)
-    projections = list({p.key: p for _, nodes in found for _, p in nodes}.values())
+    projections = distinct(found)
     top = model.graph
     for projection in projections:
         a, b = input_names(projection)
