@@ -15,6 +15,8 @@ in_place cache); the adapters are PEFT's, saved by `peft` from random weights on
 once untimed, then --repeats times in alternating order, the median kept; tok/s = B x 64 / s.
 `load` is what writing a rank-16 adapter into a place takes (read from disk and into the
 bank's buffers): a run-time load does it between two steps, so it is the running rows' stall.
+`read and check` is what a decoder replica adds to its first request of an adapter another
+replica was told to load (it reads it from the path the request brings), before that load.
 
 `--check N` first runs N prompts (English text through the chat template) per adapter, and the
 base, as one mixed batch and compares each row's greedy tokens with transformers + PEFT on the
@@ -145,6 +147,13 @@ def main(argv=None) -> None:
         lora.lora.bank.load(generation.runtime.lora.adapter.read_adapter("r16a", found["r16a"]), 4)
         loads.append((time.perf_counter() - start) * 1000)
     print(f"\nload of a rank-16 adapter into a place: {statistics.median(loads):.1f} ms (median of 5)")
+    reads = []
+    for k in range(5):  # a decoder replica's first request of an adapter loaded through another replica
+        start = time.perf_counter()
+        lora.lora.add(f"lazy{k}", found["r16a"])
+        reads.append((time.perf_counter() - start) * 1000)
+    print(f"read and check of a rank-16 adapter (a replica's first request of one it did not load; on the "
+          f"replica's thread, before the place): {statistics.median(reads):.1f} ms (median of 5)")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ class DecoderMetrics:
             if callable(getattr(batcher, "adapter_names", None)):
                 one(Gauge("raymuter:lora_adapters", "LoRA adapters a request may name.", labels,
                           registry=r)).set_function(lambda: len(batcher.adapter_names()))
+                r.register(_Adapters(model_name, batcher))
             r.register(_Transfers(model_name, batcher))
 
     def first_token(self, seconds: float) -> None:
@@ -174,6 +175,27 @@ class _Transfers:
             family = CounterMetricFamily(name, text, labels=["model_name"])
             family.add_metric([self.model_name], stats[key])
             yield family
+
+
+class _Adapters:
+    """The LoRA bank's adapters in a place now, and those evicted from one for another (vLLM's
+    --max-loras LRU), read from the batcher (its engine process's, as its steps report) when scraped."""
+
+    def __init__(self, model_name: str, batcher):
+        self.model_name, self.batcher = model_name, batcher
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        resident, evictions = self.batcher.adapter_counts()
+        gauge = GaugeMetricFamily("raymuter:lora_adapters_resident", "LoRA adapters in the bank's places now "
+                                  "(at most --max-loras).", labels=["model_name"])
+        gauge.add_metric([self.model_name], resident)
+        counter = CounterMetricFamily("raymuter:lora_adapter_evictions", "LoRA adapters that left their place for "
+                                      "another (the least recently used one no running row uses).",
+                                      labels=["model_name"])
+        counter.add_metric([self.model_name], evictions)
+        return [gauge, counter]
 
 
 class _Preemptions:

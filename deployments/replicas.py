@@ -38,6 +38,7 @@ from .http.to_decoder import typed, with_id
 from .local_handle import LocalHandle
 from .http.openai import ApiError
 from .schema import EmbedRequest, EmbedResponse, GenerateRequest, Transcription, TranscriptionRequest
+from .services.adapter_names import AdapterNames
 from .services.batches import BatchService
 from .services.loading import decoder_service, encoding_service
 from .services.response_store import ResponseStore
@@ -99,16 +100,19 @@ class Records:
     the routes of a replica of the deployment that serves HTTP (`settings["routes"]`: Ingress, or
     the colocated Server), which answers each as it answers the same request over HTTP
     (answer_line). Each store's verbs are this deployment's methods, by the same names (VERBS);
-    the response store's are sync (Serve runs them on its thread pool), the batches' async."""
+    the response store's are sync (Serve runs them on its thread pool), the batches' async; and the
+    LoRA adapters requests may name (`adapters`, deployments.services.adapter_names)."""
 
     VERBS = {"responses": ("put", "update", "beat", "get", "events_after", "delete", "cancel_response", "stats"),
              "batches": ("begin_file", "append_file", "finish_file", "abort_file", "file", "open_file", "file_piece",
-                         "close_file", "file_page", "delete_file", "create", "batch", "page", "cancel_batch")}
+                         "close_file", "file_page", "delete_file", "create", "batch", "page", "cancel_batch"),
+             "adapters": ("adapter_paths", "add_adapter", "remove_adapter")}
 
     async def __init__(self, settings: dict, local_routes=None, start: bool = True):
         self.responses = ResponseStore(settings["response_store_bytes"], settings["response_ttl_seconds"],
                                        settings["response_folder"])
         self.batches = BatchService(settings["batch_folder"], settings["batch_concurrency"], self._send)
+        self.adapters = AdapterNames(settings.get("lora_modules"))
         self._routes_name, self._routes = settings["routes"], None
         self._local_routes = local_routes  # the Server's own answer_line, where it holds these records
         if start:  # the batches that had not ended resume (the Server starts them once its routes are up)
@@ -146,7 +150,20 @@ def records_settings(cfg: AppConfig) -> dict:
     are where Serve can)."""
     return {"response_store_bytes": cfg.response_store_bytes, "response_ttl_seconds": cfg.response_ttl_seconds,
             "response_folder": cfg.response_folder, "batch_folder": cfg.batch_folder,
-            "batch_concurrency": cfg.batch_concurrency or cfg.slots or FIXED_SLOTS, "routes": "Server" if cfg.colocate else "Ingress"}
+            "batch_concurrency": cfg.batch_concurrency or cfg.slots or FIXED_SLOTS, "routes": "Server" if cfg.colocate else "Ingress",
+            "lora_modules": dict(cfg.lora_modules or {})}
+
+
+def held_adapters(places: int):
+    """A replica's LoRA adapters as Serve's model multiplexing sees them (`await held(name)` on each
+    request that names one): the `places` most recently asked are reported to the routers, which
+    send an adapter's requests to the replicas holding it. The engine keeps its own places
+    (runtime.lora.registry): leaving this list forgets nothing."""
+    @serve.multiplexed(max_num_models_per_replica=places)
+    async def held(name: str) -> str:
+        return name
+
+    return held
 
 
 def _verb(store: str, name: str, method):
@@ -162,7 +179,7 @@ def _verb(store: str, name: str, method):
     return verb
 
 
-for _store, _class in (("responses", ResponseStore), ("batches", BatchService)):
+for _store, _class in (("responses", ResponseStore), ("batches", BatchService), ("adapters", AdapterNames)):
     for _name in Records.VERBS[_store]:
         setattr(Records, _name, _verb(_store, _name, getattr(_class, _name)))
 
@@ -180,10 +197,24 @@ class Decoder:
         # occupancy counts rows against a replica's share: its slots, or 32 where they follow the budget
         self.occupancy_slots = cfg.slots or FIXED_SLOTS
         self.replica = replica_id()  # a stored response's next turn asks for it (GenerateRequest.affinity)
+        lora = cfg.options.lora()
+        self.held_adapters = held_adapters(lora.max_loras) if lora is not None and self.replica else None
         self.generator.metrics.started(time.perf_counter() - started)
+
+    async def know_adapter(self, request: GenerateRequest) -> None:
+        """The LoRA adapter a request names known here, read from the path the ingress sent where
+        this replica has not read it (a run-time load reached another replica); this replica then
+        reported as holding it, so the router sends the adapter's next requests here."""
+        name = request.settings.get("adapter")
+        if name is None or request.adapter_path is None:
+            return
+        await asyncio.to_thread(self.generator.know_adapter, name, request.adapter_path)
+        if self.held_adapters is not None:
+            await self.held_adapters(name)
 
     async def generate(self, request: GenerateRequest, encoded=None, *images) -> Generation:
         try:
+            await self.know_adapter(request)
             response = await self.generator.generate(request, encoded, images)
             response.finish.replica = self.replica
             return response
@@ -192,6 +223,7 @@ class Decoder:
 
     async def stream(self, request: GenerateRequest, encoded=None, *images):
         try:
+            await self.know_adapter(request)
             async for event in self.generator.stream(request, encoded, images):
                 if isinstance(event, Finish):
                     event.replica = self.replica
@@ -306,17 +338,17 @@ class Ingress:
         max_body = body_limit(cfg.max_body_bytes)
         calls = DecoderCalls(decoder, encoder, vision, Media(cfg.allow_remote_images, max_body))
         self.state = IngressState(calls, cfg.api_key or os.environ.get("RAYMUTER_API_KEY") or None, max_body,
-                                  records, BatchCalls(records, cfg.file_size_limit))
+                                  records, BatchCalls(records, cfg.file_size_limit), records)
         self.lines = None  # the Records deployment's lines, through these routes (answer_line)
 
     async def generate(self, request: GenerateRequest | dict) -> Generation:
         """One generation (handle.generate.remote(GenerateRequest(...)))."""
-        return await self.state.calls.generate(with_id(typed(request)))
+        return await self.state.calls.generate(await self.state.with_adapter_path(with_id(typed(request))))
 
     async def generate_stream(self, request: GenerateRequest | dict):
         """The front's events: an Echo (echo only), Deltas, then one Finish
         (handle.options(stream=True).generate_stream.remote(...))."""
-        async for chunk in self.state.calls.chunks(with_id(typed(request))):
+        async for chunk in self.state.calls.chunks(await self.state.with_adapter_path(with_id(typed(request)))):
             yield chunk
 
     async def embed(self, request: EmbedRequest | dict) -> EmbedResponse:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..errors import Overloaded, RequestError
+from ..errors import NotFound, Overloaded, RequestError
 from generation.front import Finish, Generation
 
 from ..schema import EmbedRequest, EmbedResponse, GenerateRequest
@@ -76,7 +76,7 @@ def api_error_of(error: BaseException, request_id_: str) -> ApiError:
     if isinstance(cause, ApiError):
         return cause
     if isinstance(cause, RequestError):
-        return ApiError(400, str(cause), param=cause.field)
+        return ApiError(404 if isinstance(cause, NotFound) else 400, str(cause), param=cause.field)
     if isinstance(cause, (Overloaded, BackPressureError)):
         return busy(cause)
     if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
@@ -101,7 +101,7 @@ class DecoderCalls:
         chunk has gone out, the loss ends the stream with its error."""
         images = await self.media.vision_replies(request, self.vision)
         for attempt in range(RETRIES + 1):
-            stream = self._decoder_stream.stream.remote(request, self.encoded(request), *images)
+            stream = self._for(request, True).stream.remote(request, self.encoded(request), *images)
             sent = False
             try:
                 while True:
@@ -123,12 +123,20 @@ class DecoderCalls:
             finally:
                 stream.cancel()
 
+    def _for(self, request: GenerateRequest, stream: bool = False):
+        """The decoder's handle for `request`: one naming a LoRA adapter goes to the replicas that
+        hold it where any does (Serve's model multiplexing; deployments.replicas.held_adapters)."""
+        adapter = request.settings.get("adapter")
+        if adapter is None:
+            return self._decoder_stream if stream else self.decoder
+        return self.decoder.options(stream=stream, multiplexed_model_id=str(adapter))
+
     async def generate(self, request: GenerateRequest) -> Generation:
         """The whole generation; a replica lost before it answered: moved to another (RETRIES times)."""
         images = await self.media.vision_replies(request, self.vision)
         for attempt in range(RETRIES + 1):
             try:
-                result = await self.call(self.decoder.generate.remote(request, self.encoded(request), *images),
+                result = await self.call(self._for(request).generate.remote(request, self.encoded(request), *images),
                                          request.request_id, raw=attempt < RETRIES)
                 break
             except Exception as e:  # noqa: BLE001 - only a lost replica comes back raw

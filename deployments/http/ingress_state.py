@@ -7,6 +7,8 @@ A route reaches the IngressState of the replica serving it through FastAPI's dep
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 import secrets
 import time
@@ -26,12 +28,15 @@ from .response_runs import ResponseRuns
 from .validation import parse
 
 
+ADAPTER_NAMES_SECONDS = 1.0  # how long an ingress replica trusts the LoRA adapter names it asked
+
+
 class IngressState:
     """The ingress's state behind its routes: `calls` (the decoder and its helpers by handle), the
     API key (None: open), the largest body, the metrics, the model card once asked."""
 
     def __init__(self, calls: DecoderCalls, api_key: str | None, max_body: int, responses=None,
-                 batches: BatchCalls | None = None):
+                 batches: BatchCalls | None = None, adapters=None):
         self.calls, self.api_key, self.max_body = calls, api_key, max_body
         # /v1/responses: its runs, over the shared store (a handle to deployments.app.Records)
         self.responses = ResponseRuns(calls, responses if responses is not None else _local_store())
@@ -41,6 +46,11 @@ class IngressState:
         self.openapi: dict | None = None  # the OpenAPI document once built (routes/meta.py)
         self.replica = replica_id() or "local"  # this ingress replica's id ("local" outside Serve)
         self._card = None
+        # the LoRA adapters requests may name, shared by every ingress replica (the Records
+        # deployment's, deployments.services.adapter_names); None: the decoder's own (one replica)
+        self.adapters = adapters
+        self._adapter_paths: dict | None = None
+        self._adapter_paths_at = 0.0
 
     def authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -65,19 +75,79 @@ class IngressState:
     async def served_as(self, model, param: str = "model") -> dict:
         """The card of what a request's `model` names: the base model's, or a LoRA adapter's (its
         id the adapter's name, `adapter` set, `parent` the base); 404 naming `param` for anything
-        else. An adapter loaded since the card was asked is found by asking again."""
+        else. An adapter loaded since the names were asked is found by asking again."""
         card = await self.model_card()
-        if model != card["id"] and model not in card["adapters"]:
-            self.forget_card()
-            card = await self.model_card()
-        self.check_model(model, card, param)
-        return card if model == card["id"] else self.adapter_card(card, model)
+        if model == card["id"]:
+            return card
+        paths = await self.adapter_paths()
+        if model not in paths:
+            paths = await self.adapter_paths(fresh=True)
+        self.check_model(model, {**card, "adapters": list(paths)}, param)
+        return self.adapter_card(card, model, paths[model])
+
+    async def adapter_paths(self, fresh: bool = False) -> dict:
+        """The LoRA adapters a request may name -> where each lives: the shared names (asked again
+        after ADAPTER_NAMES_SECONDS, or now where `fresh`: an unload through another ingress replica
+        reaches this one within that time), or the decoder's own card's (paths None: that decoder
+        knows them) where this ingress has no shared names."""
+        if self.adapters is None:
+            if fresh:
+                self.forget_card()
+            return dict.fromkeys((await self.model_card())["adapters"])
+        if fresh or self._adapter_paths is None or time.monotonic() - self._adapter_paths_at > ADAPTER_NAMES_SECONDS:
+            self._adapter_paths = await self.calls.call(self.adapters.adapter_paths.remote(), request_id())
+            self._adapter_paths_at = time.monotonic()
+        return self._adapter_paths
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """vLLM's /v1/load_lora_adapter: read and checked by a decoder replica (400 naming lora_path,
+        or lora_name for a name taken), then one of the shared names, which every ingress replica
+        finds and sends with the adapter's requests (the other decoder replicas read it then)."""
+        rid = request_id("lora-")
+        if name in await self.adapter_paths(fresh=True):
+            raise ApiError(400, f"lora_name: '{name!s:.200}' is loaded already (unload it first)", param="lora_name")
+        try:
+            await self.calls.load_adapter(name, path, rid)
+            if self.adapters is not None:
+                await self.calls.call(self.adapters.add_adapter.remote(name, path), rid)
+        finally:
+            self.forget_adapters()
+
+    async def unload_adapter(self, name: str) -> None:
+        """vLLM's /v1/unload_lora_adapter: the name no longer served (404 naming lora_name where it
+        is not); the decoder replica reached forgets it at once, the others keep what they read
+        (no request names it any more; rows running with it finish with it)."""
+        rid = request_id("lora-")
+        try:
+            if self.adapters is None:
+                await self.calls.unload_adapter(name, rid)
+                return
+            await self.calls.call(self.adapters.remove_adapter.remote(name), rid)
+            with contextlib.suppress(ApiError):  # a replica that never read it
+                await self.calls.unload_adapter(name, rid)
+        finally:
+            self.forget_adapters()
+
+    async def with_adapter_path(self, request):
+        """A handle API request naming a LoRA adapter, with where the adapter lives (as the routes
+        send it); an unknown name goes as it came (the decoder refuses it by name)."""
+        name = request.settings.get("adapter")
+        if name is None or request.adapter_path is not None or self.adapters is None:
+            return request
+        paths = await self.adapter_paths()
+        if name not in paths:
+            paths = await self.adapter_paths(fresh=True)
+        return request if paths.get(name) is None else dataclasses.replace(request, adapter_path=paths[name])
+
+    def forget_adapters(self) -> None:
+        self._card, self._adapter_paths = None, None
 
     @staticmethod
-    def adapter_card(card: dict, name: str) -> dict:
+    def adapter_card(card: dict, name: str, path: str | None = None) -> dict:
         """The card of LoRA adapter `name` of the base model's `card`: its id the adapter's name,
-        `adapter` set (the engine's setting), `parent` and `root` the base."""
-        return {**card, "id": name, "adapter": name, "parent": card["id"], "root": card["id"]}
+        `adapter` set (the engine's setting) and `adapter_path` (where a decoder replica that does
+        not know it reads it), `parent` and `root` the base."""
+        return {**card, "id": name, "adapter": name, "adapter_path": path, "parent": card["id"], "root": card["id"]}
 
     @property
     def fingerprint(self) -> str:

@@ -146,7 +146,8 @@ class ResponseRuns:
         self.calls, self.store = calls, store
         self.background: set[asyncio.Task] = set()  # runs no client holds (a reference keeps them alive)
 
-    async def create(self, http: Request, request: ResponseRequest, model: str, rid: str, adapter: str | None = None):
+    async def create(self, http: Request, request: ResponseRequest, model: str, rid: str, adapter: str | None = None,
+                     adapter_path: str | None = None):
         if request.background and not request.store:
             raise ApiError(400, "background: a background response is kept for polling; it needs store true",
                            param="background")
@@ -158,7 +159,7 @@ class ResponseRuns:
             chat = parse(ChatCompletionRequest, chat_body(request, instructions + history))
         except ApiError as e:
             raise responses_error(e, request.instructions, history) from None
-        fields = generate_request(chat, None, 0, adapter)
+        fields = generate_request(chat, None, 0, adapter, adapter_path)
         fields.update(request_id=rid, affinity=previous["replica"] if previous else None)
         run = ResponseRun(new_id("resp"), request, model, items, history)
         decoder_request = typed(fields)

@@ -167,15 +167,19 @@ def wants_logprobs(request: OpenAIRequest) -> int | None:
     return request.top_logprobs or 0
 
 
-def generate_request(request: OpenAIRequest, prompt=None, index: int = 0, adapter: str | None = None) -> dict:
+def generate_request(request: OpenAIRequest, prompt=None, index: int = 0, adapter: str | None = None,
+                     adapter_path: str | None = None) -> dict:
     """The decoder's GenerateRequest fields for choice `index` of `prompt` (one of the
     request's prompts; chat: its messages). Choice j of a seeded request takes seed + j.
-    `adapter`: the LoRA adapter the request's `model` names (the engine's `adapter` setting)."""
+    `adapter`: the LoRA adapter the request's `model` names (the engine's `adapter` setting), and
+    where it lives (`adapter_path`: a decoder replica that does not know it reads it there)."""
     settings = settings_of(request)
     if adapter is not None:
         settings["adapter"] = adapter
     body: dict = {"settings": settings, "logprobs": wants_logprobs(request),
                   "stop_token_ids": request.stop_token_ids, "priority": request.priority}
+    if adapter_path is not None:
+        body["adapter_path"] = adapter_path
     if request.seed is not None:
         body["seed"] = (request.seed + index) % 2**63
     if isinstance(request, ChatCompletionRequest):

@@ -14,6 +14,7 @@ is a thin shell around it, and tests drive it directly, with the real engine or 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -77,6 +78,7 @@ class TextGenerator:
         self.chunks_per_second = CHUNKS_PER_SECOND  # all streams' chunks a second while many rows run
         self.metrics = DecoderMetrics(name, front.batcher)
         self.fingerprint = fingerprint(name, front.context_length, kind)
+        self._adapter_lock = threading.Lock()
 
     @classmethod
     def from_model(cls, source: str | Path, name: str | None = None, stream_interval: float = 0.0,
@@ -124,17 +126,31 @@ class TextGenerator:
 
     # -- LoRA adapters (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -----------------
     def load_adapter(self, name: str, path: str) -> None:
-        """Know adapter `name` at `path` from now on (its first request loads it into a place);
-        RequestError naming lora_name or lora_path (the adapter's own setting in the message)."""
-        load = getattr(self.batcher, "load_adapter", None)
-        if load is None:
-            raise RequestError("max_loras: this engine takes no LoRA adapters", "lora_name")
-        try:
-            load(name, path)
-        except (ValueError, OSError) as e:
-            raise RequestError(str(e), "lora_name" if str(e).startswith(("lora_name", "max_loras")) else "lora_path") \
-                from None
-        self.metrics.adapter_loads.inc()
+        """Know adapter `name` at `path` from now on, read anew where it was known (its first request
+        loads it into a place); RequestError naming lora_name or lora_path (the adapter's own
+        setting in the message)."""
+        self._know_adapter(name, path, True, lambda e: "lora_name" if str(e).startswith(("lora_name", "max_loras"))
+                           else "lora_path")
+
+    def know_adapter(self, name: str, path: str) -> None:
+        """Know adapter `name` at `path`, as the ingress's shared names say (a request's
+        adapter_path: loaded through another replica, or changed since); read here at its first
+        request. RequestError naming model where this replica cannot read it."""
+        self._know_adapter(name, path, False, lambda e: "model")
+
+    def _know_adapter(self, name: str, path: str, again: bool, field) -> None:
+        know = getattr(self.batcher, "know_adapter", None)
+        if know is None:
+            message = "max_loras: this engine takes no LoRA adapters"
+            raise RequestError(message, field(message))
+        with self._adapter_lock:  # two requests of a new adapter read it once
+            try:
+                read = know(name, path, again)
+            except (ValueError, OSError) as e:
+                where = "" if again else f"the LoRA adapter '{name!s:.200}' could not be read on this replica: "
+                raise RequestError(f"{where}{e}", field(e)) from None
+        if read:
+            self.metrics.adapter_loads.inc()
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter `name` (rows running with it finish); NotFound naming lora_name."""

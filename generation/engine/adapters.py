@@ -28,6 +28,29 @@ class AdapterCalls:
         what is wrong (lora_name, lora_path, the adapter's settings)."""
         self._adapters().add(name, path)
 
+    def adapter_counts(self) -> tuple[int, int]:
+        """(adapters in the bank's places now, adapters evicted from a place so far), for metrics."""
+        counts = getattr(self, "lora_counts", None)  # the engine process's parent: its child's, as reported
+        if counts is not None:
+            return counts
+        adapters = self.ctx.model.lora
+        return (0, 0) if adapters is None else (len(adapters.places), adapters.evictions)
+
+    def know_adapter(self, name: str, path: str, again: bool = False) -> bool:
+        """Know adapter `name` at `path`, as another replica was told to (a server's ingress sends
+        the path with each request): nothing where it is known at that path already (`again`: read
+        anew all the same), else read now; a name known already is unloaded first (its running rows
+        finish with what they had). Whether it was read."""
+        from pathlib import Path
+
+        known = self._adapters().known.get(name)
+        if known == Path(path) and not again:
+            return False
+        if known is not None:
+            self.unload_adapter(name)
+        self.load_adapter(name, path)
+        return True
+
     def unload_adapter(self, name: str) -> None:
         """Forget adapter `name`: KeyError where it is not known."""
         self._adapters().remove(name)

@@ -75,6 +75,7 @@ class EngineProcess(AdapterCalls):
         self.prefix = _PrefixStats() if options.prefix_cache_bytes else None
         self.preemptions = 0  # the child's batcher's, as its steps report them
         self.transfers = None  # the child's cache ledger (Ledger.stats), as its steps report it
+        self.lora_counts = (0, 0)  # the child's LoRA bank: adapters resident, evictions (adapter_counts)
         self.running = self.waiting = self.occupied = self.steps = 0
         self.interactive_running = 0  # the child's running rows of priority 0, as its last step message said
         self._requests: dict[int, _Request] = {}
@@ -210,7 +211,7 @@ class EngineProcess(AdapterCalls):
             while True:
                 events, counts, prefix = conn.recv()
                 (self.running, self.occupied, self.waiting, self.steps, self.preemptions,
-                 self.interactive_running, self.transfers) = counts
+                 self.interactive_running, self.transfers, self.lora_counts) = counts
                 if prefix is not None and self.prefix is not None:
                     self.prefix.queries, self.prefix.hits, self.prefix.bytes = prefix
                 for kind, rid, payload in events:
@@ -328,7 +329,7 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
     at the step boundary after: a compile never holds the loop."""
 
     conn = None  # set in the child before the loop starts
-    _last: tuple = (0, 0, 0, 0, 0, 0, None)  # the counts the parent has (its own start at nothing)
+    _last: tuple = (0, 0, 0, 0, 0, 0, None, (0, 0))  # the counts the parent has (its own start at nothing)
     requests: dict = {}  # the parent's id -> the live request (for its cancel)
     _compiler = None  # a ThreadPoolExecutor, once a constraint needs compiling
     _compiling: dict = {}  # the parent's id -> its job, while its constraint compiles
@@ -430,7 +431,8 @@ class _ForwardingBatcher(batching.ContinuousBatcher):
 
     def _flush(self) -> None:
         events, counts = _Forwarded.outbox, (self.running, self.occupied, self.waiting, self.steps, self.preemptions,
-                                             self.interactive_running, self.transfers if self.steps else None)
+                                             self.interactive_running, self.transfers if self.steps else None,
+                                             self.adapter_counts())
         if not events and counts == self._last:
             return
         _Forwarded.outbox, self._last = [], counts

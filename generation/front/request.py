@@ -27,7 +27,9 @@ class EngineRequest:
     to calls by a grammar; `echo` gives the prompt back first (with `prompt_logprobs`).
     `affinity`: the serving replica it would rather run on (a stored response's, whose prefix
     cache holds the conversation); `priority`: the scheduler's order, lower first (vLLM's), 0
-    interactive, batch rows above it."""
+    interactive, batch rows above it. `adapter_path`: where the LoRA adapter its `adapter` setting
+    names lives (a server's ingress sets it from the names every replica shares: a decoder replica
+    that does not know the adapter, or knows another one by that name, loads it from there first)."""
 
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
@@ -46,6 +48,7 @@ class EngineRequest:
     request_id: str | None = None
     affinity: str | None = None
     priority: int = 0
+    adapter_path: str | None = None
 
     def __post_init__(self):
         check_fields(self, RULES, NOT_NONE)
@@ -122,6 +125,7 @@ RULES = {
     "request_id": (lambda v: isinstance(v, str), "a string"),
     "affinity": (lambda v: isinstance(v, str) and len(v) <= MAX_AFFINITY, f"a string of at most {MAX_AFFINITY} characters"),
     "priority": (between(0, MAX_PRIORITY), f"an integer from 0 to {MAX_PRIORITY}"),
+    "adapter_path": (lambda v: isinstance(v, str) and 0 < len(v) <= 4096, "a path or hub id of at most 4096 characters"),
 }
 NOT_NONE = {"settings", "add_special_tokens", "add_generation_prompt", "parallel_tool_calls", "echo", "priority"}
 

@@ -48,7 +48,7 @@ def _jobs(body, card: dict, rid: str, chat: bool) -> list:
     jobs = []
     for p, prompt in enumerate(prompts):
         for j in range(body.n):
-            fields = generate_request(body, prompt, j, card.get("adapter"))
+            fields = generate_request(body, prompt, j, card.get("adapter"), card.get("adapter_path"))
             fields.update(request_id=f"{rid}-{p * body.n + j}", echo=not chat and body.echo)
             jobs.append((p if len(prompts) > 1 else None, typed(fields)))
     return jobs

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
-from ..edge import answers, body_of, read_json, request_id
+from ..edge import answers, body_of, read_json
 from ..ingress_state import IngressState, authorized, guarded
 from ..openai import LoadLoraRequest, UnloadLoraRequest
 from ..openai_replies import ModelInfo, ModelList
@@ -18,10 +18,9 @@ router = APIRouter()
 
 @router.get("/v1/models", responses=answers(ModelList, 401))
 async def list_models(state: IngressState = Depends(authorized)):
-    state.forget_card()  # adapters come and go
     card = await state.model_card()
-    return {"object": "list", "data": [_listed(card)] + [_listed(state.adapter_card(card, name))
-                                                          for name in card["adapters"]]}
+    names = await state.adapter_paths(fresh=True)  # adapters come and go
+    return {"object": "list", "data": [_listed(card)] + [_listed(state.adapter_card(card, name)) for name in names]}
 
 
 @router.get("/v1/models/{model_id:path}", responses=answers(ModelInfo, 401, 404))
@@ -33,7 +32,7 @@ async def get_model(model_id: str, state: IngressState = Depends(authorized)):
              responses=answers(None, 400, 401, 503, text=True))
 async def load_lora_adapter(request: Request, state: IngressState = Depends(guarded)):
     body = parse(LoadLoraRequest, await read_json(request, state.max_body))
-    await _adapter_call(state, state.calls.load_adapter, body.lora_name, body.lora_path)
+    await state.load_adapter(body.lora_name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -41,16 +40,9 @@ async def load_lora_adapter(request: Request, state: IngressState = Depends(guar
              responses=answers(None, 400, 401, 404, 503, text=True))
 async def unload_lora_adapter(request: Request, state: IngressState = Depends(guarded)):
     body = parse(UnloadLoraRequest, await read_json(request, state.max_body))
-    await _adapter_call(state, state.calls.unload_adapter, body.lora_name)
+    await state.unload_adapter(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-async def _adapter_call(state: IngressState, verb, *args) -> None:
-    try:
-        await verb(*args, request_id("lora-"))
-    finally:
-        state.forget_card()
-
-
 def _listed(card: dict) -> dict:
-    return {k: v for k, v in card.items() if k not in ("adapters", "adapter")}
+    return {k: v for k, v in card.items() if k not in ("adapters", "adapter", "adapter_path")}

@@ -25,7 +25,8 @@ STORED = (400, 401, 404, 503)
              responses=answers(ResponseObject, *ERRORS, stream=True))
 async def create_response(request: Request, state: IngressState = Depends(guarded)):
     async def run(body, card, rid):
-        answer = await state.responses.create(request, body, card["id"], rid, card.get("adapter"))
+        answer = await state.responses.create(request, body, card["id"], rid, card.get("adapter"),
+                                             card.get("adapter_path"))
         answer = JSONResponse(answer) if isinstance(answer, dict) else answer
         answer.headers[INGRESS_HEADER] = state.replica  # which ingress replica took it (any can continue it)
         return answer

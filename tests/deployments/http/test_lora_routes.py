@@ -125,3 +125,43 @@ def test_a_server_without_adapters_refuses_them_by_name(test_models):
                 assert answer.status_code == 400 and "max_loras" in answer.json()["error"]["message"]
 
         asyncio.run(run())
+
+
+def test_a_decoder_replica_reads_an_adapter_from_the_path_its_request_brings(test_models, adapters, peft, prompts_of):
+    """A run-time load reaches one decoder replica; the others learn the adapter from the first
+    request that names it (GenerateRequest.adapter_path, from the ingress's shared names): read
+    then, PEFT's tokens; a changed path is read anew; a path this replica cannot read is a 400
+    naming model, and the next request still runs; a third adapter in two places evicts the least
+    recently used (the metrics count loads, residents and evictions)."""
+    from deployments.app import Decoder
+    from deployments.schema import GenerateRequest
+
+    config = {"model": str(test_models["llama-optimum"]), "name": "tiny", "slots": 4, "threads": 1,
+              "max_loras": 2, "max_lora_rank": 8}
+    decoder = Decoder.func_or_class(config)
+    prompt = prompts_of((6,), seed=9)[0]
+    settings = {"max_new_tokens": MAX_NEW, "do_sample": False, "eos_token_id": []}
+
+    def ask(name: str, path: str | None):
+        request = GenerateRequest(prompt=prompt, settings={**settings, "adapter": name}, adapter_path=path)
+        return asyncio.run(decoder.generate(request))
+
+    try:
+        out = ask("x", str(adapters["a1"]))
+        assert out.finish.finish_reason == "length", out.finish
+        assert out.text == peft_tokens(peft, prompt, "a1")
+        assert ask("x", str(adapters["a1"])).text == out.text
+        assert ask("x", str(adapters["a3"])).text == peft_tokens(peft, prompt, "a3")  # the name now means another
+        refused = ask("y", "/nowhere/adapter")
+        assert refused.finish.finish_reason == "rejected" and refused.finish.field == "model", refused.finish
+        unknown = ask("z", None)  # no path and never loaded here: refused by name
+        assert unknown.finish.finish_reason == "rejected" and unknown.finish.field == "settings.adapter"
+        assert ask("x", str(adapters["a3"])).text == peft_tokens(peft, prompt, "a3")
+        assert ask("w", str(adapters["a2"])).text == peft_tokens(peft, prompt, "a2")  # the second place
+        assert ask("v", str(adapters["a1"])).text == peft_tokens(peft, prompt, "a1")  # x, least recent, leaves
+        metrics = decoder.metrics()
+        assert 'raymuter:lora_adapter_loads_total{model_name="tiny"} 4.0' in metrics
+        assert 'raymuter:lora_adapters_resident{model_name="tiny"} 2.0' in metrics
+        assert 'raymuter:lora_adapter_evictions_total{model_name="tiny"} 1.0' in metrics
+    finally:
+        decoder.__del__()
