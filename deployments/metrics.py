@@ -87,7 +87,7 @@ class DecoderMetrics:
                 r.register(_PrefixCache(model_name, batcher.prefix))
             r.register(_Preemptions(model_name, batcher))
             if callable(getattr(batcher, "adapter_names", None)):
-                one(Gauge("raymuter:lora_adapters", "LoRA adapters a request may name.", labels,
+                one(Gauge("raymuter:lora_adapters", "LoRA adapters this decoder replica knows by name (read from their folders).", labels,
                           registry=r)).set_function(lambda: len(batcher.adapter_names()))
                 r.register(_Adapters(model_name, batcher))
             r.register(_Transfers(model_name, batcher))
