@@ -1,15 +1,20 @@
 """The resident adapters: each projection's stacked A and B, the places adapters sit in, a run's feeds.
 
-Place p (1..places; 0 is "no adapter") holds, in each projection's buffers, the rows
-[(p - 1) * W, p * W) with W = blocks * max_rank (rewrite.py): block j is the j-th adapter module
-that reaches the projection, its lora_A [r, in] in A and its lora_B's columns of the projection's
-atoms, times its scaling, in B (zeros elsewhere: an adapter of smaller rank, or one that leaves
-the projection alone, adds exact zeros). A run of rows at places P feeds rows
-[(min(P) - 1) * W, max(P) * W) of each buffer: views, no copy.
+Place p (1..places; 0 is "no adapter") holds the adapter of rank r_p (its largest module's rank;
+0 for a place never written) in each projection's buffers at rows [W * (r_1 + ... + r_(p-1)),
+W * (r_1 + ... + r_p)), with W = the projection's blocks (rewrite.py): block j is the j-th adapter
+module that reaches the projection, its lora_A [r, in] in A and its lora_B's columns of the
+projection's atoms, times its scaling, in B (zeros elsewhere: a module of smaller rank, or one
+that leaves the projection alone, adds exact zeros). Places sit side by side at their own ranks,
+so a run multiplies no column of a rank-8 adapter's that a rank-16 place would have left empty;
+writing an adapter of another rank moves the later places' rows (`layout` counts it, so a decode's
+bound views are made again). A run of rows at places P feeds the rows from min(P)'s to max(P)'s:
+views, no copy.
 
-Example (one projection q|k|v, max_rank 8, an adapter at place 2 targeting q_proj and v_proj):
-its A rows 8..15 hold q_proj's lora_A, rows 16..23 v_proj's; its B rows 8..15 hold q_proj's
-lora_B^T * scaling in the q columns, rows 16..23 v_proj's in the v columns.
+Example (one projection q|k|v, W = 3, place 1 rank 8, an adapter of rank 4 at place 2 targeting
+q_proj and v_proj): place 2's rows are 24..35; A rows 24..27 hold q_proj's lora_A, rows 32..35
+v_proj's; its B rows 24..27 hold q_proj's lora_B^T * scaling in the q columns, rows 32..35 v_proj's
+in the v columns.
 """
 
 from __future__ import annotations
@@ -33,9 +38,29 @@ class LoraBank:
         self.a = {p.key: np.zeros((places * self._width(p), p.in_features), dtype) for p in projections}
         self.b = {p.key: np.zeros((places * self._width(p), p.out_features), dtype) for p in projections}
         self.adapters: dict[int, Adapter] = {}
+        self.ranks = np.zeros(places + 2, np.int64)  # [p]: place p's rank (0 and places + 1: none)
+        self.layout = 0  # counts the moves of places' rows
 
     def _width(self, projection: Projection) -> int:
         return len(projection.atoms) * self.max_rank
+
+    def _row(self, projection: Projection, place: int) -> int:
+        """The first row of `place` (1..places + 1: the end of the last) in the projection's buffers."""
+        return len(projection.atoms) * int(self.ranks[1:place].sum())
+
+    def _resize(self, place: int, rank: int) -> None:
+        """Give `place` `rank` columns per block, moving the later places' rows (zeros where they were)."""
+        for key, projection in self.projections.items():
+            blocks = len(projection.atoms)
+            start, old_end, end = (self._row(projection, place), self._row(projection, place + 1),
+                                   self._row(projection, self.places + 1))
+            new_end = start + blocks * rank
+            for buffer in (self.a[key], self.b[key]):
+                tail = buffer[old_end:end].copy()
+                buffer[start:max(end, new_end + len(tail))] = 0
+                buffer[new_end:new_end + len(tail)] = tail
+        self.ranks[place] = rank
+        self.layout += 1
 
     def _size(self, layer: int, atom: str) -> int:
         """The columns of `atom` (q, k, v, gate, ...) in layer `layer`, whatever projection packs it."""
@@ -74,13 +99,16 @@ class LoraBank:
         if not 1 <= place <= self.places:
             raise ValueError(f"place must be 1..{self.places}, not {place}")
         placed = self.check(adapter)
+        if adapter.rank != self.ranks[place]:
+            self._resize(place, adapter.rank)
         self.unload(place)
+        rank = adapter.rank
         for key, blocks in placed.items():
-            projection, width = self.projections[key], self._width(self.projections[key])
-            start = (place - 1) * width
+            projection = self.projections[key]
+            start = self._row(projection, place)
             offsets = np.cumsum((0,) + projection.sizes)
             for block, module, weights in blocks:
-                rows = slice(start + block * self.max_rank, start + block * self.max_rank + weights.rank)
+                rows = slice(start + block * rank, start + block * rank + weights.rank)
                 self.a[key][rows] = weights.a
                 _, atoms = module_place(module)
                 column = 0
@@ -95,9 +123,9 @@ class LoraBank:
 
     def unload(self, place: int) -> None:
         for key, projection in self.projections.items():
-            width = self._width(projection)
-            self.a[key][(place - 1) * width:place * width] = 0
-            self.b[key][(place - 1) * width:place * width] = 0
+            rows = slice(self._row(projection, place), self._row(projection, place + 1))
+            self.a[key][rows] = 0
+            self.b[key][rows] = 0
         self.adapters.pop(place, None)
 
     def prefix_key(self, prompt, place: int) -> list[int]:
@@ -116,14 +144,12 @@ class LoraBank:
         low, high = (int(used.min()), int(used.max()) + 1) if used.size else (1, 1)
         out = {}
         for key, projection in self.projections.items():
-            width = self._width(projection)
+            rows = slice(self._row(projection, low), self._row(projection, high))
             a, b = input_names(projection)
-            out[a] = self.a[key][(low - 1) * width:(high - 1) * width]
-            out[b] = self.b[key][(low - 1) * width:(high - 1) * width]
+            out[a] = self.a[key][rows]
+            out[b] = self.b[key][rows]
+        chosen = (places[:, None] == np.arange(low, high)[None, :]).astype(self.dtype)
         for blocks in {len(p.atoms) for p in self.projections.values()}:
-            # [n, places fed, W] -> [n, R]: 1 where a row's place is the block's
-            chosen = places[:, None] == np.arange(low, high)[None, :]
-            mask = np.repeat(chosen, blocks * self.max_rank, axis=1).astype(self.dtype)
-            out[MASK.format(blocks)] = mask
+            # [n, places fed] -> [n, R]: 1 on the columns of a row's own place
+            out[MASK.format(blocks)] = np.repeat(chosen, blocks * self.ranks[low:high], axis=1)
         return out
-

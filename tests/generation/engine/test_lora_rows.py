@@ -210,15 +210,16 @@ def test_the_prefix_cache_names_an_adapters_rows_by_the_adapter(folders, adapter
 
 def test_loads_unloads_and_evictions_while_rows_run_leave_their_tokens(folders, adapters, peft, prompts_of):
     model = load(folders, LAYOUTS[0], {"a1": adapters["llama"]["a1"], "a2": adapters["llama"]["a2"]}, max_loras=2)
-    batcher = batcher_of(model)
+    batcher = batcher_of(model, prefill_chunk_tokens=2)  # a3's prompt in chunks, between a1's steps
     long = 40
     try:
-        prompts = prompts_of((6, 9, 4, 7), seed=31)
+        prompts = prompts_of((6, 9, 4, 11), seed=31)
+        assert batcher.submit(prompts[2], settings={"max_new_tokens": 2, "adapter": "a2"}).result(timeout=60)
         running = [batcher.submit(prompts[0], settings={"max_new_tokens": long, "adapter": "a1"}),
                    batcher.submit(prompts[1], settings={"max_new_tokens": long})]
-        next(iter(running[0].events(timeout=60)))  # a1's row is running
-        assert batcher.submit(prompts[2], settings={"max_new_tokens": 2, "adapter": "a2"}).result(timeout=60)
-        batcher.load_adapter("a3", str(adapters["llama"]["a3"]))  # a2 is idle: a3 takes its place
+        next(iter(running[0].events(timeout=60)))  # a1's row is running, at place 2 (a2 has place 1)
+        batcher.load_adapter("a3", str(adapters["llama"]["a3"]))
+        # a2 is idle: a3 (rank 6) takes its place (rank 8), and a1's rows move while its row runs
         third = batcher.submit(prompts[3], settings={"max_new_tokens": MAX_NEW, "adapter": "a3"}).result(timeout=60)
         assert third.tokens == peft_greedy(peft["llama"], prompts[3], "a3")[0]
         batcher.unload_adapter("a1")  # its running row finishes with it
