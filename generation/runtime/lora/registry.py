@@ -36,10 +36,12 @@ class LoraSpec:
 
 @dataclass
 class Adapters:
-    """The known adapters (`known`: name -> folder) and the bank's places (`places`: name -> place)."""
+    """The known adapters (`known`: name -> the folder or hub id it was given; `folders`: name -> the
+    local folder that was read, a hub id's download) and the bank's places (`places`: name -> place)."""
 
     bank: LoraBank
     known: dict[str, Path] = field(default_factory=dict)
+    folders: dict[str, Path] = field(default_factory=dict)
     places: dict[str, int] = field(default_factory=dict)
     used: dict[str, int] = field(default_factory=dict)  # name -> the tick of its last use
     loads: int = 0
@@ -59,7 +61,7 @@ class Adapters:
         adapter = read_adapter(name, path)
         self.bank.check(adapter)
         with self._lock:
-            self.known[name] = Path(path)
+            self.known[name], self.folders[name] = Path(path), adapter.path
         return adapter
 
     def remove(self, name: str) -> None:
@@ -69,7 +71,7 @@ class Adapters:
             if name not in self.known:
                 raise KeyError(name)
             self.places.pop(name, None)
-            del self.known[name]
+            del self.known[name], self.folders[name]
             self.used.pop(name, None)
 
     def place(self, name: str, busy: set[int] = frozenset()) -> int:
@@ -97,7 +99,8 @@ class Adapters:
             free = [self.places.pop(victim)]
             self.evictions += 1
             log.info("adapter %r leaves place %d for %r", victim, free[0], name)
-        self.bank.load(read_adapter(name, self.known[name]), free[0])
+        # the folder read at `add` (a hub id is not fetched again on the loop's thread)
+        self.bank.load(read_adapter(name, self.folders[name]), free[0])
         self.places[name] = free[0]
         self.loads += 1
         return free[0]

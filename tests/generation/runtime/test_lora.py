@@ -131,3 +131,28 @@ def test_a_hub_id_that_cannot_be_fetched_names_lora_path(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(AdapterError, match="^lora_path 'org/no-such-adapter' is not a local folder, and downloading"):
         read_adapter("x", "org/no-such-adapter")
+
+
+def test_a_hub_adapter_is_fetched_once_when_known_not_again_when_placed(test_models, llama_adapters, monkeypatch):
+    """A hub id is downloaded where the adapter is read and checked (a server's thread); taking a
+    place (on the batching loop's thread) reads the folder that download gave."""
+    import huggingface_hub
+    import onnx
+
+    from generation.runtime.lora.bank import LoraBank
+    from generation.runtime.lora.registry import Adapters
+    from generation.runtime.lora.rewrite import add_lora
+
+    fetched = []
+
+    def snapshot_download(repo_id, allow_patterns=None):
+        fetched.append(repo_id)
+        return str(llama_adapters["a1"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    config = json.loads((test_models["hf/llama"] / "config.json").read_text())
+    projections, _ = add_lora(onnx.load(str(test_models["llama-optimum"] / "model.onnx")), config)
+    adapters = Adapters(LoraBank(projections, 2, 8))
+    adapters.add("x", "org/x-adapter")
+    assert adapters.place("x") == 1 and adapters.known["x"].as_posix() == "org/x-adapter"
+    assert fetched == ["org/x-adapter"]
