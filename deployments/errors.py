@@ -12,7 +12,10 @@ class RequestError(ValueError):
     wrong ("prompt", "messages.0.content.1", "settings.top_k"; HTTP 400), None where no field is
     to blame; `predicate` what the message says of it after its name, where the engine front
     gave one (generation.front.Refused: an OpenAI route then puts its own name for the field
-    before it). Always given by the raiser, never read back from the message."""
+    before it). Always given by the raiser, never read back from the message. `status`: its HTTP
+    status wherever it becomes an answer (errors.refusal, the ingress's calls)."""
+
+    status = 400
 
     def __init__(self, message: str, field: str | None, predicate: str | None = None):
         super().__init__(message)
@@ -23,8 +26,10 @@ class RequestError(ValueError):
 
 
 class NotFound(RequestError):
-    """A request names a stored thing that is not there: an unknown or deleted file or batch
-    (HTTP 404 naming the field that named it)."""
+    """A request names a stored thing that is not there: an unknown or deleted file or batch, a
+    LoRA adapter not loaded (HTTP 404 naming the field that named it)."""
+
+    status = 404
 
 
 def refusal(error: RequestError | Overloaded) -> Finish:
@@ -33,5 +38,4 @@ def refusal(error: RequestError | Overloaded) -> Finish:
     an exception (which a replica would log as its own failure)."""
     if isinstance(error, Overloaded):
         return rejected(str(error), 503)
-    return rejected(str(error), 404 if isinstance(error, NotFound) else 400, error.field,
-                    getattr(error, "predicate", None))
+    return rejected(str(error), error.status, error.field, getattr(error, "predicate", None))

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from ..errors import NotFound, RequestError
+from ..errors import RequestError
 from ..services.batches import ENDPOINTS
 from ..services.files import EXPIRES_AFTER
 from .decoder_calls import cause_of, replica_lost
@@ -232,8 +232,8 @@ class BatchCalls:
         except Exception as e:  # noqa: BLE001
             cause = cause_of(e)
             if isinstance(cause, RequestError):
-                status, code = (404, "not_found") if isinstance(cause, NotFound) else (400, None)
-                raise ApiError(status, str(cause), param=cause.field, code=code) from None
+                raise ApiError(cause.status, str(cause), param=cause.field,
+                               code="not_found" if cause.status == 404 else None) from None
             if replica_lost(cause):
                 raise ApiError(503, f"the Records replica is restarting; retry after {RETRY_AFTER_SECONDS} s",
                                kind="server_overloaded") from None

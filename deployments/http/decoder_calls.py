@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..errors import NotFound, Overloaded, RequestError
+from ..errors import Overloaded, RequestError
 from generation.front import Finish, Generation
 
 from ..schema import EmbedRequest, EmbedResponse, GenerateRequest
@@ -76,7 +76,7 @@ def api_error_of(error: BaseException, request_id_: str) -> ApiError:
     if isinstance(cause, ApiError):
         return cause
     if isinstance(cause, RequestError):
-        return ApiError(404 if isinstance(cause, NotFound) else 400, str(cause), param=cause.field)
+        return ApiError(cause.status, str(cause), param=cause.field)
     if isinstance(cause, (Overloaded, BackPressureError)):
         return busy(cause)
     if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
