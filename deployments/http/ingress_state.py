@@ -79,17 +79,19 @@ class IngressState:
         card = await self.model_card()
         if model == card["id"]:
             return card
-        paths = await self.adapter_paths()
-        if model not in paths:
-            paths = await self.adapter_paths(fresh=True)
+        paths = await self.adapter_paths(wanted=model)
         self.check_model(model, {**card, "adapters": list(paths)}, param)
         return self.adapter_card(card, model, paths[model])
 
-    async def adapter_paths(self, fresh: bool = False) -> dict:
+    async def adapter_paths(self, fresh: bool = False, wanted=None) -> dict:
         """The LoRA adapters a request may name -> where each lives: the shared names (asked again
         after ADAPTER_NAMES_SECONDS, or now where `fresh`: an unload through another ingress replica
         reaches this one within that time), or the decoder's own card's (paths None: that decoder
-        knows them) where this ingress has no shared names."""
+        knows them) where this ingress has no shared names. `wanted`: a name asked again at once
+        where the names at hand lack it (loaded since)."""
+        if wanted is not None and not fresh:
+            paths = await self.adapter_paths()
+            return paths if wanted in paths else await self.adapter_paths(fresh=True)
         if self.adapters is None:
             if fresh:
                 self.forget_card()
@@ -134,9 +136,7 @@ class IngressState:
         name = request.settings.get("adapter")
         if name is None or request.adapter_path is not None or self.adapters is None:
             return request
-        paths = await self.adapter_paths()
-        if name not in paths:
-            paths = await self.adapter_paths(fresh=True)
+        paths = await self.adapter_paths(wanted=name)
         return request if paths.get(name) is None else dataclasses.replace(request, adapter_path=paths[name])
 
     def forget_adapters(self) -> None:

@@ -30,9 +30,6 @@ class AdapterCalls:
 
     def adapter_counts(self) -> tuple[int, int]:
         """(adapters in the bank's places now, adapters evicted from a place so far), for metrics."""
-        counts = getattr(self, "lora_counts", None)  # the engine process's parent: its child's, as reported
-        if counts is not None:
-            return counts
         adapters = self.ctx.model.lora
         return (0, 0) if adapters is None else (len(adapters.places), adapters.evictions)
 

@@ -176,6 +176,10 @@ class EngineProcess(AdapterCalls):
         self._send(("lora_unload", name))
         self._restart_with_adapters()
 
+    def adapter_counts(self) -> tuple[int, int]:
+        """The child's, as its last step message gave them (its bank places the adapters)."""
+        return self.lora_counts
+
     def _restart_with_adapters(self) -> None:
         """A child started after this one loads the adapters known now."""
         known = {name: str(path) for name, path in self.ctx.model.lora.known.items()}
