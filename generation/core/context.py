@@ -41,9 +41,24 @@ class Context:
         return self.model.max_context or 1 << 30
 
     def with_settings(self, **overrides) -> Settings:
-        """Settings for one request: this context's settings with `overrides` (validated)."""
+        """Settings for one request: this context's settings with `overrides` (validated, an
+        adapter against the model's known ones too)."""
         base = {k: getattr(self.settings, k) for k in self.settings.__dataclass_fields__}
-        return make_settings(base, overrides, self.model.vocab_size, self.model.max_context)
+        settings = make_settings(base, overrides, self.model.vocab_size, self.model.max_context)
+        check_adapter(self.model, settings.adapter)
+        return settings
+
+
+def check_adapter(model, name: str | None) -> None:
+    """SettingError naming `adapter` where `model` does not know adapter `name` (None: the base)."""
+    if name is None:
+        return
+    known = getattr(model, "lora", None)
+    if known is None:
+        raise SettingError("adapter", f"adapter {name!r}: this model was loaded without LoRA adapters (max_loras)")
+    if name not in known.known:
+        raise SettingError("adapter", f"adapter {name!r} is not one this model knows "
+                                      f"({', '.join(sorted(known.known)) or 'none loaded'})")
 
 
 def context(model: Model, *, cache_mode: str | None = None, prompt_steps: str = DEFAULT_PROMPT_STEPS,

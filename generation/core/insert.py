@@ -17,7 +17,7 @@ from ..params.settings import Settings
 from ..params.checks import SettingError
 from ..runtime.encoders import EncoderOutputs
 from ..search.beam import BeamGroup, advance_groups, beam_min_keep, new_group
-from .context import Context
+from .context import Context, check_adapter
 from .rows import encoder_ids_of, ends, prompt_inputs, row_settings_of, select_rows, stop_matchers_of
 from .state import DecodeState, Prefix, StepTokens, free_group, free_slot, with_logprobs
 
@@ -93,18 +93,6 @@ def set_places(state: DecodeState, slots, places) -> None:
     rows = getattr(state.cache, "lora", None)
     if rows is not None:
         rows.set(slots, 0 if places is None else places)
-
-
-def check_adapter(model, name: str | None) -> None:
-    """SettingError naming `adapter` where `model` does not know adapter `name` (None: the base)."""
-    if name is None:
-        return
-    known = getattr(model, "lora", None)
-    if known is None:
-        raise SettingError("adapter", f"adapter {name!r}: this model was loaded without LoRA adapters (max_loras)")
-    if name not in known.known:
-        raise SettingError("adapter", f"adapter {name!r} is not one this model knows "
-                                      f"({', '.join(sorted(known.known)) or 'none loaded'})")
 
 
 def hold_place(ctx: Context, state: DecodeState, slot: int, settings: Settings) -> int:

@@ -37,7 +37,6 @@ from ..assisted.verify import verify
 from ..cache.cross import FirstStepStore
 from ..cache.prefix import PrefixStore
 from ..core.context import Context, assisted_refusal
-from ..core.insert import check_adapter
 from ..core.state import StepTokens, new_state, release, row_eos_logprob, row_logprobs, row_tokens
 from ..core.step import advance, step
 from ..logits.constraints import DeadEnd, Grammars
@@ -149,7 +148,6 @@ class Scheduler(Admission, KVBudget, ChunkedPrefill, Preemption, KeptAnswers):
             raise SettingError("prompt_lookup_num_tokens", refusal)
         if resolved.structured_outputs is not None:
             Grammars.of(ctx).check(resolved.structured_outputs)
-        check_adapter(ctx.model, resolved.adapter)
         if resolved.num_beams > self.slots:
             raise SettingError("num_beams", f"num_beams: {resolved.num_beams} beams need as many slots; this decoder "
                                             f"has {self.slots}")

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings as hyp_settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings as hyp_settings, strategies as st
 from transformers.generation import logits_process as lp
 
 import generation
@@ -236,6 +236,7 @@ FIELDS = sorted(Settings.__dataclass_fields__)
 
 @hyp_settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from(FIELDS + ["guidance_scale", "frobnicate"]), json_like, min_size=1, max_size=3))
+@example(overrides={"adapter": "0"})  # a LoRA adapter the model does not know: refused when validated, not admitted
 def test_validation_raises_only_setting_errors_and_what_it_accepts_admits(ctx, overrides):
     try:
         settings = ctx.with_settings(**overrides)
