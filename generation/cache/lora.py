@@ -3,7 +3,7 @@
 A model loaded with LoRA (runtime.lora) runs every decoder run with its rows' places in the
 adapter bank. The in_place and append caches keep a `LoraRows` as `cache.lora` (None for a model
 without adapters): the decode runs bind the places' inputs (`bind`, again only when a row's place
-changed or the bank moved places' rows), and a prompt run into slots feeds those slots' (`feeds`)."""
+changed), and a prompt run into slots feeds those slots' (`feeds`)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class LoraRows:
     def bind(self, binding, rows: int) -> None:
         """The inputs of a decode run over slots [0, rows) on `binding`, bound again only where a
         place changed since this binding last ran."""
-        key = (rows, self.version, self.bank.layout)  # a load that moved places' rows: views made again
+        key = (rows, self.version)
         if getattr(binding, "lora_key", None) != key:
             for name, array in self.feeds(self.places[:rows]).items():
                 binding.input(name, array)

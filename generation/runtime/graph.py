@@ -91,9 +91,9 @@ class DecoderGraph:
     # exports): a float rounding apart becomes a quantized step apart, which grows through the
     # layers, so a decode step's cache rows are not a prompt run's (core/keep.py)
     quantized_activations: bool = False
-    # the LoRA inputs of a graph loaded with adapters (runtime.lora.rewrite): (name, its last
-    # dimension; 0 for a mask), so a run that names no adapter feeds empty ones (`no_adapter`)
-    lora_inputs: tuple[tuple[str, int], ...] = ()
+    # the LoRA inputs of a graph loaded with adapters (runtime.lora.rewrite): (name, its shape, -1
+    # where dynamic), so a run that names no adapter feeds empty ones (`no_adapter`)
+    lora_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def is_seq2seq(self) -> bool:
@@ -113,8 +113,9 @@ class DecoderGraph:
 
     def no_adapter(self, rows: int) -> dict[str, np.ndarray]:
         """The LoRA inputs of a run of `rows` rows none of which has an adapter: empty products."""
-        return {name: np.zeros((rows, 0) if not width else (0, width), self.input_dtypes[name])
-                for name, width in self.lora_inputs}
+        from .lora.rewrite import empty_feeds
+
+        return empty_feeds(self.lora_inputs, rows, self.input_dtypes)
 
 
 def _present_name(past: str, outputs: set[str], present_names: dict[str, str]) -> str:
@@ -188,7 +189,7 @@ def read_graph(path: Path, session, config: dict, present_names: dict[str, str] 
         has_logits_positions="logits_positions" in ins,
         prompts_by_length=any(n.op_type == "DynamicQuantizeLinear" for n in flatten(nodes)),
         quantized_activations=any(n.op_type in QUANTIZED_ACTIVATIONS for n in flatten(nodes)),
-        lora_inputs=tuple((n, 0 if n.startswith("lora.mask.") else int(i.shape[1])) for n, i in ins.items()
+        lora_inputs=tuple((n, tuple(d if isinstance(d, int) else -1 for d in i.shape)) for n, i in ins.items()
                           if n.startswith("lora.")),
     )
 

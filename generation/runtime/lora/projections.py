@@ -99,22 +99,22 @@ def distinct(found: list) -> list[Projection]:
 
 def from_inputs(lora_inputs, config: dict) -> list[Projection]:
     """The projections of a graph rewrite.add_lora gave LoRA inputs, read back off those inputs
-    (DecoderGraph.lora_inputs: `lora.<layer>.<atoms>.a` [rows, in], `.b` [rows, out]) and config.json
-    (how a packed q|k|v splits its columns): no second read of the graph's file."""
-    widths = dict(lora_inputs)
+    (DecoderGraph.lora_inputs: `lora.<layer>.<atoms>.a` [groups, in, K], `.b` [groups, K, out]) and
+    config.json (how a packed q|k|v splits its columns): no second read of the graph's file."""
+    shapes = dict(lora_inputs)
     d = dims(config)
     out = []
-    for name in widths:
+    for name in shapes:
         if not (name.startswith("lora.") and name.endswith(".a")):
             continue
         layer, _, joined = name[len("lora."):-len(".a")].partition(".")
-        atoms, columns = tuple(joined.split("_")), widths[name[:-len(".a")] + ".b"]
+        atoms, columns = tuple(joined.split("_")), shapes[name[:-len(".a")] + ".b"][2]
         sizes = {("q", "k", "v"): (d["q"], d["kv"], d["kv"]), ("gate", "up"): (columns // 2, columns // 2)}.get(
             atoms, (columns,))
         if sum(sizes) != columns:
             raise AdapterError(f"the decoder graph's {joined} projection of layer {layer} gives {columns} columns, "
                                f"where config.json's heads give {sum(sizes)}")
-        out.append(Projection(int(layer), atoms, sizes, widths[name]))
+        out.append(Projection(int(layer), atoms, sizes, shapes[name][1]))
     return out
 
 

@@ -127,6 +127,45 @@ def test_rows_without_an_adapter_run_the_graph_as_it_was(test_models, prompts_of
     np.testing.assert_array_equal(rewritten.run(["logits"], {**feeds, **bank.feeds(np.zeros(2, np.int64))})[0], base)
 
 
+def test_a_run_groups_its_rows_by_place_and_each_row_gets_what_it_gets_alone(test_models, llama_adapters,
+                                                                               prompts_of):
+    """Rows at places 0, 3, 3, 1, 0 (place 2 holds an adapter no row uses): each place's rows are
+    one group, padded to the largest, and each row's logits are those of the row run alone."""
+    import onnx
+    import onnxruntime as ort
+
+    from generation.runtime.lora.bank import LoraBank
+    from generation.runtime.lora.rewrite import ROWS, SLOTS, add_lora
+
+    path = test_models["llama-optimum"] / "model.onnx"
+    config = json.loads((test_models["hf/llama"] / "config.json").read_text())
+    model = onnx.load(str(path))
+    projections, _ = add_lora(model, config)
+    session = ort.InferenceSession(model.SerializeToString())
+    bank = LoraBank(projections, 3, 8)
+    for place, name in zip((1, 2, 3), sorted(llama_adapters)):
+        bank.load(read_adapter(name, llama_adapters[name]), place)
+    places = np.array([0, 3, 3, 1, 0])
+    feeds = bank.feeds(places)
+    np.testing.assert_array_equal(feeds[ROWS], [[0, 4], [3, 0], [0, 0], [1, 2]])  # padding: row 0, read by none
+    np.testing.assert_array_equal(feeds[SLOTS], [[0, 0], [3, 0], [3, 1], [1, 0], [0, 1]])
+    assert all(feeds[f"lora.{p.key}.a"].shape[0] == 4 for p in projections)
+    ids = np.array(prompts_of((6,) * 5, seed=4), np.int64)
+
+    def run(rows, at):
+        inputs = {"input_ids": ids[rows], "attention_mask": np.ones_like(ids[rows]),
+                  "position_ids": np.tile(np.arange(6), (len(rows), 1)), **bank.feeds(at)}
+        inputs.update({i.name: np.zeros((len(rows), 2, 0, 16), np.float32) for i in session.get_inputs()
+                       if i.name.startswith("past")})
+        return session.run(["logits"], inputs)[0]
+
+    together = run(list(range(5)), places)
+    alone = np.concatenate([run([r], places[r:r + 1]) for r in range(5)])
+    np.testing.assert_allclose(together, alone, rtol=0, atol=1e-5)
+    for row in (1, 3):  # the adapter changes the row
+        assert not np.allclose(together[row], run([row], np.array([0]))[0], atol=1e-3)
+
+
 def test_a_hub_id_that_cannot_be_fetched_names_lora_path(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(AdapterError, match="^lora_path 'org/no-such-adapter' is not a local folder, and downloading"):
