@@ -3,8 +3,9 @@
 Invariant: an adapter's modules, ranks and scalings are PEFT's own (its LoraModel's `scaling` per
 module, rsLoRA and the rank / alpha patterns included), from float32 or bfloat16 weights; every
 setting whose effect the engine does not apply is refused naming it; each layout's projections
-read as the model's layers (q, k, v or q|k|v, o, gate and up or gate|up, down), and a run of
-rows without an adapter gives the logits of the graph without the rewrite, bit for bit.
+read as the model's layers (q, k, v or q|k|v, o, gate and up or gate|up, down); a run of rows
+without an adapter gives the logits of the graph without the rewrite, bit for bit, and a run
+mixing places gives each row the logits it gets alone (rows grouped by place, read back per row).
 """
 
 from __future__ import annotations
