@@ -208,7 +208,8 @@ class Decoder:
         name = request.settings.get("adapter")
         if name is None or request.adapter_path is None:
             return
-        await asyncio.to_thread(self.generator.know_adapter, name, request.adapter_path)
+        if not self.generator.knows_adapter(name, request.adapter_path):  # a read: off the event loop
+            await asyncio.to_thread(self.generator.know_adapter, name, request.adapter_path)
         if self.held_adapters is not None:
             await self.held_adapters(name)
 

@@ -138,6 +138,11 @@ class TextGenerator:
         request. RequestError naming model where this replica cannot read it."""
         self._know_adapter(name, path, False, lambda e: "model")
 
+    def knows_adapter(self, name: str, path: str) -> bool:
+        """Whether this replica knows adapter `name` at `path` already (no read needed)."""
+        knows = getattr(self.batcher, "knows_adapter", None)
+        return knows is not None and knows(name, path)
+
     def _know_adapter(self, name: str, path: str, again: bool, field) -> None:
         know = getattr(self.batcher, "know_adapter", None)
         if know is None:

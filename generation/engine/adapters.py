@@ -33,6 +33,14 @@ class AdapterCalls:
         adapters = self.ctx.model.lora
         return (0, 0) if adapters is None else (len(adapters.places), adapters.evictions)
 
+    def knows_adapter(self, name: str, path: str) -> bool:
+        """Whether adapter `name` is known at `path` already: a dict's lookup, so a server asks
+        it on its event loop and reads (`know_adapter`, on a thread) only where not."""
+        from pathlib import Path
+
+        adapters = self.ctx.model.lora
+        return adapters is not None and adapters.known.get(name) == Path(path)
+
     def know_adapter(self, name: str, path: str, again: bool = False) -> bool:
         """Know adapter `name` at `path`, as another replica was told to (a server's ingress sends
         the path with each request): nothing where it is known at that path already (`again`: read

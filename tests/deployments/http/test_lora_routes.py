@@ -132,7 +132,8 @@ def test_a_decoder_replica_reads_an_adapter_from_the_path_its_request_brings(tes
     request that names it (GenerateRequest.adapter_path, from the ingress's shared names): read
     then, PEFT's tokens; a changed path is read anew; a path this replica cannot read is a 400
     naming model, and the next request still runs; a third adapter in two places evicts the least
-    recently used (the metrics count loads, residents and evictions)."""
+    recently used (the metrics count loads, residents and evictions). A request of an adapter
+    known at its path reads nothing."""
     from deployments.app import Decoder
     from deployments.schema import GenerateRequest
 
@@ -150,8 +151,13 @@ def test_a_decoder_replica_reads_an_adapter_from_the_path_its_request_brings(tes
         out = ask("x", str(adapters["a1"]))
         assert out.finish.finish_reason == "length", out.finish
         assert out.text == peft_tokens(peft, prompt, "a1")
+        reads = []
+        know = decoder.generator.know_adapter
+        decoder.generator.know_adapter = lambda *a: reads.append(a) or know(*a)
         assert ask("x", str(adapters["a1"])).text == out.text
+        assert reads == []  # known at that path: no read, no hop to a thread
         assert ask("x", str(adapters["a3"])).text == peft_tokens(peft, prompt, "a3")  # the name now means another
+        assert reads == [("x", str(adapters["a3"]))]
         refused = ask("y", "/nowhere/adapter")
         assert refused.finish.finish_reason == "rejected" and refused.finish.field == "model", refused.finish
         unknown = ask("z", None)  # no path and never loaded here: refused by name
