@@ -112,22 +112,22 @@ class LoraBank:
         """The inputs of a run whose rows sit at `places` [n] (0: no adapter): the places from the
         lowest to the highest, each a group of the rows at it (rewrite.py)."""
         places = np.asarray(places, np.int64)
-        if not places.any():
-            low, high, width = 0, 1, 0  # no adapter: K = 0, one group of one row (rewrite.empty_feeds)
+        if not places.any():  # no adapter: K = 0, one group of one row (as rewrite.empty_feeds)
+            low, high, width = 0, 1, 0
+            rows, slots = np.zeros((1, 1), np.int64), np.zeros((len(places), 2), np.int64)
         else:
             low, high, width = int(places.min()), int(places.max()) + 1, None
-        group = places - low
-        counts = np.bincount(group, minlength=high - low)
-        order = np.argsort(group, kind="stable")
-        index = np.arange(len(places)) - np.repeat(np.cumsum(counts) - counts, counts)  # in its group, by order
-        rows = np.zeros((high - low, max(1, int(counts.max()))), np.int64)
-        slots = np.zeros((len(places), 2), np.int64)
-        if width is None:
+            group = places - low
+            counts = np.bincount(group, minlength=high - low)
+            order = np.argsort(group, kind="stable")
+            index = np.arange(len(places)) - np.repeat(np.cumsum(counts) - counts, counts)  # in its group
+            rows = np.zeros((high - low, int(counts.max())), np.int64)  # padding: row 0, read by none
             rows[group[order], index] = order
+            slots = np.zeros((len(places), 2), np.int64)
             slots[order, 0], slots[order, 1] = group[order], index
         out = {ROWS: rows, SLOTS: slots}
-        for key in self.projections:
-            a, b = input_names(self.projections[key])
+        for key, projection in self.projections.items():
+            a, b = input_names(projection)
             out[a] = self.a[key][low:high, :, :width]
             out[b] = self.b[key][low:high, :width]
         return out

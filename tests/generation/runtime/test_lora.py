@@ -150,6 +150,8 @@ def test_a_run_groups_its_rows_by_place_and_each_row_gets_what_it_gets_alone(tes
     feeds = bank.feeds(places)
     np.testing.assert_array_equal(feeds[ROWS], [[0, 4], [3, 0], [0, 0], [1, 2]])  # padding: row 0, read by none
     np.testing.assert_array_equal(feeds[SLOTS], [[0, 0], [3, 0], [3, 1], [1, 0], [0, 1]])
+    none = bank.feeds(np.zeros(5, np.int64))  # no adapter: one group of one row, K = 0
+    assert none[ROWS].shape == (1, 1) and none[f"lora.{projections[0].key}.a"].shape[2] == 0
     assert all(feeds[f"lora.{p.key}.a"].shape[0] == 4 for p in projections)
     ids = np.array(prompts_of((6,) * 5, seed=4), np.int64)
 
