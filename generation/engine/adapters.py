@@ -46,12 +46,9 @@ class AdapterCalls:
         the path with each request): nothing where it is known at that path already (`again`: read
         anew all the same), else read now; a name known already is unloaded first (its running rows
         finish with what they had). Whether it was read."""
-        from pathlib import Path
-
-        known = self._adapters().known.get(name)
-        if known == Path(path) and not again:
+        if not again and self.knows_adapter(name, path):
             return False
-        if known is not None:
+        if name in self._adapters().known:
             self.unload_adapter(name)
         self.load_adapter(name, path)
         return True

@@ -37,7 +37,7 @@ returned untouched.
 
 from __future__ import annotations
 
-from .onnx_graph import graphs
+from .onnx_graph import default_opset, graphs
 
 QUANTIZE = "DynamicQuantizeLinear"
 
@@ -47,7 +47,7 @@ def rows_apart(model) -> tuple[int, str | None]:
     decoder's If branches too) to take its scale and zero point per batch row (axis 0). Returns
     (how many were rewritten, None), or (0, why not) where one is read outside the pattern
     (nothing changed); (0, None) for a graph that has none."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = default_opset(model)
     found = []
     for graph in graphs(model.graph):
         quantizers = [n for n in graph.node if n.op_type == QUANTIZE and n.domain in ("", "ai.onnx")]

@@ -121,3 +121,9 @@ def graphs(graph):
         for attribute in node.attribute:
             for sub in ([attribute.g] if attribute.type == attribute.GRAPH else list(attribute.graphs)):
                 yield from graphs(sub)
+
+
+def default_opset(model, missing: int = 0) -> int:
+    """The version of the default (ai.onnx) domain an onnx ModelProto imports; `missing` where it
+    imports none (runtime.int8_rows, runtime.quantize, runtime.lora.rewrite)."""
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), missing)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ModelError
-from .onnx_graph import graphs
+from .onnx_graph import default_opset, graphs
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ def quantize_graph(model, ranges: dict[str, np.ndarray] | None = None) -> int:
     rewritten; a weight read by anything else besides MatMuls is kept too."""
     from onnx import numpy_helper
 
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = default_opset(model)
     if opset < 13:
         raise QuantizeError(f"its opset {opset} is older than 13 (Clip and ReduceMax as the rewrite writes them)")
     weights = {t.name: t for t in _initializers(model) if t.data_type == 1 and len(t.dims) == 2}

@@ -19,7 +19,7 @@ import numpy as np
 
 from .adapter import Adapter, AdapterError
 from .projections import Projection, module_place
-from .rewrite import ROWS, SLOTS, input_names
+from .rewrite import ROWS, SLOTS, input_names, one_empty_group
 
 
 class LoraBank:
@@ -112,9 +112,9 @@ class LoraBank:
         """The inputs of a run whose rows sit at `places` [n] (0: no adapter): the places from the
         lowest to the highest, each a group of the rows at it (rewrite.py)."""
         places = np.asarray(places, np.int64)
-        if not places.any():  # no adapter: K = 0, one group of one row (as rewrite.empty_feeds)
+        if not places.any():  # no adapter: K = 0 (as rewrite.empty_feeds)
             low, high, width = 0, 1, 0
-            rows, slots = np.zeros((1, 1), np.int64), np.zeros((len(places), 2), np.int64)
+            out = one_empty_group(len(places))
         else:
             low, high, width = int(places.min()), int(places.max()) + 1, None
             group = places - low
@@ -125,7 +125,7 @@ class LoraBank:
             rows[group[order], index] = order
             slots = np.zeros((len(places), 2), np.int64)
             slots[order, 0], slots[order, 1] = group[order], index
-        out = {ROWS: rows, SLOTS: slots}
+            out = {ROWS: rows, SLOTS: slots}
         for key, projection in self.projections.items():
             a, b = input_names(projection)
             out[a] = self.a[key][low:high, :, :width]

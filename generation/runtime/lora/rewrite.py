@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..onnx_graph import default_opset
 from .adapter import AdapterError
 from .projections import Projection, distinct, find_projections
 
@@ -39,16 +40,21 @@ def input_names(projection: Projection) -> tuple[str, str]:
     return f"lora.{projection.key}.a", f"lora.{projection.key}.b"
 
 
+def one_empty_group(rows: int) -> dict[str, np.ndarray]:
+    """`lora.rows` and `lora.slots` of a run of `rows` rows none of which has an adapter: one group
+    of one row (row 0), which every row reads (its product, with K = 0, is zeros)."""
+    return {ROWS: np.zeros((1, 1), np.int64), SLOTS: np.zeros((rows, 2), np.int64)}
+
+
 def empty_feeds(lora_inputs, rows: int, dtypes: dict) -> dict[str, np.ndarray]:
-    """The LoRA inputs of a run of `rows` rows none of which has an adapter (lora_inputs: the
-    graph's (name, shape; -1 where dynamic)): K = 0, every row reading the one empty group."""
-    out = {}
+    """The LoRA inputs of a run of `rows` rows none of which has an adapter, from the graph's
+    (lora_inputs: (name, shape; -1 where dynamic); none for a graph without adapters): one empty
+    group, A [1, in, 0], B [1, 0, out]."""
+    if not lora_inputs:
+        return {}
+    out = one_empty_group(rows)
     for name, shape in lora_inputs:
-        if name == ROWS:
-            out[name] = np.zeros((1, 1), np.int64)
-        elif name == SLOTS:
-            out[name] = np.zeros((rows, 2), np.int64)
-        else:  # A [1, in, 0] or B [1, 0, out]
+        if name not in out:
             out[name] = np.zeros(tuple(1 if i == 0 else max(d, 0) for i, d in enumerate(shape)), dtypes[name])
     return out
 
@@ -87,22 +93,24 @@ def add_lora(model, config: dict) -> tuple[list[Projection], int]:
         top.input.append(helper.make_tensor_value_info(b, elem, ["lora_groups", width, projection.out_features]))
     top.input.append(helper.make_tensor_value_info(ROWS, TensorProto.INT64, ["lora_groups", "lora_group_rows"]))
     top.input.append(helper.make_tensor_value_info(SLOTS, TensorProto.INT64, ["batch", 2]))
-    front = _token_indices(model, helper, TensorProto)
+    front = _token_indices(model)
     for i, node in enumerate(front):
         top.node.insert(i, node)
     return projections, elem
 
 
-def _token_indices(model, helper, TensorProto) -> list:
+def _token_indices(model) -> list:
     """The nodes, run once per run, that make the rows' indices per token of a run of T tokens:
     `lora/tokens` [G, n_g T, 2] (row, t), what each group reads of x [n, T, in]; `lora/token_slots`
     [n, T, 2] (group, index * T + t), where each row's tokens are in a group's products."""
+    from onnx import TensorProto, helper
+
     names = {i.name for i in model.graph.input}
     source = next((n for n in ("input_ids", "inputs_embeds") if n in names), None)
     if source is None:
         raise AdapterError("the decoder graph has neither input_ids nor inputs_embeds: its run's token count "
                            "cannot be read for the adapters' path")
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    opset = default_opset(model, 13)
     const = model.graph.initializer
     for name, values in (("lora/c1", [1]), ("lora/c2", [2]), ("lora/cm1", [-1]), ("lora/pairs", [0, -1, 2]),
                          ("lora/split", [1, 1])):
