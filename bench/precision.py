@@ -321,7 +321,7 @@ def main(argv=None) -> int:
             system.close()
     print(f"\nOffline tok/s (SmolLM2-135M; {args.prompt}-token prompts, {args.new} new, eos ignored; median of "
           f"{args.repeats}, alternating{'; vLLM bound to every core' if args.vllm_bind == 'all' else ''})\n")
-    ref = "vllm-bfloat16" if args.vllm else "fp32"
+    ref = "vllm-bfloat16" if args.vllm else "fp32" if "fp32" in systems else next(iter(systems))
     print("| system | " + " | ".join(f"B={b}" for b in args.batches) + " |")
     print("|---|" + "---|" * len(args.batches))
     for name in systems:
