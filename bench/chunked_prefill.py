@@ -77,7 +77,8 @@ def session(args, dirs, logs, budget: int, tag: str, work: dict) -> dict:
     try:
         async def run():
             async with serving.client_for(max(c for _, c in work), "aiohttp") as client:
-                await peers.stream_level(client, url, model, work[("short", 8)][:2], 2, args.new)
+                await peers.stream_level(client, url, model, work[("short", min(c for _, c in work))][:2], 2,
+                                        args.new)
                 for (kind, c), prompts in work.items():
                     got = await peers.stream_level(client, url, model, prompts, c, args.new)
                     got["pss"] = 0

@@ -318,8 +318,8 @@ def start_server(kind: str, args, dirs: dict, bind: str | None, logs: Path, tag:
     port = free_port()
     if kind == "raymuter":
         precision = [] if any(a.startswith("--precision") for a in args.raymuter_arg) else ["--precision", "fp32"]
-        if args.vllm_dtype != "float32":  # vLLM in its own default dtype: Raymuter in its own default precision
-            precision = []
+        if getattr(args, "vllm_dtype", "float32") != "float32":  # vLLM in its own default dtype: Raymuter in its own
+            precision = []  # default precision (the benches that reuse this server have no vLLM: fp32)
         command = [str(Path(sys.executable).with_name("raymuter")), "serve", "--model", str(dirs["genai"]),
                    "--port", str(port), *precision, *args.raymuter_arg]
         env = clean_env()
